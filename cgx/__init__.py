@@ -1,0 +1,34 @@
+"""cgx: compressed collective communication for PyTorch.
+
+Importing cgx registers the torch.distributed backend ``"cgx"``::
+
+    import torch, torch.distributed as dist, cgx
+    dist.init_process_group(backend="cgx")      # torchrun, mp.spawn or env://
+    dist.all_reduce(t)                          # compressed when CGX_COMPRESSION_QUANTIZATION_BITS < 32
+
+Configuration: the CGX_* variables in :mod:`cgx.config` (``python -m cgx.config``).
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension: the module has no RUNPATH)
+import torch.distributed  # noqa: F401  (registers the c10d base classes the module derives from)
+
+from cgx import _C
+from cgx._C import ProcessGroupCGX, compress, compressed_size, decompress
+from cgx.backend import create_backend
+from cgx.config import Config, from_env
+
+__all__ = [
+    "ProcessGroupCGX",
+    "Config",
+    "from_env",
+    "compress",
+    "decompress",
+    "compressed_size",
+    "create_backend",
+]
+__version__ = "0.1.0"
+
+torch.distributed.Backend.register_backend(
+    "cgx", create_backend, extended_api=True, devices=["cpu"]
+)
+del _C

@@ -1,0 +1,164 @@
+"""The one table of ``CGX_*`` environment variables.
+
+Each variable is declared once here, with its type, default, accepted values and
+meaning; :func:`from_env` parses them strictly (``"12abc"`` is an error, not 12) and
+raises :class:`ValueError` naming the variable and what it accepts. ``python -m
+cgx.config`` prints the table with the values in effect. docs/configuration.md shows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+from typing import Any, Callable, Mapping
+
+__all__ = ["Variable", "VARIABLES", "Config", "from_env", "describe"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    name: str
+    field: str  # attribute of Config
+    default: Any
+    accepted: str  # shown in errors and docs
+    parse: Callable[[str], Any]  # raises ValueError with no message on a bad value
+    doc: str
+
+
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"\s*[+-]?\d+\s*", text):
+            raise ValueError
+        value = int(text)
+        if value < low or (high is not None and value > high):
+            raise ValueError
+        return value
+
+    return parse
+
+
+def _bits(text: str) -> int:
+    value = _int_in(1, 32)(text)
+    if 8 < value < 32:
+        raise ValueError
+    return value
+
+
+def _bool(text: str) -> bool:
+    word = text.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    by_lower = {c.lower(): c for c in choices}
+
+    def parse(text: str) -> str:
+        try:
+            return by_lower[text.strip().lower()]
+        except KeyError:
+            raise ValueError from None
+
+    return parse
+
+
+def _nonempty(text: str) -> str:
+    if not text.strip():
+        raise ValueError
+    return text.strip()
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("CGX_COMPRESSION_QUANTIZATION_BITS", "bits", 32, "1..8, or 32 (off)", _bits,
+             "Bits per value on the wire. 32 turns compression off: every allreduce is exact."),
+    Variable("CGX_COMPRESSION_BUCKET_SIZE", "bucket_size", 512, "integer >= 1", _int_in(1),
+             "Values per quantization bucket (each bucket sends its own min and scale)."),
+    Variable("CGX_COMPRESSION_MINIMAL_SIZE", "minimal_size", 16, "integer >= 0", _int_in(0),
+             "Tensors with at most this many elements are reduced exactly (uncompressed)."),
+    Variable("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "skip_incomplete_buckets", False,
+             "0/1, true/false, yes/no, on/off", _bool,
+             "Send a partial last bucket raw (float32) instead of quantizing it."),
+    Variable("CGX_COMPRESSION_STOCHASTIC_ROUNDING", "stochastic_rounding", False,
+             "0/1, true/false, yes/no, on/off", _bool,
+             "Round stochastically (unbiased) instead of to the nearest level."),
+    Variable("CGX_COMPRESSION_SEED", "seed", 0, "integer >= 0", _int_in(0, 2**64 - 1),
+             "Seed of the stochastic-rounding streams: the same seed gives the same results."),
+    Variable("CGX_INNER_COMMUNICATOR_TYPE", "inner_communicator", "SHM", "SHM | GLOO",
+             _choice("SHM", "GLOO"),
+             "How ranks on one host exchange compressed data: POSIX shared memory, or the "
+             "wrapped Gloo backend. Ranks on other hosts always use Gloo."),
+    Variable("CGX_INNER_REDUCTION_TYPE", "inner_reduction", "SRA", "SRA | Ring",
+             _choice("SRA", "Ring"),
+             "Allreduce algorithm: scatter-reduce-allgather (2 quantization stages) or "
+             "ring (size stages, neighbour traffic only)."),
+    Variable("CGX_HOSTNAME", "hostname", None, "non-empty string (default: the hostname)",
+             _nonempty,
+             "Host identity: ranks with the same value share memory. Set it to different "
+             "values to force the cross-host path (tests, network namespaces)."),
+    Variable("CGX_SHM_RING_BYTES", "shm_ring_bytes", 4 << 20, "integer >= 4096",
+             _int_in(4096),
+             "Capacity of each shared-memory ring (one per ordered pair of local ranks); "
+             "larger messages stream through it."),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    bits: int = 32
+    bucket_size: int = 512
+    minimal_size: int = 16
+    skip_incomplete_buckets: bool = False
+    stochastic_rounding: bool = False
+    seed: int = 0
+    inner_communicator: str = "SHM"
+    inner_reduction: str = "SRA"
+    hostname: str = ""
+    shm_ring_bytes: int = 4 << 20
+
+    @property
+    def compression_enabled(self) -> bool:
+        return self.bits < 32
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> Config:
+    """Reads every ``CGX_*`` variable; raises ValueError naming a bad one."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for var in VARIABLES:
+        text = environ.get(var.name)
+        if text is None:
+            values[var.field] = var.default
+            continue
+        try:
+            values[var.field] = var.parse(text)
+        except ValueError:
+            raise ValueError(
+                f"{var.name}={text!r} is not valid: expected {var.accepted}"
+            ) from None
+    if values["hostname"] is None:
+        values["hostname"] = socket.gethostname()
+    return Config(**values)
+
+
+def describe(environ: Mapping[str, str] | None = None) -> str:
+    """The table of variables with the value in effect and who set it."""
+    environ = os.environ if environ is None else environ
+    config = from_env(environ)
+    rows = []
+    for var in VARIABLES:
+        source = "environment" if var.name in environ else "default"
+        rows.append((var.name, str(getattr(config, var.field)), source, var.accepted))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+if __name__ == "__main__":
+    print(describe())

@@ -1,0 +1,319 @@
+#include "backend/process_group_cgx.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <random>
+
+#include "backend/cgx_work.h"
+#include "backend/store_adapter.h"
+#include "collectives/call_signature.h"
+#include "topology/host_map.h"
+#include "transport/c10d_transport.h"
+#include "transport/routed_transport.h"
+#include "transport/shm_transport.h"
+
+namespace cgx::backend {
+
+namespace {
+
+void validate(const Settings& o) {
+  TORCH_CHECK_VALUE((o.bits >= 1 && o.bits <= 8) || o.bits == 32,
+                    "cgx: bits must be in 1..8 or 32 (no compression), got ", o.bits);
+  TORCH_CHECK_VALUE(o.bucket_size >= 1, "cgx: bucket_size must be >= 1, got ", o.bucket_size);
+  TORCH_CHECK_VALUE(o.minimal_size >= 0, "cgx: minimal_size must be >= 0, got ", o.minimal_size);
+  TORCH_CHECK_VALUE(o.shm_ring_bytes >= 4096, "cgx: shm_ring_bytes must be >= 4096, got ",
+                    o.shm_ring_bytes);
+  TORCH_CHECK_VALUE(!o.hostname.empty(), "cgx: hostname must not be empty");
+}
+
+// 128 random bits as hex: shared-memory names nobody else can guess or collide with.
+std::string unguessable_name() {
+  std::random_device device;
+  char hex[33];
+  for (int i = 0; i < 4; ++i) std::snprintf(hex + 8 * i, 9, "%08x", device());
+  return std::string("cgx-") + hex;
+}
+
+std::unique_ptr<transport::Transport> connect(const c10::intrusive_ptr<c10d::Store>& store,
+                                              int rank, int size,
+                                              std::chrono::milliseconds timeout,
+                                              const c10::intrusive_ptr<c10d::Backend>& exact,
+                                              const Settings& options, int& num_hosts) {
+  StoreAdapter kv(store);
+  const auto hosts = topology::HostMap::exchange(kv, rank, size, options.hostname);
+  num_hosts = hosts.num_hosts();
+  const bool shm = options.inner_communicator == InnerCommunicator::SHM;
+  const auto local_ranks = hosts.ranks_on_host_of(rank);
+
+  std::unique_ptr<transport::Transport> local;
+  if (shm && local_ranks.size() > 1) {
+    // The lowest rank of each host picks the segment names for its host.
+    const std::string key = "shm_name/" + std::to_string(hosts.host_of(rank));
+    if (rank == local_ranks.front()) {
+      const std::string name = unguessable_name();
+      kv.set(key, std::vector<uint8_t>(name.begin(), name.end()));
+    }
+    const auto name = kv.get(key);
+    local = std::make_unique<transport::ShmTransport>(
+        rank, local_ranks, std::string(name.begin(), name.end()),
+        static_cast<size_t>(options.shm_ring_bytes), kv, timeout);
+  }
+  std::vector<bool> remote(size, false);
+  bool any_remote = false;
+  for (int p = 0; p < size; ++p) {
+    remote[p] = p != rank && !(local && local->reaches(p));
+    any_remote = any_remote || remote[p];
+  }
+  std::unique_ptr<transport::C10dTransport> wrapped;
+  if (any_remote) wrapped = std::make_unique<transport::C10dTransport>(exact, rank, remote);
+  return std::make_unique<transport::RoutedTransport>(std::move(local), std::move(wrapped));
+}
+
+const char* op_name(c10d::ReduceOp::RedOpType op) {
+  return op == c10d::ReduceOp::AVG ? "AVG" : "SUM";
+}
+
+}  // namespace
+
+ProcessGroupCGX::ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                 int size, std::chrono::milliseconds timeout,
+                                 c10::intrusive_ptr<c10d::Backend> exact, Settings settings)
+    : c10d::Backend(rank, size),
+      settings_((validate(settings), std::move(settings))),
+      timeout_(timeout),
+      exact_(std::move(exact)) {
+  TORCH_CHECK(exact_, "cgx: the exact (Gloo) backend is missing");
+  transport_ = connect(store, rank, size, timeout, exact_, settings_, num_hosts_);
+}
+
+ProcessGroupCGX::~ProcessGroupCGX() { shutdown(); }
+
+void ProcessGroupCGX::shutdown() {
+  if (shut_down_.exchange(true)) return;
+  worker_.stop();
+}
+
+bool ProcessGroupCGX::compressible(const at::Tensor& t, const c10d::ReduceOp& op) const {
+  const auto dtype = t.scalar_type();
+  return settings_.bits < 32 && t.numel() > settings_.minimal_size &&
+         (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) &&
+         (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG);
+}
+
+namespace {
+void check_dense_cpu(const std::vector<at::Tensor>& tensors, const char* what) {
+  for (const auto& t : tensors) {
+    TORCH_CHECK(!t.is_sparse(), "cgx ", what,
+                ": sparse tensors are not supported; reduce t.to_dense() or its values instead");
+    TORCH_CHECK(t.layout() == at::kStrided, "cgx ", what, ": only strided tensors are supported");
+    TORCH_CHECK(t.device().is_cpu(), "cgx ", what, ": expected CPU tensors, got ", t.device());
+  }
+}
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce(std::vector<at::Tensor>& tensors,
+                                                          const c10d::AllreduceOptions& opts) {
+  check_dense_cpu(tensors, "allreduce");
+  if (tensors.size() == 1 && compressible(tensors[0], opts.reduceOp))
+    return compressed_allreduce(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, {});
+  return exact_allreduce(tensors, opts.reduceOp, /*coalesced=*/false);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  check_dense_cpu(tensors, "allreduce_coalesced");
+  std::vector<at::Tensor> compressed, exact;
+  for (const auto& t : tensors) (compressible(t, opts.reduceOp) ? compressed : exact).push_back(t);
+  c10::intrusive_ptr<c10d::Work> exact_work;
+  if (!exact.empty()) exact_work = exact_allreduce(exact, opts.reduceOp, /*coalesced=*/true);
+  if (compressed.empty()) return exact_work;
+  return compressed_allreduce(std::move(compressed), opts.reduceOp,
+                              c10d::OpType::ALLREDUCE_COALESCED, std::move(exact_work));
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::Tensor>& tensors,
+                                                                const c10d::ReduceOp& op,
+                                                                bool coalesced) {
+  auto run = [&](const c10d::ReduceOp& reduce_op) {
+    if (coalesced) {
+      c10d::AllreduceCoalescedOptions o;
+      o.reduceOp = reduce_op;
+      o.timeout = timeout_;
+      return exact_->allreduce_coalesced(tensors, o);
+    }
+    c10d::AllreduceOptions o;
+    o.reduceOp = reduce_op;
+    o.timeout = timeout_;
+    return exact_->allreduce(tensors, o);
+  };
+  if (op != c10d::ReduceOp::AVG) return run(op);
+  for (const auto& t : tensors)
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()),
+                "cgx allreduce: ReduceOp.AVG needs floating-point tensors, got ", t.scalar_type());
+  auto sum = run(c10d::ReduceOp::SUM);
+  const int size = getSize();
+  auto averaged = sum->getFuture()->then(
+      [tensors, size](c10::ivalue::Future& done) {
+        for (const auto& t : tensors) t.div_(size);
+        return done.value();
+      },
+      c10::ListType::create(c10::TensorType::get()));
+  return c10d::Work::create_from_future(averaged);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
+    std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
+    c10::intrusive_ptr<c10d::Work> also) {
+  auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, tensors);
+  const uint64_t sequence = ++sequence_;
+  worker_.enqueue([this, work, tensors, op, sequence, also]() mutable {
+    try {
+      TORCH_CHECK(!shut_down_, "cgx: the process group was shut down before this collective ran");
+      TORCH_CHECK(broken_.empty(), "cgx: the process group is unusable after an earlier failure: ",
+                  broken_);
+      run_compressed(tensors, op, sequence);
+      if (also) also->wait();
+      work->complete();
+    } catch (...) {
+      work->fail(std::current_exception());
+    }
+  });
+  return work;
+}
+
+void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
+                                     c10d::ReduceOp::RedOpType op, uint64_t sequence) {
+  // One contiguous float32 buffer holding every tensor; in place when the single tensor
+  // already is one.
+  const bool in_place = tensors.size() == 1 && tensors[0].scalar_type() == at::kFloat &&
+                        tensors[0].is_contiguous();
+  at::Tensor flat;
+  if (in_place) {
+    flat = tensors[0];
+  } else {
+    std::vector<at::Tensor> parts;
+    parts.reserve(tensors.size());
+    for (const auto& t : tensors) parts.push_back(t.reshape(-1).to(at::kFloat));
+    flat = at::cat(parts);
+  }
+
+  collectives::CallSignature signature;
+  signature.sequence = sequence;
+  signature.numel = flat.numel();
+  signature.bucket_size = settings_.bucket_size;
+  signature.bits = settings_.bits;
+  signature.flags = static_cast<int32_t>(settings_.inner_reduction) |
+                    (settings_.skip_incomplete_buckets << 4) | (settings_.stochastic_rounding << 5);
+  std::snprintf(signature.dtype, sizeof signature.dtype, "%s",
+                c10::toString(tensors.size() == 1 ? tensors[0].scalar_type() : at::kFloat));
+  std::snprintf(signature.op, sizeof signature.op, "%s", op_name(op));
+
+  collectives::AllreduceOptions options;
+  options.quantizer.bits = settings_.bits;
+  options.quantizer.bucket_size = settings_.bucket_size;
+  options.quantizer.skip_incomplete_buckets = settings_.skip_incomplete_buckets;
+  options.quantizer.stochastic = settings_.stochastic_rounding;
+  options.algorithm = settings_.inner_reduction;
+  options.seed = collectives::stream_seed(settings_.seed, 0, 0, 0) ^ sequence;
+  options.deadline = transport::Clock::now() + timeout_;
+
+  try {
+    collectives::check_same_on_all_ranks(*transport_, getRank(), getSize(), signature,
+                                         options.deadline);
+    collectives::allreduce(*transport_, getRank(), getSize(), flat.data_ptr<float>(),
+                           flat.numel(), options, scratch_);
+  } catch (const transport::TimeoutError& e) {
+    broken_ = e.what();
+    throw;
+  }
+  if (op == c10d::ReduceOp::AVG) flat.div_(getSize());
+  if (in_place) return;
+  int64_t offset = 0;
+  for (auto& t : tensors) {
+    t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+}
+
+// ---- Exact path: Gloo, called from the caller's thread (program order on every rank).
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::broadcast(std::vector<at::Tensor>& tensors,
+                                                          const c10d::BroadcastOptions& opts) {
+  return exact_->broadcast(tensors, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce(std::vector<at::Tensor>& tensors,
+                                                       const c10d::ReduceOptions& opts) {
+  return exact_->reduce(tensors, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return exact_->allgather(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  return exact_->_allgather_base(output, input, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return exact_->allgather_coalesced(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return exact_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  return exact_->gather(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  return exact_->scatter(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return exact_->reduce_scatter(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  return exact_->_reduce_scatter_base(output, input, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return exact_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
+    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  return exact_->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::alltoall(std::vector<at::Tensor>& outputs,
+                                                         std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllToAllOptions& opts) {
+  return exact_->alltoall(outputs, inputs, opts);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::send(std::vector<at::Tensor>& tensors,
+                                                     int dst_rank, int tag) {
+  return exact_->send(tensors, dst_rank, tag);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recv(std::vector<at::Tensor>& tensors,
+                                                     int src_rank, int tag) {
+  return exact_->recv(tensors, src_rank, tag);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                              int tag) {
+  return exact_->recvAnysource(tensors, tag);
+}
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::barrier(const c10d::BarrierOptions& opts) {
+  return exact_->barrier(opts);
+}
+
+}  // namespace cgx::backend

@@ -1,0 +1,128 @@
+// ProcessGroupCGX: the torch.distributed backend "cgx" — the only code that knows c10d.
+//
+// Compressed path: allreduce / allreduce_coalesced of float32, float16 and bfloat16 CPU
+// tensors with SUM or AVG and more than `minimal_size` elements, when bits < 32. It runs
+// on the group's worker thread (csrc/collectives over csrc/transport).
+// Exact path: everything else goes to the wrapped Gloo backend, called from the caller's
+// thread so that Gloo sees its collectives in program order on every rank.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "backend/worker.h"
+#include "collectives/allreduce.h"
+#include "transport/transport.h"
+
+namespace cgx::backend {
+
+enum class InnerCommunicator { SHM, GLOO };
+
+// Validated settings (cgx/config.py parses CGX_* variables into this).
+struct Settings {
+  int bits = 32;  // 1..8, or 32 = no compression
+  int64_t bucket_size = 512;
+  int64_t minimal_size = 16;  // tensors with at most this many elements go exactly
+  bool skip_incomplete_buckets = false;
+  bool stochastic_rounding = false;
+  uint64_t seed = 0;
+  InnerCommunicator inner_communicator = InnerCommunicator::SHM;
+  collectives::ReductionAlgorithm inner_reduction = collectives::ReductionAlgorithm::SRA;
+  std::string hostname;  // ranks with the same name share a host (shared memory)
+  int64_t shm_ring_bytes = 4 << 20;
+};
+
+class ProcessGroupCGX final : public c10d::Backend {
+ public:
+  // `exact`: a Gloo backend for this group, created on its own prefix of `store`.
+  ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                  std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> exact,
+                  Settings settings);
+  ~ProcessGroupCGX() override;
+
+  const std::string getBackendName() const override { return "cgx"; }
+  const Settings& settings() const { return settings_; }
+  int num_hosts() const { return num_hosts_; }
+  void shutdown() override;
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+
+  // Exact path: forwarded to Gloo.
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+ private:
+  bool compressible(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
+  // Gloo allreduce, with AVG done as SUM followed by a division (Gloo has no AVG).
+  c10::intrusive_ptr<c10d::Work> exact_allreduce(std::vector<at::Tensor>& tensors,
+                                                 const c10d::ReduceOp& op, bool coalesced);
+  // Queues a compressed allreduce of `tensors`; the work also waits for `also` if given.
+  c10::intrusive_ptr<c10d::Work> compressed_allreduce(std::vector<at::Tensor> tensors,
+                                                      c10d::ReduceOp::RedOpType op,
+                                                      c10d::OpType op_type,
+                                                      c10::intrusive_ptr<c10d::Work> also);
+  void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op,
+                      uint64_t sequence);
+
+  const Settings settings_;
+  const std::chrono::milliseconds timeout_;
+  c10::intrusive_ptr<c10d::Backend> exact_;
+  int num_hosts_ = 1;
+  std::unique_ptr<transport::Transport> transport_;
+  collectives::Scratch scratch_;  // used by the worker thread only
+  uint64_t sequence_ = 0;         // compressed calls issued (caller's thread)
+  // Set once a transport failure has left the group unusable; read by the worker only.
+  std::string broken_;
+  std::atomic<bool> shut_down_{false};
+  Worker worker_;  // last: stopped before the members its tasks use are destroyed
+};
+
+}  // namespace cgx::backend

@@ -1,0 +1,43 @@
+#include "backend/worker.h"
+
+#include <stdexcept>
+
+namespace cgx::backend {
+
+Worker::Worker() : thread_([this] { loop(); }) {}
+
+Worker::~Worker() { stop(); }
+
+void Worker::enqueue(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) throw std::runtime_error("cgx: the process group has been shut down");
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+void Worker::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_one();
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+void Worker::loop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    task();
+  }
+}
+
+}  // namespace cgx::backend

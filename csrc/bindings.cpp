@@ -1,0 +1,137 @@
+// pybind11 module cgx._C: the backend class, its options, and the codec on tensors.
+// The one translation unit that includes torch/python.h.
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/python.h>
+
+#include <optional>
+
+#include "backend/process_group_cgx.h"
+#include "compression/quantizer.h"
+
+namespace py = pybind11;
+using cgx::backend::InnerCommunicator;
+using cgx::backend::Settings;
+using cgx::backend::ProcessGroupCGX;
+using cgx::collectives::ReductionAlgorithm;
+
+namespace {
+
+cgx::compression::QuantizerParams quantizer(int bits, int64_t bucket_size, bool skip_incomplete,
+                                            bool stochastic) {
+  cgx::compression::QuantizerParams p;
+  p.bits = bits;
+  p.bucket_size = bucket_size;
+  p.skip_incomplete_buckets = skip_incomplete;
+  p.stochastic = stochastic;
+  try {
+    cgx::compression::validate(p);
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(e.what());
+  }
+  return p;
+}
+
+void check_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, "cgx: ", name,
+              " must be a dense CPU tensor");
+}
+
+at::Tensor compress(const at::Tensor& input, int bits, int64_t bucket_size, bool stochastic,
+                    uint64_t seed, bool skip_incomplete, std::optional<at::Tensor> out) {
+  check_tensor(input, "input");
+  const auto dtype = input.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+                   "cgx.compress: expected float32, float16 or bfloat16, got ", dtype);
+  const auto p = quantizer(bits, bucket_size, skip_incomplete, stochastic);
+  const at::Tensor values = input.reshape(-1).to(at::kFloat).contiguous();
+  const auto bytes = static_cast<int64_t>(cgx::compression::compressed_bytes(p, values.numel()));
+  at::Tensor dst = out ? *out : at::empty({bytes}, at::kByte);
+  check_tensor(dst, "out");
+  TORCH_CHECK_VALUE(dst.scalar_type() == at::kByte && dst.is_contiguous() && dst.numel() >= bytes,
+                    "cgx.compress: out must be a contiguous uint8 tensor of at least ", bytes,
+                    " bytes");
+  py::gil_scoped_release no_gil;
+  cgx::compression::compress(p, values.data_ptr<float>(), values.numel(), dst.data_ptr<uint8_t>(),
+                             seed);
+  return dst.narrow(0, 0, bytes);
+}
+
+at::Tensor decompress(const at::Tensor& buffer, int64_t numel, int bits, int64_t bucket_size,
+                      bool skip_incomplete, std::optional<at::Tensor> out, bool add) {
+  check_tensor(buffer, "buffer");
+  TORCH_CHECK_VALUE(numel >= 0, "cgx.decompress: numel must be >= 0, got ", numel);
+  const auto p = quantizer(bits, bucket_size, skip_incomplete, false);
+  const auto bytes = static_cast<int64_t>(cgx::compression::compressed_bytes(p, numel));
+  TORCH_CHECK_VALUE(buffer.scalar_type() == at::kByte && buffer.is_contiguous() &&
+                        buffer.numel() >= bytes,
+                    "cgx.decompress: buffer must be a contiguous uint8 tensor of at least ", bytes,
+                    " bytes for ", numel, " values");
+  TORCH_CHECK_VALUE(out || !add, "cgx.decompress: add=True needs out=");
+  at::Tensor dst = out ? *out : at::empty({numel}, at::kFloat);
+  check_tensor(dst, "out");
+  TORCH_CHECK_VALUE(dst.scalar_type() == at::kFloat && dst.is_contiguous() && dst.numel() == numel,
+                    "cgx.decompress: out must be a contiguous float32 tensor of ", numel,
+                    " elements");
+  py::gil_scoped_release no_gil;
+  if (add)
+    cgx::compression::decompress_add(p, buffer.data_ptr<uint8_t>(), numel, dst.data_ptr<float>());
+  else
+    cgx::compression::decompress(p, buffer.data_ptr<uint8_t>(), numel, dst.data_ptr<float>());
+  return dst;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "cgx native module: ProcessGroupCGX and the max-min quantizer";
+  // The base classes (Backend, Store) are registered by torch.distributed.
+  py::module_::import("torch.distributed");
+
+  py::enum_<InnerCommunicator>(m, "InnerCommunicator")
+      .value("SHM", InnerCommunicator::SHM)
+      .value("GLOO", InnerCommunicator::GLOO);
+  py::enum_<ReductionAlgorithm>(m, "ReductionAlgorithm")
+      .value("SRA", ReductionAlgorithm::SRA)
+      .value("Ring", ReductionAlgorithm::Ring);
+
+  py::class_<Settings>(m, "Settings")
+      .def(py::init<>())
+      .def_readwrite("bits", &Settings::bits)
+      .def_readwrite("bucket_size", &Settings::bucket_size)
+      .def_readwrite("minimal_size", &Settings::minimal_size)
+      .def_readwrite("skip_incomplete_buckets", &Settings::skip_incomplete_buckets)
+      .def_readwrite("stochastic_rounding", &Settings::stochastic_rounding)
+      .def_readwrite("seed", &Settings::seed)
+      .def_readwrite("inner_communicator", &Settings::inner_communicator)
+      .def_readwrite("inner_reduction", &Settings::inner_reduction)
+      .def_readwrite("hostname", &Settings::hostname)
+      .def_readwrite("shm_ring_bytes", &Settings::shm_ring_bytes);
+
+  py::class_<ProcessGroupCGX, c10d::Backend, c10::intrusive_ptr<ProcessGroupCGX>>(
+      m, "ProcessGroupCGX")
+      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds,
+                    c10::intrusive_ptr<c10d::Backend>, Settings>(),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+           py::arg("exact"), py::arg("settings"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("settings", &ProcessGroupCGX::settings)
+      .def_property_readonly("num_hosts", &ProcessGroupCGX::num_hosts);
+
+  m.def("compress", &compress, py::arg("input"), py::arg("bits"), py::arg("bucket_size"),
+        py::kw_only(), py::arg("stochastic") = false, py::arg("seed") = 0,
+        py::arg("skip_incomplete_buckets") = false, py::arg("out") = py::none(),
+        "Quantizes a float tensor into the cgx wire format (docs/wire-format.md).");
+  m.def("decompress", &decompress, py::arg("buffer"), py::arg("numel"), py::arg("bits"),
+        py::arg("bucket_size"), py::kw_only(), py::arg("skip_incomplete_buckets") = false,
+        py::arg("out") = py::none(), py::arg("add") = false,
+        "Decodes a cgx buffer into float32 values; add=True adds them into out.");
+  m.def(
+      "compressed_size",
+      [](int64_t numel, int bits, int64_t bucket_size, bool skip_incomplete) {
+        TORCH_CHECK_VALUE(numel >= 0, "cgx.compressed_size: numel must be >= 0, got ", numel);
+        return cgx::compression::compressed_bytes(
+            quantizer(bits, bucket_size, skip_incomplete, false), numel);
+      },
+      py::arg("numel"), py::arg("bits"), py::arg("bucket_size"), py::kw_only(),
+      py::arg("skip_incomplete_buckets") = false, "Bytes of the compressed form of numel values.");
+}

@@ -1,0 +1,60 @@
+// Compressed allreduce of a float32 buffer, written against Transport and the codec only.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "compression/quantizer.h"
+#include "transport/transport.h"
+
+namespace cgx::collectives {
+
+enum class ReductionAlgorithm { SRA, Ring };
+
+struct AllreduceOptions {
+  compression::QuantizerParams quantizer;
+  ReductionAlgorithm algorithm = ReductionAlgorithm::SRA;
+  // Stochastic-rounding stream of this call; identical on all ranks, different per call.
+  uint64_t seed = 0;
+  transport::Clock::time_point deadline;
+};
+
+// Buffers reused across calls so that the hot path does not allocate.
+class Scratch {
+ public:
+  // Returns `count` byte buffers of the given sizes, valid until the next call.
+  std::vector<uint8_t*> buffers(const std::vector<size_t>& sizes);
+
+ private:
+  std::vector<uint8_t> arena_;
+};
+
+// data[0, n) on every rank becomes the sum over ranks, quantized as documented in
+// docs/algorithms.md; afterwards every rank holds bit-identical values. `rank` and `size`
+// are the group's. Throws TimeoutError (transport) at the deadline.
+void allreduce(transport::Transport& transport, int rank, int size, float* data, int64_t n,
+               const AllreduceOptions& options, Scratch& scratch);
+
+// The two algorithms (one file each).
+void sra_allreduce(transport::Transport& transport, int rank, int size, float* data, int64_t n,
+                   const AllreduceOptions& options, Scratch& scratch);
+void ring_allreduce(transport::Transport& transport, int rank, int size, float* data, int64_t n,
+                    const AllreduceOptions& options, Scratch& scratch);
+
+// Splits n values into `parts` chunks whose boundaries fall on bucket boundaries, so that
+// a chunk quantizes the same whoever compresses it. Chunk i is [offset(i), offset(i+1)).
+class Chunking {
+ public:
+  Chunking(int64_t n, int parts, int64_t bucket_size);
+  int64_t offset(int i) const;
+  int64_t length(int i) const { return offset(i + 1) - offset(i); }
+
+ private:
+  int64_t n_;
+  int64_t chunk_;
+};
+
+// A distinct stochastic-rounding seed for each (call, compressing rank, stage, chunk).
+uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk);
+
+}  // namespace cgx::collectives

@@ -1,0 +1,58 @@
+#include "collectives/call_signature.h"
+
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace cgx::collectives {
+
+namespace {
+
+// The first field in which `a` and `b` differ, printed for each, or "" when equal.
+std::pair<std::string, std::string> first_difference(const CallSignature& a,
+                                                     const CallSignature& b) {
+  auto str = [](auto v) {
+    std::ostringstream s;
+    s << v;
+    return s.str();
+  };
+  if (a.sequence != b.sequence)
+    return {"call #" + str(a.sequence), "call #" + str(b.sequence)};
+  if (a.numel != b.numel) return {str(a.numel) + " elements", str(b.numel) + " elements"};
+  if (std::strncmp(a.dtype, b.dtype, sizeof a.dtype) != 0)
+    return {std::string("dtype ") + a.dtype, std::string("dtype ") + b.dtype};
+  if (std::strncmp(a.op, b.op, sizeof a.op) != 0)
+    return {std::string("op ") + a.op, std::string("op ") + b.op};
+  if (a.bits != b.bits) return {str(a.bits) + " bits", str(b.bits) + " bits"};
+  if (a.bucket_size != b.bucket_size)
+    return {"bucket size " + str(a.bucket_size), "bucket size " + str(b.bucket_size)};
+  if (a.flags != b.flags) return {"settings " + str(a.flags), "settings " + str(b.flags)};
+  return {};
+}
+
+}  // namespace
+
+void check_same_on_all_ranks(transport::Transport& transport, int rank, int size,
+                             const CallSignature& mine, transport::Clock::time_point deadline) {
+  std::vector<CallSignature> theirs(size);
+  std::vector<transport::Send> sends;
+  std::vector<transport::Recv> recvs;
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    sends.push_back({p, &mine, sizeof mine});
+    recvs.push_back({p, &theirs[p], sizeof(CallSignature)});
+  }
+  transport.exchange(sends, recvs, deadline);
+  theirs[rank] = mine;
+  // Compare everyone against rank 0 so that every rank reports the same mismatch.
+  for (int p = 1; p < size; ++p) {
+    auto [zero, other] = first_difference(theirs[0], theirs[p]);
+    if (!zero.empty())
+      throw std::runtime_error("cgx allreduce: ranks were given different calls: rank 0 has " +
+                               zero + ", rank " + std::to_string(p) + " has " + other);
+  }
+}
+
+}  // namespace cgx::collectives

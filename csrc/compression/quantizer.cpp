@@ -1,0 +1,363 @@
+// Max-min bucket quantizer, CPU implementation. Wire format and arithmetic: quantizer.h and
+// docs/wire-format.md. The CUDA codec reproduces every floating-point operation here, so:
+//   - build with -ffp-contract=off: a fused multiply-add would change decoded bits;
+//   - keep each formula in the order written (no reassociation, no fast-math).
+//
+// Structure: values are processed in chunks of kChunk (a multiple of 8, so chunks start on
+// whole bytes of the level stream). Within a chunk, each bucket is scanned for min/max and
+// then quantized while still in L1 into one byte per level; the chunk's levels are then
+// packed into the bit stream with a per-width routine. Decoding runs the same walk backwards.
+#include "quantizer.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace cgx::compression {
+namespace {
+
+static_assert(FLT_EVAL_METHOD == 0,
+              "float expressions must be evaluated in float (x87 excess precision changes bits)");
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "the wire format is little-endian and written with plain stores");
+
+// Levels held unpacked at a time: 4 KiB of levels plus 16 KiB of floats stay in L1.
+constexpr int64_t kChunk = 4096;
+static_assert(kChunk % 8 == 0, "chunks must start on a byte boundary of the level stream");
+
+constexpr size_t round_up16(size_t x) { return (x + 15) & ~size_t{15}; }
+
+struct Layout {
+  int64_t quantized;   // q: values carried as levels; the rest travel raw
+  int64_t buckets;
+  size_t levels_offset;
+  size_t levels_bytes;
+  size_t raw_offset;
+  size_t total_bytes;
+};
+
+Layout layout_of(const QuantizerParams& params, int64_t n) {
+  Layout l{};
+  if (n == 0) return l;
+  const int64_t bucket = params.bucket_size;
+  l.quantized = params.skip_incomplete_buckets ? n / bucket * bucket : n;
+  l.buckets = (l.quantized + bucket - 1) / bucket;
+  l.levels_offset = round_up16(static_cast<size_t>(l.buckets) * 2 * sizeof(float));
+  l.levels_bytes = static_cast<size_t>((l.quantized + 7) / 8) * static_cast<size_t>(params.bits);
+  l.raw_offset = round_up16(l.levels_offset + l.levels_bytes);
+  l.total_bytes = l.raw_offset + static_cast<size_t>(n - l.quantized) * sizeof(float);
+  return l;
+}
+
+void check_count(int64_t n) {
+  if (n < 0) throw std::invalid_argument("n must be >= 0, got " + std::to_string(n));
+}
+
+// Counter-based hash for stochastic rounding (Chris Wellons' "lowbias32"): the random number
+// of element i depends only on (i, seed), so any split of the work gives the same bytes.
+inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+inline uint32_t stream_key(uint64_t seed) {
+  return lowbias32(static_cast<uint32_t>(seed) ^ lowbias32(static_cast<uint32_t>(seed >> 32)));
+}
+
+struct BucketCode {
+  float min;
+  float scale;
+  float inv_scale;  // 0 when every value maps to level 0
+  bool finite;
+};
+
+// GCC/Clang vector extension: four floats, compiled to SSE2 / NEON / whatever the target has.
+typedef float f32x4 __attribute__((vector_size(16)));
+
+// One pass over the bucket: min, max, and whether every value is finite. Several vector
+// accumulators hide the latency of min/max; nothing is reassociated.
+BucketCode encode_bucket(const float* x, int64_t len, int bits) {
+  constexpr int kVecs = 4;
+  const f32x4 pos_inf = f32x4{} + std::numeric_limits<float>::infinity();  // broadcast
+  f32x4 lo[kVecs], hi[kVecs], probe[kVecs];  // probe: v - v is +0 if v is finite, else NaN
+  for (int j = 0; j < kVecs; ++j) {
+    lo[j] = pos_inf;
+    hi[j] = -pos_inf;
+    probe[j] = f32x4{};
+  }
+  int64_t k = 0;
+  for (; k + 4 * kVecs <= len; k += 4 * kVecs) {
+    for (int j = 0; j < kVecs; ++j) {
+      f32x4 v;
+      std::memcpy(&v, x + k + 4 * j, sizeof(v));
+      lo[j] = v < lo[j] ? v : lo[j];
+      hi[j] = v > hi[j] ? v : hi[j];
+      probe[j] += v - v;
+    }
+  }
+  float mn = lo[0][0], mx = hi[0][0], probe_sum = 0.0f;
+  for (int j = 0; j < kVecs; ++j) {
+    for (int lane = 0; lane < 4; ++lane) {
+      mn = lo[j][lane] < mn ? lo[j][lane] : mn;
+      mx = hi[j][lane] > mx ? hi[j][lane] : mx;
+      probe_sum += probe[j][lane];
+    }
+  }
+  for (; k < len; ++k) {
+    const float v = x[k];
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+    probe_sum += v - v;
+  }
+  // Which zero a min/max of {-0, +0} returns depends on the scan order; +0 for both makes
+  // the stored bytes independent of it (the CUDA codec scans in another order).
+  mn += 0.0f;
+  mx += 0.0f;
+
+  const float scale = (mx - mn) / static_cast<float>((1 << bits) - 1);
+  if (!(probe_sum == 0.0f && std::isfinite(mn) && std::isfinite(mx) && std::isfinite(scale))) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    return {nan, nan, 0.0f, false};
+  }
+  float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  // A subnormal scale below 2^-128 has no finite inverse; the bucket then decodes to its min
+  // (an error below 2^-120, instead of the NaN that inf * 0 would produce).
+  if (!std::isfinite(inv)) inv = 0.0f;
+  return {mn, scale, inv, true};
+}
+
+// level = min(L, floor(y)) with y >= 0, computed as trunc(min(y, L)): the same integer,
+// without needing a vector floor instruction.
+void quantize_nearest(const float* x, int64_t len, const BucketCode& code, float max_level,
+                      uint8_t* levels) {
+  const float mn = code.min, inv = code.inv_scale;
+  for (int64_t k = 0; k < len; ++k) {
+    float y = (x[k] - mn) * inv + 0.5f;
+    y = y < max_level ? y : max_level;
+    levels[k] = static_cast<uint8_t>(static_cast<int32_t>(y));
+  }
+}
+
+// u = (h >> 8) * 2^-24 in [0, 1), h = lowbias32(uint32(i) ^ key), i the index in the buffer.
+void quantize_stochastic(const float* x, int64_t len, const BucketCode& code, float max_level,
+                         uint32_t first_index, uint32_t key, uint8_t* levels) {
+  const float mn = code.min, inv = code.inv_scale;
+  for (int64_t k = 0; k < len; ++k) {
+    const uint32_t h = lowbias32((first_index + static_cast<uint32_t>(k)) ^ key);
+    const float u = static_cast<float>(static_cast<int32_t>(h >> 8)) * 0x1p-24f;
+    float y = (x[k] - mn) * inv + u;
+    y = y < max_level ? y : max_level;
+    levels[k] = static_cast<uint8_t>(static_cast<int32_t>(y));
+  }
+}
+
+template <bool kAdd>
+void decode_levels(const uint8_t* levels, int64_t len, float mn, float scale, float* dst) {
+  for (int64_t k = 0; k < len; ++k) {
+    const float value = mn + static_cast<float>(levels[k]) * scale;
+    dst[k] = kAdd ? dst[k] + value : value;
+  }
+}
+
+// Packs groups of 8 one-byte levels (each < 2^BITS) into BITS bytes each. First every
+// group's 8-byte word is compacted in place, fields moving from a stride of 8 bits to 16,
+// 32 and finally BITS (a loop the compiler vectorizes); then the words are stored at a
+// stride of BITS bytes with overlapping 8-byte stores, each overwriting the previous
+// word's unused high bytes. The last groups are stored exactly so that nothing past
+// out + BITS * groups is written. `levels` is used as scratch.
+template <int BITS>
+void pack(uint8_t* levels, int64_t groups, uint8_t* out) {
+  constexpr int B = BITS;
+  for (int64_t g = 0; g < groups; ++g) {
+    uint64_t w;
+    std::memcpy(&w, levels + 8 * g, 8);
+    w = (w & 0x00FF00FF00FF00FFull) | ((w & 0xFF00FF00FF00FF00ull) >> (8 - B));
+    w = (w & 0x0000FFFF0000FFFFull) | ((w & 0xFFFF0000FFFF0000ull) >> (16 - 2 * B));
+    w = (w & 0x00000000FFFFFFFFull) | ((w & 0xFFFFFFFF00000000ull) >> (32 - 4 * B));
+    std::memcpy(levels + 8 * g, &w, 8);
+  }
+  const int64_t wide_groups = std::max<int64_t>(0, groups - (8 + B - 1) / B + 1);
+  for (int64_t g = 0; g < wide_groups; ++g) std::memcpy(out + B * g, levels + 8 * g, 8);
+  for (int64_t g = wide_groups; g < groups; ++g) std::memcpy(out + B * g, levels + 8 * g, B);
+}
+
+// Inverse of pack: groups of BITS bytes back to 8 one-byte levels. Reads nothing past
+// in + BITS * groups.
+template <int BITS>
+void unpack(const uint8_t* in, int64_t groups, uint8_t* levels) {
+  constexpr int B = BITS;
+  constexpr uint64_t field1 = (1ull << B) - 1;
+  constexpr uint64_t field2 = (1ull << 2 * B) - 1;
+  constexpr uint64_t field4 = (1ull << 4 * B) - 1;
+  const int64_t wide_groups = std::max<int64_t>(0, groups - (8 + B - 1) / B + 1);
+  for (int64_t g = 0; g < wide_groups; ++g) std::memcpy(levels + 8 * g, in + B * g, 8);
+  for (int64_t g = wide_groups; g < groups; ++g) {
+    std::memset(levels + 8 * g, 0, 8);
+    std::memcpy(levels + 8 * g, in + B * g, B);
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    uint64_t w;
+    std::memcpy(&w, levels + 8 * g, 8);
+    w = (w & field4) | ((w << (32 - 4 * B)) & (field4 << 32));
+    w = (w & (field2 * 0x0000000100000001ull)) | ((w << (16 - 2 * B)) & 0xFFFF0000FFFF0000ull);
+    w = (w & (field1 * 0x0001000100010001ull)) | ((w << (8 - B)) & 0xFF00FF00FF00FF00ull);
+    std::memcpy(levels + 8 * g, &w, 8);
+  }
+}
+
+using PackFn = void (*)(uint8_t*, int64_t, uint8_t*);
+using UnpackFn = void (*)(const uint8_t*, int64_t, uint8_t*);
+
+PackFn pack_for(int bits) {
+  switch (bits) {
+    case 1: return pack<1>;
+    case 2: return pack<2>;
+    case 3: return pack<3>;
+    case 4: return pack<4>;
+    case 5: return pack<5>;
+    case 6: return pack<6>;
+    case 7: return pack<7>;
+    default: return pack<8>;
+  }
+}
+
+UnpackFn unpack_for(int bits) {
+  switch (bits) {
+    case 1: return unpack<1>;
+    case 2: return unpack<2>;
+    case 3: return unpack<3>;
+    case 4: return unpack<4>;
+    case 5: return unpack<5>;
+    case 6: return unpack<6>;
+    case 7: return unpack<7>;
+    default: return unpack<8>;
+  }
+}
+
+template <bool kAdd>
+void decode(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst) {
+  validate(params);
+  check_count(n);
+  const Layout layout = layout_of(params, n);
+  if (layout.total_bytes == 0) return;
+  const int64_t bucket = params.bucket_size;
+  const uint8_t* meta = src;
+  const uint8_t* stream = src + layout.levels_offset;
+  const UnpackFn unpack_chunk = unpack_for(params.bits);
+  uint8_t levels[kChunk];
+
+  for (int64_t chunk = 0; chunk < layout.quantized; chunk += kChunk) {
+    const int64_t chunk_end = std::min(chunk + kChunk, layout.quantized);
+    unpack_chunk(stream + chunk / 8 * params.bits, (chunk_end - chunk + 7) / 8, levels);
+    for (int64_t i = chunk; i < chunk_end;) {
+      const int64_t b = i / bucket;
+      const int64_t end = std::min((b + 1) * bucket, chunk_end);
+      float pair[2];  // (min, scale)
+      std::memcpy(pair, meta + b * sizeof(pair), sizeof(pair));
+      decode_levels<kAdd>(levels + (i - chunk), end - i, pair[0], pair[1], dst + i);
+      i = end;
+    }
+  }
+
+  const uint8_t* raw = src + layout.raw_offset;
+  float* raw_dst = dst + layout.quantized;
+  const int64_t raw_count = n - layout.quantized;
+  if (!kAdd) {
+    std::memcpy(raw_dst, raw, static_cast<size_t>(raw_count) * sizeof(float));
+    return;
+  }
+  for (int64_t k = 0; k < raw_count; ++k) {
+    float v;
+    std::memcpy(&v, raw + k * sizeof(float), sizeof(v));
+    raw_dst[k] += v;
+  }
+}
+
+}  // namespace
+
+void validate(const QuantizerParams& params) {
+  if (params.bits < 1 || params.bits > 8)
+    throw std::invalid_argument("bits must be in 1..8, got " + std::to_string(params.bits));
+  if (params.bucket_size < 1)
+    throw std::invalid_argument("bucket_size must be >= 1, got " +
+                                std::to_string(params.bucket_size));
+}
+
+size_t compressed_bytes(const QuantizerParams& params, int64_t n) {
+  validate(params);
+  check_count(n);
+  return layout_of(params, n).total_bytes;
+}
+
+void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_t* dst,
+              uint64_t seed) {
+  validate(params);
+  check_count(n);
+  const Layout layout = layout_of(params, n);
+  if (layout.total_bytes == 0) return;
+  const int64_t bucket = params.bucket_size;
+  const float max_level = static_cast<float>((1 << params.bits) - 1);
+  const uint32_t key = stream_key(seed);
+  const PackFn pack_chunk = pack_for(params.bits);
+  uint8_t* meta = dst;
+  uint8_t* stream = dst + layout.levels_offset;
+  uint8_t levels[kChunk];
+
+  // Padding bytes are zero so that equal inputs give equal buffers.
+  const size_t meta_bytes = static_cast<size_t>(layout.buckets) * 2 * sizeof(float);
+  std::memset(meta + meta_bytes, 0, layout.levels_offset - meta_bytes);
+  const size_t levels_end = layout.levels_offset + layout.levels_bytes;
+  std::memset(dst + levels_end, 0, layout.raw_offset - levels_end);
+
+  BucketCode code{};
+  int64_t coded_bucket = -1;
+  for (int64_t chunk = 0; chunk < layout.quantized; chunk += kChunk) {
+    const int64_t chunk_end = std::min(chunk + kChunk, layout.quantized);
+    for (int64_t i = chunk; i < chunk_end;) {
+      const int64_t b = i / bucket;
+      const int64_t bucket_end = std::min((b + 1) * bucket, layout.quantized);
+      if (b != coded_bucket) {  // first piece of this bucket: scan all of it
+        code = encode_bucket(src + b * bucket, bucket_end - b * bucket, params.bits);
+        const float pair[2] = {code.min, code.scale};
+        std::memcpy(meta + b * sizeof(pair), pair, sizeof(pair));
+        coded_bucket = b;
+      }
+      const int64_t end = std::min(bucket_end, chunk_end);
+      uint8_t* out = levels + (i - chunk);
+      if (!code.finite) {
+        std::memset(out, 0, static_cast<size_t>(end - i));
+      } else if (params.stochastic) {
+        quantize_stochastic(src + i, end - i, code, max_level, static_cast<uint32_t>(i), key,
+                            out);
+      } else {
+        quantize_nearest(src + i, end - i, code, max_level, out);
+      }
+      i = end;
+    }
+    const int64_t count = chunk_end - chunk;
+    const int64_t groups = (count + 7) / 8;
+    std::memset(levels + count, 0, static_cast<size_t>(groups * 8 - count));
+    pack_chunk(levels, groups, stream + chunk / 8 * params.bits);
+  }
+
+  std::memcpy(dst + layout.raw_offset, src + layout.quantized,
+              static_cast<size_t>(n - layout.quantized) * sizeof(float));
+}
+
+void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst) {
+  decode<false>(params, src, n, dst);
+}
+
+void decompress_add(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst) {
+  decode<true>(params, src, n, dst);
+}
+
+}  // namespace cgx::compression

@@ -1,0 +1,47 @@
+// Max-min bucket quantizer (QSGD style): the codec every collective uses.
+//
+// Pure: sizes in, bytes out, no communication, no torch. Wire format (docs/wire-format.md):
+// for n values and bucket size B, the first q values are quantized in buckets of B
+// (q = n, or q = n rounded down to a multiple of B when skip_incomplete_buckets is set and
+// n % B != 0); the remaining n - q values travel raw. The buffer holds three sections, each
+// starting at a 16-byte aligned offset:
+//   meta   : ceil(q / B) pairs of float32 (min, scale)
+//   levels : bits-bit levels, value i at bits [i*bits, (i+1)*bits) of a little-endian bit
+//            stream, padded to a multiple of 8 values (8 values = `bits` bytes)
+//   raw    : n - q float32 values
+// A value decodes as min + level * scale (two float roundings, no fused multiply-add).
+// A bucket holding NaN or +-Inf (or whose range overflows float) is stored as
+// min = scale = NaN, levels 0: every value of that bucket decodes to NaN, on every rank.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace cgx::compression {
+
+struct QuantizerParams {
+  int bits = 8;                       // 1..8
+  int64_t bucket_size = 512;          // >= 1
+  bool skip_incomplete_buckets = false;
+  bool stochastic = false;            // stochastic rounding instead of round-to-nearest
+};
+
+// Throws std::invalid_argument for bits outside 1..8 or bucket_size < 1.
+void validate(const QuantizerParams& params);
+
+// Exact size in bytes of the compressed form of n values.
+size_t compressed_bytes(const QuantizerParams& params, int64_t n);
+
+// Compresses n float32 values into dst (compressed_bytes(params, n) bytes).
+// With stochastic rounding, `seed` selects the random stream: the same seed and input
+// give the same bytes. Round-to-nearest ignores it.
+void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_t* dst,
+              uint64_t seed);
+
+// dst[i] = decoded value i.
+void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst);
+
+// dst[i] += decoded value i (fused: one pass over dst).
+void decompress_add(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst);
+
+}  // namespace cgx::compression

@@ -1,0 +1,75 @@
+#include "transport/c10d_transport.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace cgx::transport {
+
+namespace {
+// Our tags live above the small tags user code passes to send/recv on the same group.
+constexpr int kTagBase = 1 << 30;
+constexpr uint32_t kTagSpan = 1u << 30;
+
+at::Tensor as_bytes(const void* data, size_t bytes) {
+  return at::from_blob(const_cast<void*>(data), {static_cast<int64_t>(bytes)},
+                       at::TensorOptions().dtype(at::kByte));
+}
+}  // namespace
+
+C10dTransport::C10dTransport(c10::intrusive_ptr<c10d::Backend> backend, int rank,
+                             std::vector<bool> reachable)
+    : backend_(std::move(backend)),
+      rank_(rank),
+      reachable_(std::move(reachable)),
+      sent_(reachable_.size(), 0),
+      received_(reachable_.size(), 0) {}
+
+bool C10dTransport::reaches(int peer) const {
+  return peer != rank_ && peer >= 0 && peer < static_cast<int>(reachable_.size()) &&
+         reachable_[peer];
+}
+
+int C10dTransport::next_tag(std::vector<uint32_t>& counters, int peer) {
+  if (!reaches(peer))
+    throw std::invalid_argument("cgx transport: rank " + std::to_string(peer) +
+                                " is not reachable over the wrapped backend");
+  return kTagBase + static_cast<int>(counters[peer]++ % kTagSpan);
+}
+
+C10dTransport::Posted C10dTransport::post(const std::vector<Send>& sends,
+                                          const std::vector<Recv>& recvs) {
+  Posted posted;
+  // Zero-byte messages are skipped on both sides (both know the size).
+  for (const auto& r : recvs) {
+    if (r.bytes == 0) continue;
+    std::vector<at::Tensor> t{as_bytes(r.data, r.bytes)};
+    posted.works.push_back(backend_->recv(t, r.peer, next_tag(received_, r.peer)));
+  }
+  for (const auto& s : sends) {
+    if (s.bytes == 0) continue;
+    std::vector<at::Tensor> t{as_bytes(s.data, s.bytes)};
+    posted.works.push_back(backend_->send(t, s.peer, next_tag(sent_, s.peer)));
+  }
+  return posted;
+}
+
+void C10dTransport::wait(Posted& posted, Clock::time_point deadline) {
+  for (auto& work : posted.works) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) left = std::chrono::milliseconds(1);
+    try {
+      work->wait(left);
+    } catch (const std::exception& e) {
+      throw TimeoutError(std::string("cgx transport over the wrapped backend failed: ") + e.what());
+    }
+  }
+  posted.works.clear();
+}
+
+void C10dTransport::exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
+                             Clock::time_point deadline) {
+  Posted posted = post(sends, recvs);
+  wait(posted, deadline);
+}
+
+}  // namespace cgx::transport

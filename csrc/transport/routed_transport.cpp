@@ -1,0 +1,34 @@
+#include "transport/routed_transport.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace cgx::transport {
+
+RoutedTransport::RoutedTransport(std::unique_ptr<Transport> local,
+                                 std::unique_ptr<C10dTransport> remote)
+    : local_(std::move(local)), remote_(std::move(remote)) {}
+
+bool RoutedTransport::reaches(int peer) const {
+  return (local_ && local_->reaches(peer)) || (remote_ && remote_->reaches(peer));
+}
+
+void RoutedTransport::exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
+                               Clock::time_point deadline) {
+  std::vector<Send> local_sends, remote_sends;
+  std::vector<Recv> local_recvs, remote_recvs;
+  auto is_local = [&](int peer) {
+    if (local_ && local_->reaches(peer)) return true;
+    if (remote_ && remote_->reaches(peer)) return false;
+    throw std::invalid_argument("cgx transport: no transport reaches rank " + std::to_string(peer));
+  };
+  for (const auto& s : sends) (is_local(s.peer) ? local_sends : remote_sends).push_back(s);
+  for (const auto& r : recvs) (is_local(r.peer) ? local_recvs : remote_recvs).push_back(r);
+
+  C10dTransport::Posted posted;
+  if (remote_) posted = remote_->post(remote_sends, remote_recvs);
+  if (local_) local_->exchange(local_sends, local_recvs, deadline);
+  if (remote_) remote_->wait(posted, deadline);
+}
+
+}  // namespace cgx::transport

@@ -1,0 +1,50 @@
+// Moves byte buffers between the ranks of one group. Algorithms (csrc/collectives) see
+// only this interface; concrete transports never see an algorithm.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace cgx::transport {
+
+using Clock = std::chrono::steady_clock;
+
+struct Send {
+  int peer;
+  const void* data;
+  size_t bytes;
+};
+
+struct Recv {
+  int peer;
+  void* data;
+  size_t bytes;
+};
+
+// A wait passed its deadline: a peer is dead, stuck or out of step. The transport is
+// unusable afterwards (messages may be half delivered).
+class TimeoutError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  // Delivers every send to its peer and fills every recv from its peer, making progress
+  // on all of them at once (so that two ranks sending each other large messages cannot
+  // deadlock). Messages between two ranks arrive in the order they were posted, across
+  // calls too; the receiver names the exact size. Returns when all are done; throws
+  // TimeoutError at `deadline`. A rank never sends to itself.
+  virtual void exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
+                        Clock::time_point deadline) = 0;
+
+  // Whether exchange() can reach `peer` (group rank).
+  virtual bool reaches(int peer) const = 0;
+};
+
+}  // namespace cgx::transport
