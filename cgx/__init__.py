@@ -14,7 +14,7 @@ import torch.distributed  # noqa: F401  (registers the c10d base classes the mod
 
 from cgx import _C
 from cgx._C import ProcessGroupCGX, compress, compressed_size, decompress
-from cgx.backend import create_backend
+from cgx.backend import create_backend, get_backend, stats
 from cgx.config import Config, from_env
 
 __all__ = [
@@ -25,6 +25,8 @@ __all__ = [
     "decompress",
     "compressed_size",
     "create_backend",
+    "get_backend",
+    "stats",
 ]
 __version__ = "0.1.0"
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+
+import torch
 import torch.distributed as dist
 
 from cgx import _C
@@ -18,7 +21,7 @@ def to_settings(config: Config) -> _C.Settings:
     settings.seed = config.seed
     settings.inner_communicator = _C.InnerCommunicator.__members__[config.inner_communicator]
     settings.inner_reduction = _C.ReductionAlgorithm.__members__[config.inner_reduction]
-    settings.hostname = config.hostname
+    settings.hostname = config.hostname or socket.gethostname()
     settings.shm_ring_bytes = config.shm_ring_bytes
     return settings
 
@@ -26,14 +29,38 @@ def to_settings(config: Config) -> _C.Settings:
 def create_backend(dist_options, backend_options=None) -> _C.ProcessGroupCGX:
     """torch.distributed's factory for backend "cgx" (registered with extended_api=True).
 
-    Reads the CGX_* variables (ValueError on a bad one), creates the Gloo backend that
-    carries the exact path on its own prefix of the group's store, and connects the
-    compressed path (shared memory between ranks of one host, Gloo across hosts).
+    Settings come from ``pg_options`` when it is a :class:`cgx.Config`
+    (``dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4))``), else from the
+    CGX_* variables (ValueError on a bad one). Creates the Gloo backend that carries the
+    exact path on its own prefix of the group's store, and connects the compressed path
+    (shared memory between ranks of one host, Gloo across hosts).
     """
-    config = from_env()
+    if backend_options is None:
+        config = from_env()
+    elif isinstance(backend_options, Config):
+        config = backend_options
+    else:
+        raise TypeError(
+            f"cgx: pg_options must be a cgx.Config, got {type(backend_options).__name__}"
+        )
     store = dist_options.store
     rank, size, timeout = dist_options.group_rank, dist_options.group_size, dist_options.timeout
     exact = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
     return _C.ProcessGroupCGX(
         dist.PrefixStore("cgx/", store), rank, size, timeout, exact, to_settings(config)
     )
+
+
+def get_backend(group: dist.ProcessGroup | None = None) -> _C.ProcessGroupCGX:
+    """The ProcessGroupCGX behind a "cgx" group (the default group when None)."""
+    group = group if group is not None else dist.group.WORLD
+    backend = group._get_backend(torch.device("cpu"))
+    if not isinstance(backend, _C.ProcessGroupCGX):
+        raise ValueError(f"group is not a cgx group (its CPU backend is {type(backend).__name__})")
+    return backend
+
+
+def stats(group: dist.ProcessGroup | None = None) -> dict[str, int]:
+    """This rank's compressed-allreduce totals on `group`: calls, bytes_sent and
+    uncompressed_bytes (what the same algorithm would send without compression)."""
+    return get_backend(group).stats()

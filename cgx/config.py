@@ -3,7 +3,7 @@
 Each variable is declared once here, with its type, default, accepted values and
 meaning; :func:`from_env` parses them strictly (``"12abc"`` is an error, not 12) and
 raises :class:`ValueError` naming the variable and what it accepts. ``python -m
-cgx.config`` prints the table with the values in effect. docs/configuration.md shows it.
+cgx`` prints the table with the values in effect. docs/configuration.md shows it.
 """
 
 from __future__ import annotations
@@ -120,8 +120,23 @@ class Config:
     seed: int = 0
     inner_communicator: str = "SHM"
     inner_reduction: str = "SRA"
-    hostname: str = ""
+    hostname: str | None = None  # None: this machine's hostname
     shm_ring_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        # Values given in Python pass the same checks as the environment's.
+        for var in VARIABLES:
+            value = getattr(self, var.field)
+            if value is None and var.default is None:
+                continue
+            try:
+                parsed = var.parse(str(value))
+            except ValueError:
+                raise ValueError(
+                    f"cgx.Config.{var.field}={value!r} is not valid: expected {var.accepted} "
+                    f"(as {var.name})"
+                ) from None
+            object.__setattr__(self, var.field, parsed)
 
     @property
     def compression_enabled(self) -> bool:
@@ -143,8 +158,6 @@ def from_env(environ: Mapping[str, str] | None = None) -> Config:
             raise ValueError(
                 f"{var.name}={text!r} is not valid: expected {var.accepted}"
             ) from None
-    if values["hostname"] is None:
-        values["hostname"] = socket.gethostname()
     return Config(**values)
 
 
@@ -155,10 +168,9 @@ def describe(environ: Mapping[str, str] | None = None) -> str:
     rows = []
     for var in VARIABLES:
         source = "environment" if var.name in environ else "default"
-        rows.append((var.name, str(getattr(config, var.field)), source, var.accepted))
+        value = getattr(config, var.field)
+        if value is None and var.field == "hostname":
+            value = socket.gethostname()
+        rows.append((var.name, str(value), source, var.accepted))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-if __name__ == "__main__":
-    print(describe())

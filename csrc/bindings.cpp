@@ -115,7 +115,19 @@ PYBIND11_MODULE(_C, m) {
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("exact"), py::arg("settings"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("settings", &ProcessGroupCGX::settings)
-      .def_property_readonly("num_hosts", &ProcessGroupCGX::num_hosts);
+      .def_property_readonly("num_hosts", &ProcessGroupCGX::num_hosts)
+      .def(
+          "stats",
+          [](const ProcessGroupCGX& pg) {
+            const auto s = pg.stats();
+            py::dict d;
+            d["calls"] = s.calls;
+            d["bytes_sent"] = s.bytes_sent;
+            d["uncompressed_bytes"] = s.uncompressed_bytes;
+            return d;
+          },
+          "Totals over this rank's compressed allreduces: calls, bytes_sent, "
+          "uncompressed_bytes (what the same algorithm sends uncompressed).");
 
   m.def("compress", &compress, py::arg("input"), py::arg("bits"), py::arg("bucket_size"),
         py::kw_only(), py::arg("stochastic") = false, py::arg("seed") = 0,

@@ -95,6 +95,11 @@ void ProcessGroupCGX::shutdown() {
   worker_.stop();
 }
 
+ProcessGroupCGX::Stats ProcessGroupCGX::stats() const {
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  return stats_;
+}
+
 bool ProcessGroupCGX::compressible(const at::Tensor& t, const c10d::ReduceOp& op) const {
   const auto dtype = t.scalar_type();
   return settings_.bits < 32 && t.numel() > settings_.minimal_size &&
@@ -219,14 +224,21 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   options.seed = collectives::stream_seed(settings_.seed, 0, 0, 0) ^ sequence;
   options.deadline = transport::Clock::now() + timeout_;
 
+  collectives::Traffic traffic;
   try {
     collectives::check_same_on_all_ranks(*transport_, getRank(), getSize(), signature,
                                          options.deadline);
-    collectives::allreduce(*transport_, getRank(), getSize(), flat.data_ptr<float>(),
-                           flat.numel(), options, scratch_);
+    traffic = collectives::allreduce(*transport_, getRank(), getSize(), flat.data_ptr<float>(),
+                                     flat.numel(), options, scratch_);
   } catch (const transport::TimeoutError& e) {
     broken_ = e.what();
     throw;
+  }
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    stats_.calls += 1;
+    stats_.bytes_sent += traffic.bytes;
+    stats_.uncompressed_bytes += traffic.values * tensors[0].element_size();
   }
   if (op == c10d::ReduceOp::AVG) flat.div_(getSize());
   if (in_place) return;

@@ -49,6 +49,14 @@ class ProcessGroupCGX final : public c10d::Backend {
   int num_hosts() const { return num_hosts_; }
   void shutdown() override;
 
+  // Totals over this rank's compressed calls (read from any thread).
+  struct Stats {
+    uint64_t calls = 0;
+    uint64_t bytes_sent = 0;          // payload this rank put on the wire
+    uint64_t uncompressed_bytes = 0;  // what the same algorithm sends without compression
+  };
+  Stats stats() const;
+
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
@@ -121,6 +129,8 @@ class ProcessGroupCGX final : public c10d::Backend {
   uint64_t sequence_ = 0;         // compressed calls issued (caller's thread)
   // Set once a transport failure has left the group unusable; read by the worker only.
   std::string broken_;
+  mutable std::mutex stats_mutex_;
+  Stats stats_;
   std::atomic<bool> shut_down_{false};
   Worker worker_;  // last: stopped before the members its tasks use are destroyed
 };

@@ -39,10 +39,10 @@ uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk) {
   return z ^ (z >> 31);
 }
 
-void allreduce(transport::Transport& transport, int rank, int size, float* data, int64_t n,
-               const AllreduceOptions& options, Scratch& scratch) {
+Traffic allreduce(transport::Transport& transport, int rank, int size, float* data, int64_t n,
+                  const AllreduceOptions& options, Scratch& scratch) {
   compression::validate(options.quantizer);
-  if (size == 1 || n == 0) return;
+  if (size == 1 || n == 0) return {};
   switch (options.algorithm) {
     case ReductionAlgorithm::SRA:
       return sra_allreduce(transport, rank, size, data, n, options, scratch);

@@ -19,6 +19,18 @@ struct AllreduceOptions {
   transport::Clock::time_point deadline;
 };
 
+// What one rank put on the wire: bytes, and the values they carried (the uncompressed
+// algorithm would send values * element size).
+struct Traffic {
+  uint64_t bytes = 0;
+  uint64_t values = 0;
+  Traffic& operator+=(const Traffic& o) {
+    bytes += o.bytes;
+    values += o.values;
+    return *this;
+  }
+};
+
 // Buffers reused across calls so that the hot path does not allocate.
 class Scratch {
  public:
@@ -32,14 +44,14 @@ class Scratch {
 // data[0, n) on every rank becomes the sum over ranks, quantized as documented in
 // docs/algorithms.md; afterwards every rank holds bit-identical values. `rank` and `size`
 // are the group's. Throws TimeoutError (transport) at the deadline.
-void allreduce(transport::Transport& transport, int rank, int size, float* data, int64_t n,
-               const AllreduceOptions& options, Scratch& scratch);
+Traffic allreduce(transport::Transport& transport, int rank, int size, float* data, int64_t n,
+                  const AllreduceOptions& options, Scratch& scratch);
 
 // The two algorithms (one file each).
-void sra_allreduce(transport::Transport& transport, int rank, int size, float* data, int64_t n,
-                   const AllreduceOptions& options, Scratch& scratch);
-void ring_allreduce(transport::Transport& transport, int rank, int size, float* data, int64_t n,
-                    const AllreduceOptions& options, Scratch& scratch);
+Traffic sra_allreduce(transport::Transport& transport, int rank, int size, float* data,
+                      int64_t n, const AllreduceOptions& options, Scratch& scratch);
+Traffic ring_allreduce(transport::Transport& transport, int rank, int size, float* data,
+                       int64_t n, const AllreduceOptions& options, Scratch& scratch);
 
 // Splits n values into `parts` chunks whose boundaries fall on bucket boundaries, so that
 // a chunk quantizes the same whoever compresses it. Chunk i is [offset(i), offset(i+1)).

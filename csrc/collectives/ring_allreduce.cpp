@@ -18,8 +18,8 @@ namespace {
 int mod(int a, int m) { return ((a % m) + m) % m; }
 }  // namespace
 
-void ring_allreduce(transport::Transport& transport, int rank, int size, float* data, int64_t n,
-                    const AllreduceOptions& options, Scratch& scratch) {
+Traffic ring_allreduce(transport::Transport& transport, int rank, int size, float* data,
+                       int64_t n, const AllreduceOptions& options, Scratch& scratch) {
   const auto& q = options.quantizer;
   const Chunking chunks(n, size, q.bucket_size);
   const int next = mod(rank + 1, size);
@@ -31,6 +31,7 @@ void ring_allreduce(transport::Transport& transport, int rank, int size, float* 
   sizes[size] = *std::max_element(sizes.begin(), sizes.begin() + size);
   const std::vector<uint8_t*> buf = scratch.buffers(sizes);
   uint8_t* incoming = buf[size];
+  Traffic traffic;
 
   for (int s = 0; s + 1 < size; ++s) {
     const int out = mod(rank - s, size);
@@ -40,6 +41,7 @@ void ring_allreduce(transport::Transport& transport, int rank, int size, float* 
     transport.exchange({{next, buf[out], sizes[out]}}, {{prev, incoming, sizes[in]}},
                        options.deadline);
     compression::decompress_add(q, incoming, chunks.length(in), data + chunks.offset(in));
+    traffic += {sizes[out], static_cast<uint64_t>(chunks.length(out))};
   }
 
   const int owned = next;
@@ -53,7 +55,9 @@ void ring_allreduce(transport::Transport& transport, int rank, int size, float* 
     transport.exchange({{next, buf[out], sizes[out]}}, {{prev, buf[in], sizes[in]}},
                        options.deadline);
     compression::decompress(q, buf[in], chunks.length(in), data + chunks.offset(in));
+    traffic += {sizes[out], static_cast<uint64_t>(chunks.length(out))};
   }
+  return traffic;
 }
 
 }  // namespace cgx::collectives

@@ -18,8 +18,8 @@ constexpr int kScatterStage = 0;
 constexpr int kGatherStage = 1;
 }  // namespace
 
-void sra_allreduce(transport::Transport& transport, int rank, int size, float* data, int64_t n,
-                   const AllreduceOptions& options, Scratch& scratch) {
+Traffic sra_allreduce(transport::Transport& transport, int rank, int size, float* data,
+                      int64_t n, const AllreduceOptions& options, Scratch& scratch) {
   const auto& q = options.quantizer;
   const Chunking chunks(n, size, q.bucket_size);
   const int64_t mine = chunks.length(rank);
@@ -34,6 +34,7 @@ void sra_allreduce(transport::Transport& transport, int rank, int size, float* d
   }
   const std::vector<uint8_t*> buf = scratch.buffers(sizes);
 
+  Traffic traffic;
   std::vector<transport::Send> sends;
   std::vector<transport::Recv> recvs;
   for (int p = 0; p < size; ++p) {
@@ -42,6 +43,7 @@ void sra_allreduce(transport::Transport& transport, int rank, int size, float* d
                           stream_seed(options.seed, rank, kScatterStage, p));
     sends.push_back({p, buf[p], sizes[p]});
     recvs.push_back({p, buf[size + p], compression::compressed_bytes(q, mine)});
+    traffic += {sizes[p], static_cast<uint64_t>(chunks.length(p))};
   }
   transport.exchange(sends, recvs, options.deadline);
   for (int p = 0; p < size; ++p)
@@ -57,11 +59,13 @@ void sra_allreduce(transport::Transport& transport, int rank, int size, float* d
     if (p == rank) continue;
     sends.push_back({p, buf[rank], sizes[rank]});
     recvs.push_back({p, buf[size + p], sizes[p]});
+    traffic += {sizes[rank], static_cast<uint64_t>(mine)};
   }
   transport.exchange(sends, recvs, options.deadline);
   for (int p = 0; p < size; ++p)
     if (p != rank)
       compression::decompress(q, buf[size + p], chunks.length(p), data + chunks.offset(p));
+  return traffic;
 }
 
 }  // namespace cgx::collectives

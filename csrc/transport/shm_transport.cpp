@@ -36,6 +36,9 @@ constexpr size_t kCacheLine = 64;
 // Empty passes before sleeping: enough to catch a peer that is about to publish, few
 // enough not to hold an oversubscribed core for long (a pause is ~10-150 cycles).
 constexpr int kSpinPasses = 200;
+// Most bytes one push() or pull() moves before publishing: the peer starts copying out
+// while we copy in (2x the throughput of whole-ring steps), and other peers get a turn.
+constexpr uint64_t kMaxStepBytes = 256 << 10;
 // Longest single sleep, so that the deadline is checked even if nobody rings.
 constexpr std::chrono::milliseconds kMaxSleep{50};
 
@@ -252,16 +255,17 @@ struct PeerWork {
   bool done() const { return sends.done() && recvs.done(); }
 };
 
-// Copies as much of `sends` as fits into `ring` and publishes it. Returns whether any
-// byte moved.
+// Copies what fits of `sends` into `ring` (up to kMaxStepBytes) and publishes it.
+// Returns whether any byte moved.
 bool push(const Ring& ring, OpQueue<const std::byte>& sends) {
   const uint64_t head = ring.header->head.load(std::memory_order_relaxed);  // ours alone
   // Acquire: the consumer has finished reading the space it released before we reuse it.
   const uint64_t tail = ring.header->tail.load(std::memory_order_acquire);
+  const uint64_t end = std::min(tail + ring.capacity, head + kMaxStepBytes);
   uint64_t written = head;
-  while (!sends.done() && written - tail < ring.capacity) {
+  while (!sends.done() && written < end) {
     const std::span<const std::byte> unmoved = sends.unmoved();
-    const size_t bytes = std::min<uint64_t>(unmoved.size(), ring.capacity - (written - tail));
+    const size_t bytes = std::min<uint64_t>(unmoved.size(), end - written);
     ring.write(written, unmoved.data(), bytes);
     written += bytes;
     sends.advance(bytes);
@@ -271,16 +275,17 @@ bool push(const Ring& ring, OpQueue<const std::byte>& sends) {
   return true;
 }
 
-// Copies whatever `ring` holds into `recvs` and releases the space. Returns whether any
-// byte moved.
+// Copies what `ring` holds into `recvs` (up to kMaxStepBytes) and releases the space.
+// Returns whether any byte moved.
 bool pull(const Ring& ring, OpQueue<std::byte>& recvs) {
   const uint64_t tail = ring.header->tail.load(std::memory_order_relaxed);  // ours alone
   // Acquire: the producer's copy into the ring is complete up to head.
   const uint64_t head = ring.header->head.load(std::memory_order_acquire);
+  const uint64_t end = std::min(head, tail + kMaxStepBytes);
   uint64_t read = tail;
-  while (!recvs.done() && read < head) {
+  while (!recvs.done() && read < end) {
     const std::span<std::byte> unmoved = recvs.unmoved();
-    const size_t bytes = std::min<uint64_t>(unmoved.size(), head - read);
+    const size_t bytes = std::min<uint64_t>(unmoved.size(), end - read);
     ring.read(read, unmoved.data(), bytes);
     read += bytes;
     recvs.advance(bytes);
@@ -314,11 +319,11 @@ struct ShmTransport::Impl {
   Segment own_segment;
   ControlBlock* control = nullptr;
   std::vector<Peer> peers;  // the local ranks other than `rank`, in increasing order
-  bool timed_out = false;
+  bool broken = false;      // an exchange failed part way: the streams are out of step
 
-  Impl(int rank, const std::vector<int>& local_ranks, const std::string& name_prefix,
+  Impl(int my_rank, const std::vector<int>& local_ranks, const std::string& name_prefix,
        size_t ring_bytes, KeyValueStore& store)
-      : rank(rank) {
+      : rank(my_rank) {
     if (ring_bytes == 0) throw std::invalid_argument("cgx shm: ring_bytes must be positive");
     if (!std::is_sorted(local_ranks.begin(), local_ranks.end()) ||
         std::adjacent_find(local_ranks.begin(), local_ranks.end()) != local_ranks.end()) {
@@ -329,7 +334,7 @@ struct ShmTransport::Impl {
       throw std::invalid_argument("cgx shm: rank " + std::to_string(rank) +
                                   " is not among its local ranks");
     }
-    const size_t my_index = me - local_ranks.begin();
+    const auto my_index = static_cast<size_t>(me - local_ranks.begin());
     const size_t bytes = segment_bytes(local_ranks.size() - 1, ring_bytes);
     auto segment_name = [&](int owner) { return "/" + name_prefix + "-" + std::to_string(owner); };
 
@@ -369,7 +374,7 @@ struct ShmTransport::Impl {
                                   direction + " rank " + std::to_string(peer) +
                                   (peer == rank ? " (itself)" : " (not a local peer)"));
     }
-    return found - peers.begin();
+    return static_cast<size_t>(found - peers.begin());
   }
 
   // One look at every pending ring, moving what can move.
@@ -433,8 +438,8 @@ struct ShmTransport::Impl {
 
   void exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
                 Clock::time_point deadline) {
-    if (timed_out) {
-      throw std::runtime_error("cgx shm: transport unusable after an earlier timeout");
+    if (broken) {
+      throw std::runtime_error("cgx shm: transport unusable after an earlier failed exchange");
     }
     std::vector<PeerWork> work(peers.size());
     for (const Send& send : sends) {
@@ -445,7 +450,16 @@ struct ShmTransport::Impl {
       work[peer_index(recv.peer, "receive from")].recvs.add(static_cast<std::byte*>(recv.data),
                                                             recv.bytes);
     }
+    try {
+      complete(work, deadline);
+    } catch (...) {
+      broken = true;
+      throw;
+    }
+  }
 
+  // Moves data until `work` is done: spins briefly when idle, then sleeps on the doorbell.
+  void complete(std::vector<PeerWork>& work, Clock::time_point deadline) {
     int idle_passes = 0;
     while (true) {
       Progress progress = make_progress(work);
@@ -453,10 +467,7 @@ struct ShmTransport::Impl {
         progress = sleep_until_rung(work, deadline);
       }
       if (progress.done) return;
-      if (Clock::now() >= deadline) {
-        timed_out = true;
-        throw TimeoutError(describe_pending(work));
-      }
+      if (Clock::now() >= deadline) throw TimeoutError(describe_pending(work));
       if (progress.moved) {
         idle_passes = 0;
       } else if (idle_passes < kSpinPasses) {

@@ -1,0 +1,140 @@
+"""Single-core throughput of the CPU codec, beside a memcpy of the same buffer.
+
+Measures cgx.compress and cgx.decompress(..., add=True) in GB/s of float32 input, and
+dst.copy_(src) of the same float32 buffer in the same run, so the ratio to memcpy is
+comparable across machines. The three operations are timed in turn within each repeat so
+that a noisy machine slows them alike; the table shows medians.
+
+    python benchmarks/codec_throughput.py
+    python benchmarks/codec_throughput.py --sizes-mib 64 --bits 4 --json codec.json
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+import cgx
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64],
+                        help="float32 input sizes in MiB (default: 1 4 16 64)")
+    parser.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8],
+                        help="quantization widths (default: 2 4 8)")
+    parser.add_argument("--bucket-size", type=int, default=512)
+    parser.add_argument("--stochastic", action="store_true",
+                        help="time stochastic rounding instead of round-to-nearest")
+    parser.add_argument("--repeats", type=int, default=15,
+                        help="timed samples per operation; the median is reported")
+    parser.add_argument("--min-sample-s", type=float, default=0.02,
+                        help="each sample repeats the operation until it lasts about this long")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return parser.parse_args()
+
+
+def calls_per_sample(fn, min_seconds):
+    """How many back-to-back calls make one sample of at least min_seconds."""
+    fn()  # warm up: page in buffers, load code
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    return max(1, int(min_seconds / once + 0.5))
+
+
+def median_seconds_per_call(ops, repeats, min_seconds):
+    """Times each op in `ops` (name -> callable) `repeats` times, interleaved."""
+    calls = {name: calls_per_sample(fn, min_seconds) for name, fn in ops.items()}
+    samples = {name: [] for name in ops}
+    for _ in range(repeats):
+        for name, fn in ops.items():
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                fn()
+            samples[name].append((time.perf_counter() - start) / calls[name])
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def measure(numel, bits, args):
+    src = torch.randn(numel, dtype=torch.float32)
+    copy_dst = torch.empty_like(src)
+    accumulator = torch.zeros_like(src)
+    compressed = torch.empty(
+        cgx.compressed_size(numel, bits, args.bucket_size), dtype=torch.uint8)
+
+    def compress():
+        cgx.compress(src, bits, args.bucket_size, stochastic=args.stochastic, seed=args.seed,
+                     out=compressed)
+
+    def decompress_add():
+        cgx.decompress(compressed, numel, bits, args.bucket_size, out=accumulator, add=True)
+
+    compress()  # decompress_add needs a valid buffer before its first call
+    seconds = median_seconds_per_call(
+        {"memcpy": lambda: copy_dst.copy_(src), "compress": compress,
+         "decompress_add": decompress_add},
+        args.repeats, args.min_sample_s)
+    input_bytes = numel * src.element_size()
+    gbps = {name: input_bytes / s / 1e9 for name, s in seconds.items()}
+    return {
+        "size_mib": input_bytes / 2**20,
+        "bits": bits,
+        "bucket_size": args.bucket_size,
+        "stochastic": args.stochastic,
+        "compressed_bytes": compressed.numel(),
+        "memcpy_gbps": gbps["memcpy"],
+        "compress_gbps": gbps["compress"],
+        "decompress_add_gbps": gbps["decompress_add"],
+        "compress_vs_memcpy": gbps["compress"] / gbps["memcpy"],
+        "decompress_add_vs_memcpy": gbps["decompress_add"] / gbps["memcpy"],
+    }
+
+
+def markdown_table(rows):
+    lines = [
+        "| size (MiB) | bits | memcpy GB/s | compress GB/s | x memcpy "
+        "| decompress_add GB/s | x memcpy |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['size_mib']:g} | {r['bits']} | {r['memcpy_gbps']:.2f} "
+            f"| {r['compress_gbps']:.2f} | {r['compress_vs_memcpy']:.2f} "
+            f"| {r['decompress_add_gbps']:.2f} | {r['decompress_add_vs_memcpy']:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rows = []
+    for size_mib in args.sizes_mib:
+        numel = int(size_mib * 2**20) // 4
+        for bits in args.bits:
+            rows.append(measure(numel, bits, args))
+    rounding = "stochastic" if args.stochastic else "round-to-nearest"
+    print(f"cgx codec, {args.threads} thread(s), bucket {args.bucket_size}, {rounding}, "
+          f"median of {args.repeats}; GB/s of float32 input\n")
+    print(markdown_table(rows))
+    if args.json:
+        report = {
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "results": rows,
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

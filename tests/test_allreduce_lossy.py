@@ -1,0 +1,113 @@
+"""Compressed allreduce: the error stays within the quantizer's two-stage bound
+(tests/bounds.py) and every rank ends with bit-identical output."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bounds import allreduce_error_bound
+from harness import init_cgx, run_ranks, values
+
+SIZES = (1, 7, 1000, 1000003)
+
+
+def make_input(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """Rank-dependent scale and offset, so buckets see different ranges on each rank."""
+    g = torch.Generator().manual_seed(1000 * rank + n + salt)
+    return (torch.randn(n, generator=g) * (1 + rank) + 0.5 * rank).to(dtype)
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _reduce_cases(rank, world, cases):
+    """For each case: a cgx group with its settings, one allreduce per size; returns
+    (case, size, digest, error, bound, bytes_sent) per allreduce."""
+    import cgx
+
+    init_cgx(rank, world)
+    out = []
+    for case in cases:
+        config = cgx.Config(
+            bits=case["bits"],
+            bucket_size=case["bucket"],
+            minimal_size=0,
+            inner_reduction=case.get("algorithm", "SRA"),
+            stochastic_rounding=case.get("stochastic", False),
+            skip_incomplete_buckets=case.get("skip", False),
+        )
+        group = dist.new_group(backend="cgx", pg_options=config)
+        dtype = case.get("dtype", torch.float32)
+        average = case.get("average", False)
+        for n in case.get("sizes", SIZES):
+            inputs = [make_input(r, n, dtype) for r in range(world)]
+            t = inputs[rank].clone()
+            before = cgx.stats(group)["bytes_sent"]
+            dist.all_reduce(t, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group)
+            exact = torch.stack([x.double() for x in inputs]).sum(0) / (world if average else 1)
+            error = float((t.double() - exact).abs().max())
+            bound = allreduce_error_bound(
+                inputs,
+                case["bits"],
+                algorithm=config.inner_reduction,
+                stochastic=config.stochastic_rounding,
+                average=average,
+                out_dtype=dtype,
+            )
+            sent = cgx.stats(group)["bytes_sent"] - before
+            out.append((case, n, digest(t), error, bound, sent))
+        dist.destroy_process_group(group)
+    return out
+
+
+def check(results, world):
+    per_rank = values(results)
+    for entries in zip(*per_rank):
+        case, n, _, error, bound, sent = entries[0]
+        digests = {e[2] for e in entries}
+        where = f"{case} n={n} world={world}"
+        assert len(digests) == 1, f"ranks differ: {where}"
+        assert error <= bound, f"error {error} > bound {bound}: {where}"
+        # The compressed path really ran: bytes went out, fewer than float32 would need.
+        assert sum(e[5] for e in entries) > 0, f"nothing sent: {where}"
+        if n >= 1000 and case["bits"] <= 4:
+            assert error > 0, f"exact result: the compressed path did not run? {where}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sra_bits_buckets_sizes(world):
+    cases = [{"bits": b, "bucket": k} for b, k in itertools.product((1, 2, 3, 4, 6, 8), (64, 512, 2048))]
+    check(run_ranks(_reduce_cases, world, args=(cases,)), world)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_bits_buckets_sizes(world):
+    cases = [
+        {"bits": b, "bucket": k, "algorithm": "Ring"}
+        for b, k in itertools.product((1, 2, 4, 8), (64, 2048))
+    ]
+    check(run_ranks(_reduce_cases, world, args=(cases,)), world)
+
+
+def test_half_precision_and_average():
+    cases = [
+        {"bits": b, "bucket": 512, "dtype": d, "average": avg, "algorithm": alg, "sizes": (7, 1000, 100003)}
+        for b, d, avg, alg in itertools.product(
+            (2, 4, 8), (torch.float16, torch.bfloat16, torch.float32), (False, True), ("SRA", "Ring")
+        )
+    ]
+    check(run_ranks(_reduce_cases, 3, args=(cases,)), 3)
+
+
+def test_stochastic_rounding_and_raw_partial_buckets():
+    cases = [
+        {"bits": b, "bucket": 512, "stochastic": True, "algorithm": alg}
+        for b, alg in itertools.product((1, 4, 8), ("SRA", "Ring"))
+    ] + [{"bits": b, "bucket": 2048, "skip": True} for b in (2, 8)]
+    check(run_ranks(_reduce_cases, 3, args=(cases,)), 3)

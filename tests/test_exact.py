@@ -1,0 +1,169 @@
+"""Everything that is not compressed gives exactly Gloo's result: other dtypes and ops,
+small tensors, 32 bits, and every collective other than allreduce."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bounds import allreduce_error_bound
+from harness import init_cgx, run_ranks, values
+
+
+def _pair(rank, world, bits):
+    """Runs every call on a cgx group and on a Gloo group of the same ranks."""
+    import cgx
+
+    init_cgx(rank, world, pg_options=cgx.Config(bits=bits, minimal_size=16))
+    return dist.group.WORLD, dist.new_group(backend="gloo")
+
+
+def _input(rank, n, dtype):
+    g = torch.Generator().manual_seed(rank * 7919 + n)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g, dtype=torch.float64).to(dtype) * (rank + 1)
+    return torch.randint(-1000, 1000, (n,), generator=g, dtype=dtype)
+
+
+ALLREDUCE_CASES = [
+    # (dtype, op, numel): integer / float64 dtypes, MAX/MIN/PRODUCT, small float32 tensors
+    (torch.int32, dist.ReduceOp.SUM, 100_000),
+    (torch.int64, dist.ReduceOp.SUM, 100_000),
+    (torch.float64, dist.ReduceOp.SUM, 100_000),
+    (torch.float32, dist.ReduceOp.MAX, 100_000),
+    (torch.float32, dist.ReduceOp.MIN, 100_000),
+    (torch.int64, dist.ReduceOp.MAX, 1000),
+    (torch.float32, dist.ReduceOp.PRODUCT, 1000),
+    (torch.float32, dist.ReduceOp.SUM, 16),  # at the minimal size: exact
+    (torch.float16, dist.ReduceOp.SUM, 5),
+]
+
+
+def _exact_allreduce(rank, world, bits):
+    cgx_group, gloo_group = _pair(rank, world, bits)
+    out = []
+    cases = ALLREDUCE_CASES + ([(torch.float32, dist.ReduceOp.SUM, 100_000)] if bits == 32 else [])
+    for dtype, op, n in cases:
+        a = _input(rank, n, dtype)
+        b = a.clone()
+        dist.all_reduce(a, op=op, group=cgx_group)
+        dist.all_reduce(b, op=op, group=gloo_group)
+        out.append((str(dtype), str(op), n, torch.equal(a, b)))
+    # AVG on the exact path: Gloo's SUM divided by the world size.
+    a = _input(rank, 8, torch.float64)
+    b = a.clone()
+    dist.all_reduce(a, op=dist.ReduceOp.AVG, group=cgx_group)
+    dist.all_reduce(b, group=gloo_group)
+    out.append(("float64", "AVG", 8, torch.equal(a, b / world)))
+    # allreduce_coalesced mixing an exact tensor with a compressible one.
+    small, big = _input(rank, 10, torch.float32), _input(rank, 4096, torch.float32)
+    ref_small, ref_big = small.clone(), big.clone()
+    dist.all_reduce_coalesced([small, big], group=cgx_group)
+    if bits == 32:
+        dist.all_reduce_coalesced([ref_small, ref_big], group=gloo_group)
+    else:  # only the small tensor goes through Gloo
+        dist.all_reduce(ref_small, group=gloo_group)
+        dist.all_reduce(ref_big, group=gloo_group)
+    bound = allreduce_error_bound([_input(r, 4096, torch.float32) for r in range(world)], bits)
+    coalesced_ok = torch.equal(small, ref_small) and (
+        torch.equal(big, ref_big) if bits == 32 else float((big - ref_big).abs().max()) <= bound
+    )
+    out.append(("small+big", "coalesced", 4106, bool(coalesced_ok)))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("bits", [4, 32])
+def test_exact_allreduce_matches_gloo(world, bits):
+    for rank_result in values(run_ranks(_exact_allreduce, world, args=(bits,))):
+        failed = [case for case in rank_result if not case[-1]]
+        assert not failed, f"differs from Gloo: {failed}"
+
+
+def _other_collectives(rank, world):
+    cgx_group, gloo_group = _pair(rank, world, 4)
+    results = {}
+
+    def both(name, fn):
+        results[name] = fn(cgx_group) == fn(gloo_group)
+
+    def digest(tensors):
+        return [t.tolist() for t in tensors]
+
+    x = _input(rank, 6 * world, torch.float32)
+
+    def broadcast(g):
+        t = x.clone()
+        dist.broadcast(t, src=world - 1, group=g)
+        return digest([t])
+
+    def all_gather(g):
+        out = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(out, x, group=g)
+        return digest(out)
+
+    def all_gather_into_tensor(g):
+        out = torch.empty(world * x.numel())
+        dist.all_gather_into_tensor(out, x, group=g)
+        return digest([out])
+
+    def reduce_scatter(g):
+        out = torch.empty(6)
+        dist.reduce_scatter(out, list(x.chunk(world)), group=g)
+        return digest([out])
+
+    def reduce_scatter_tensor(g):
+        out = torch.empty(6)
+        dist.reduce_scatter_tensor(out, x, group=g)
+        return digest([out])
+
+    def all_to_all_single(g):
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=g)
+        return digest([out])
+
+    def all_to_all(g):
+        out = [torch.empty(6) for _ in range(world)]
+        dist.all_to_all(out, list(x.chunk(world)), group=g)
+        return digest(out)
+
+    def gather(g):
+        out = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
+        dist.gather(x, out, dst=0, group=g)
+        return digest(out or [])
+
+    def scatter(g):
+        out = torch.empty(6)
+        dist.scatter(out, list(x.chunk(world)) if rank == 0 else None, src=0, group=g)
+        return digest([out])
+
+    def reduce(g):
+        t = x.clone()
+        dist.reduce(t, dst=1, group=g)
+        return digest([t]) if rank == 1 else []
+
+    def send_recv(g):
+        t = x.clone()
+        if rank == 0:
+            dist.send(t, dst=world - 1, group=g)
+        elif rank == world - 1:
+            dist.recv(t, src=0, group=g)
+        return digest([t])
+
+    def barrier(g):
+        dist.barrier(group=g)
+        return "ok"
+
+    for fn in (broadcast, all_gather, all_gather_into_tensor, reduce_scatter,
+               reduce_scatter_tensor, all_to_all_single, all_to_all, gather, scatter, reduce,
+               send_recv, barrier):
+        both(fn.__name__, fn)
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_other_collectives_match_gloo(world):
+    for rank_result in values(run_ranks(_other_collectives, world)):
+        failed = [name for name, same in rank_result.items() if not same]
+        assert not failed, f"differ from Gloo: {failed}"
