@@ -12,7 +12,7 @@ Configuration: the CGX_* variables in :mod:`cgx.config` (``python -m cgx.config`
 import torch  # noqa: F401  (loads libtorch before the extension: the module has no RUNPATH)
 import torch.distributed  # noqa: F401  (registers the c10d base classes the module derives from)
 
-from cgx import _C
+from cgx import _C  # noqa: F401  (cgx._C: the native module)
 from cgx._C import ProcessGroupCGX, compress, compressed_size, decompress
 from cgx.backend import create_backend, get_backend, stats
 from cgx.config import Config, from_env
@@ -33,4 +33,3 @@ __version__ = "0.1.0"
 torch.distributed.Backend.register_backend(
     "cgx", create_backend, extended_api=True, devices=["cpu"]
 )
-del _C

@@ -41,6 +41,9 @@ def _reduce_cases(rank, world, cases):
             inner_reduction=case.get("algorithm", "SRA"),
             stochastic_rounding=case.get("stochastic", False),
             skip_incomplete_buckets=case.get("skip", False),
+            inner_communicator=case.get("inner", "SHM"),
+            # Ranks told they sit on different hosts talk through Gloo, not shared memory.
+            hostname=f"host{rank % case['hosts']}" if "hosts" in case else None,
         )
         group = dist.new_group(backend="cgx", pg_options=config)
         dtype = case.get("dtype", torch.float32)
@@ -111,3 +114,39 @@ def test_stochastic_rounding_and_raw_partial_buckets():
         for b, alg in itertools.product((1, 4, 8), ("SRA", "Ring"))
     ] + [{"bits": b, "bucket": 2048, "skip": True} for b in (2, 8)]
     check(run_ranks(_reduce_cases, 3, args=(cases,)), 3)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cross_host_and_gloo_transports(world):
+    cases = [
+        {"bits": 4, "bucket": 512, "hosts": 2, "algorithm": alg, "sizes": (7, 1000003)}
+        for alg in ("SRA", "Ring")
+    ] + [{"bits": 2, "bucket": 64, "inner": "GLOO", "sizes": (1000, 1000003)}]
+    check(run_ranks(_reduce_cases, world, args=(cases,)), world)
+
+
+def _repeated_stochastic(rank, world, calls):
+    import cgx
+
+    init_cgx(rank, world, pg_options=cgx.Config(bits=2, bucket_size=256, minimal_size=0,
+                                                 stochastic_rounding=True, seed=7))
+    inputs = [make_input(r, 4096, torch.float32) for r in range(world)]
+    exact = torch.stack([x.double() for x in inputs]).sum(0)
+    total = torch.zeros(4096, dtype=torch.float64)
+    single_errors = []
+    for _ in range(calls):
+        t = inputs[rank].clone()
+        dist.all_reduce(t)
+        total += t.double()
+        single_errors.append(float((t.double() - exact).abs().mean()))
+    mean_error = float((total / calls - exact).abs().mean())
+    return mean_error, sum(single_errors) / calls
+
+
+def test_stochastic_rounding_is_unbiased_across_calls():
+    """Each call draws fresh rounding; the mean over many calls converges to the exact sum
+    (error ~ 1/sqrt(calls) of a single call's), which round-to-nearest would never do."""
+    calls = 400
+    for mean_error, single_error in values(run_ranks(_repeated_stochastic, 2, args=(calls,))):
+        assert single_error > 0
+        assert mean_error < 4 * single_error / calls**0.5, (mean_error, single_error)

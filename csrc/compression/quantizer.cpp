@@ -29,9 +29,10 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 constexpr int64_t kChunk = 4096;
 static_assert(kChunk % 8 == 0, "chunks must start on a byte boundary of the level stream");
 
-// The hot loops are compiled twice on x86-64 glibc, for the SSE2 baseline and for AVX2, and
-// picked at load time (GCC/Clang ifunc). AVX2 is 1.3-1.7x faster in cache (8-wide vectors,
-// 32-bit vector multiplies for the hash); both compute the same bits, as neither uses FMA.
+// The two chunk walks (encode_levels, decode_levels) are compiled twice on x86-64 glibc, for
+// the SSE2 baseline and for AVX2, and picked at load time (GCC/Clang ifunc); every helper
+// they call is inlined into both. AVX2 is 1.3-1.7x faster in cache (8-wide vectors, 32-bit
+// vector multiplies for the hash); both compute the same bits, as neither uses FMA.
 #if defined(__x86_64__) && defined(__GLIBC__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
 #define CGX_AVX2_CLONE __attribute__((target_clones("avx2", "default")))
@@ -40,6 +41,7 @@ static_assert(kChunk % 8 == 0, "chunks must start on a byte boundary of the leve
 #ifndef CGX_AVX2_CLONE
 #define CGX_AVX2_CLONE
 #endif
+#define CGX_INLINE inline __attribute__((always_inline))
 
 constexpr size_t round_up16(size_t x) { return (x + 15) & ~size_t{15}; }
 
@@ -76,7 +78,7 @@ void check_count(int64_t n) {
 // (i, seed) and any split of the work gives the same bytes:
 //   key = lowbias32(uint32(seed) ^ lowbias32(uint32(seed >> 32)))
 //   h   = lowbias32(uint32(i) ^ key)           (i wraps modulo 2^32)
-inline uint32_t lowbias32(uint32_t x) {
+CGX_INLINE uint32_t lowbias32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352dU;
   x ^= x >> 15;
@@ -85,7 +87,7 @@ inline uint32_t lowbias32(uint32_t x) {
   return x;
 }
 
-inline uint32_t stream_key(uint64_t seed) {
+CGX_INLINE uint32_t stream_key(uint64_t seed) {
   return lowbias32(static_cast<uint32_t>(seed) ^ lowbias32(static_cast<uint32_t>(seed >> 32)));
 }
 
@@ -101,7 +103,7 @@ typedef float f32x4 __attribute__((vector_size(16)));
 
 // One pass over the bucket: min, max, and whether every value is finite. Several vector
 // accumulators hide the latency of min/max; nothing is reassociated.
-CGX_AVX2_CLONE BucketCode encode_bucket(const float* x, int64_t len, int bits) {
+CGX_INLINE BucketCode encode_bucket(const float* x, int64_t len, int bits) {
   constexpr int kVecs = 4;
   const f32x4 pos_inf = f32x4{} + std::numeric_limits<float>::infinity();  // broadcast
   f32x4 lo[kVecs], hi[kVecs], probe[kVecs];  // probe: v - v is +0 if v is finite, else NaN
@@ -156,9 +158,9 @@ CGX_AVX2_CLONE BucketCode encode_bucket(const float* x, int64_t len, int bits) {
 
 // level = min(L, floor(y)) with y >= 0, computed as trunc(min(y, L)): the same integer,
 // without needing a vector floor instruction.
-CGX_AVX2_CLONE void quantize_nearest(const float* __restrict x, int64_t len,
-                                     const BucketCode& code, float max_level,
-                                     uint8_t* __restrict levels) {
+CGX_INLINE void quantize_nearest(const float* __restrict x, int64_t len,
+                                 const BucketCode& code, float max_level,
+                                 uint8_t* __restrict levels) {
   const float mn = code.min, inv = code.inv_scale;
   for (int64_t k = 0; k < len; ++k) {
     float y = (x[k] - mn) * inv + 0.5f;
@@ -168,10 +170,10 @@ CGX_AVX2_CLONE void quantize_nearest(const float* __restrict x, int64_t len,
 }
 
 // As quantize_nearest with u (see lowbias32) in place of 0.5.
-CGX_AVX2_CLONE void quantize_stochastic(const float* __restrict x, int64_t len,
-                                        const BucketCode& code, float max_level,
-                                        uint32_t first_index, uint32_t key,
-                                        uint8_t* __restrict levels) {
+CGX_INLINE void quantize_stochastic(const float* __restrict x, int64_t len,
+                                    const BucketCode& code, float max_level,
+                                    uint32_t first_index, uint32_t key,
+                                    uint8_t* __restrict levels) {
   const float mn = code.min, inv = code.inv_scale;
   for (int64_t k = 0; k < len; ++k) {
     const uint32_t h = lowbias32((first_index + static_cast<uint32_t>(k)) ^ key);
@@ -182,8 +184,8 @@ CGX_AVX2_CLONE void quantize_stochastic(const float* __restrict x, int64_t len,
   }
 }
 
-CGX_AVX2_CLONE void decode_levels(const uint8_t* __restrict levels, int64_t len, float mn,
-                                  float scale, bool add, float* __restrict dst) {
+CGX_INLINE void dequantize(const uint8_t* __restrict levels, int64_t len, float mn, float scale,
+                           bool add, float* __restrict dst) {
   if (add) {
     for (int64_t k = 0; k < len; ++k) {
       dst[k] = dst[k] + (mn + static_cast<float>(levels[k]) * scale);
@@ -192,10 +194,6 @@ CGX_AVX2_CLONE void decode_levels(const uint8_t* __restrict levels, int64_t len,
     for (int64_t k = 0; k < len; ++k) dst[k] = mn + static_cast<float>(levels[k]) * scale;
   }
 }
-
-// Per-width bodies of pack/unpack below; always inlined so that they get the caller's
-// target (a plain or AVX2 build).
-#define CGX_INLINE inline __attribute__((always_inline))
 
 // Packs groups of 8 one-byte levels (each < 2^B) into B bytes each. First every group's
 // 8-byte word is compacted in place, fields moving from a stride of 8 bits to 16, 32 and
@@ -243,7 +241,7 @@ CGX_INLINE void unpack_groups(const uint8_t* __restrict in, int64_t groups,
   }
 }
 
-CGX_AVX2_CLONE void pack(int bits, uint8_t* levels, int64_t groups, uint8_t* out) {
+CGX_INLINE void pack(int bits, uint8_t* levels, int64_t groups, uint8_t* out) {
   switch (bits) {
     case 1: return pack_groups<1>(levels, groups, out);
     case 2: return pack_groups<2>(levels, groups, out);
@@ -256,7 +254,7 @@ CGX_AVX2_CLONE void pack(int bits, uint8_t* levels, int64_t groups, uint8_t* out
   }
 }
 
-CGX_AVX2_CLONE void unpack(int bits, const uint8_t* in, int64_t groups, uint8_t* levels) {
+CGX_INLINE void unpack(int bits, const uint8_t* in, int64_t groups, uint8_t* levels) {
   switch (bits) {
     case 1: return unpack_groups<1>(in, groups, levels);
     case 2: return unpack_groups<2>(in, groups, levels);
@@ -269,11 +267,50 @@ CGX_AVX2_CLONE void unpack(int bits, const uint8_t* in, int64_t groups, uint8_t*
   }
 }
 
-void decode(const QuantizerParams& params, const uint8_t* src, int64_t n, bool add, float* dst) {
-  validate(params);
-  check_count(n);
-  const Layout layout = layout_of(params, n);
-  if (layout.total_bytes == 0) return;
+// Meta and level sections of a buffer: bucket by bucket, chunk by chunk.
+CGX_AVX2_CLONE void encode_levels(const QuantizerParams& params, const Layout& layout,
+                                  const float* src, uint64_t seed, uint8_t* dst) {
+  const int64_t bucket = params.bucket_size;
+  const float max_level = static_cast<float>((1 << params.bits) - 1);
+  const uint32_t key = stream_key(seed);
+  uint8_t* meta = dst;
+  uint8_t* stream = dst + layout.levels_offset;
+  uint8_t levels[kChunk];
+
+  BucketCode code{};
+  int64_t coded_bucket = -1;
+  for (int64_t chunk = 0; chunk < layout.quantized; chunk += kChunk) {
+    const int64_t chunk_end = std::min(chunk + kChunk, layout.quantized);
+    for (int64_t i = chunk; i < chunk_end;) {
+      const int64_t b = i / bucket;
+      const int64_t bucket_end = std::min((b + 1) * bucket, layout.quantized);
+      if (b != coded_bucket) {  // first piece of this bucket: scan all of it
+        code = encode_bucket(src + b * bucket, bucket_end - b * bucket, params.bits);
+        const float pair[2] = {code.min, code.scale};
+        std::memcpy(meta + b * sizeof(pair), pair, sizeof(pair));
+        coded_bucket = b;
+      }
+      const int64_t end = std::min(bucket_end, chunk_end);
+      uint8_t* out = levels + (i - chunk);
+      if (!code.finite) {
+        std::memset(out, 0, static_cast<size_t>(end - i));
+      } else if (params.stochastic) {
+        quantize_stochastic(src + i, end - i, code, max_level, static_cast<uint32_t>(i), key,
+                            out);
+      } else {
+        quantize_nearest(src + i, end - i, code, max_level, out);
+      }
+      i = end;
+    }
+    const int64_t count = chunk_end - chunk;
+    const int64_t groups = (count + 7) / 8;
+    std::memset(levels + count, 0, static_cast<size_t>(groups * 8 - count));
+    pack(params.bits, levels, groups, stream + chunk / 8 * params.bits);
+  }
+}
+
+CGX_AVX2_CLONE void decode_levels(const QuantizerParams& params, const Layout& layout,
+                                  const uint8_t* src, bool add, float* dst) {
   const int64_t bucket = params.bucket_size;
   const uint8_t* meta = src;
   const uint8_t* stream = src + layout.levels_offset;
@@ -287,10 +324,18 @@ void decode(const QuantizerParams& params, const uint8_t* src, int64_t n, bool a
       const int64_t end = std::min((b + 1) * bucket, chunk_end);
       float pair[2];  // (min, scale)
       std::memcpy(pair, meta + b * sizeof(pair), sizeof(pair));
-      decode_levels(levels + (i - chunk), end - i, pair[0], pair[1], add, dst + i);
+      dequantize(levels + (i - chunk), end - i, pair[0], pair[1], add, dst + i);
       i = end;
     }
   }
+}
+
+void decode(const QuantizerParams& params, const uint8_t* src, int64_t n, bool add, float* dst) {
+  validate(params);
+  check_count(n);
+  const Layout layout = layout_of(params, n);
+  if (layout.total_bytes == 0) return;
+  decode_levels(params, layout, src, add, dst);
 
   const uint8_t* raw = src + layout.raw_offset;
   float* raw_dst = dst + layout.quantized;
@@ -328,50 +373,13 @@ void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_
   check_count(n);
   const Layout layout = layout_of(params, n);
   if (layout.total_bytes == 0) return;
-  const int64_t bucket = params.bucket_size;
-  const float max_level = static_cast<float>((1 << params.bits) - 1);
-  const uint32_t key = stream_key(seed);
-  uint8_t* meta = dst;
-  uint8_t* stream = dst + layout.levels_offset;
-  uint8_t levels[kChunk];
+  encode_levels(params, layout, src, seed, dst);
 
   // Padding bytes are zero so that equal inputs give equal buffers.
   const size_t meta_bytes = static_cast<size_t>(layout.buckets) * 2 * sizeof(float);
-  std::memset(meta + meta_bytes, 0, layout.levels_offset - meta_bytes);
+  std::memset(dst + meta_bytes, 0, layout.levels_offset - meta_bytes);
   const size_t levels_end = layout.levels_offset + layout.levels_bytes;
   std::memset(dst + levels_end, 0, layout.raw_offset - levels_end);
-
-  BucketCode code{};
-  int64_t coded_bucket = -1;
-  for (int64_t chunk = 0; chunk < layout.quantized; chunk += kChunk) {
-    const int64_t chunk_end = std::min(chunk + kChunk, layout.quantized);
-    for (int64_t i = chunk; i < chunk_end;) {
-      const int64_t b = i / bucket;
-      const int64_t bucket_end = std::min((b + 1) * bucket, layout.quantized);
-      if (b != coded_bucket) {  // first piece of this bucket: scan all of it
-        code = encode_bucket(src + b * bucket, bucket_end - b * bucket, params.bits);
-        const float pair[2] = {code.min, code.scale};
-        std::memcpy(meta + b * sizeof(pair), pair, sizeof(pair));
-        coded_bucket = b;
-      }
-      const int64_t end = std::min(bucket_end, chunk_end);
-      uint8_t* out = levels + (i - chunk);
-      if (!code.finite) {
-        std::memset(out, 0, static_cast<size_t>(end - i));
-      } else if (params.stochastic) {
-        quantize_stochastic(src + i, end - i, code, max_level, static_cast<uint32_t>(i), key,
-                            out);
-      } else {
-        quantize_nearest(src + i, end - i, code, max_level, out);
-      }
-      i = end;
-    }
-    const int64_t count = chunk_end - chunk;
-    const int64_t groups = (count + 7) / 8;
-    std::memset(levels + count, 0, static_cast<size_t>(groups * 8 - count));
-    pack(params.bits, levels, groups, stream + chunk / 8 * params.bits);
-  }
-
   std::memcpy(dst + layout.raw_offset, src + layout.quantized,
               static_cast<size_t>(n - layout.quantized) * sizeof(float));
 }

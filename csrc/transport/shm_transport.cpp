@@ -37,7 +37,7 @@ constexpr size_t kCacheLine = 64;
 // enough not to hold an oversubscribed core for long (a pause is ~10-150 cycles).
 constexpr int kSpinPasses = 200;
 // Most bytes one push() or pull() moves before publishing: the peer starts copying out
-// while we copy in (2x the throughput of whole-ring steps), and other peers get a turn.
+// while we copy in (~1.8x the throughput of whole-ring steps), and other peers get a turn.
 constexpr uint64_t kMaxStepBytes = 256 << 10;
 // Longest single sleep, so that the deadline is checked even if nobody rings.
 constexpr std::chrono::milliseconds kMaxSleep{50};

@@ -1,0 +1,114 @@
+"""The CGX_* table: strict parsing, clear errors, and settings that reach the backend."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cgx
+from cgx.backend import to_settings
+from cgx.config import VARIABLES, from_env
+
+
+def test_defaults_follow_torch_cgx():
+    config = from_env({})
+    assert (config.bits, config.bucket_size, config.minimal_size) == (32, 512, 16)
+    assert config.inner_communicator == "SHM" and config.inner_reduction == "SRA"
+    assert not config.compression_enabled
+
+
+@pytest.mark.parametrize(
+    "variable, text, field, value",
+    [
+        ("CGX_COMPRESSION_QUANTIZATION_BITS", "4", "bits", 4),
+        ("CGX_COMPRESSION_QUANTIZATION_BITS", " 8 ", "bits", 8),
+        ("CGX_COMPRESSION_BUCKET_SIZE", "1024", "bucket_size", 1024),
+        ("CGX_COMPRESSION_MINIMAL_SIZE", "0", "minimal_size", 0),
+        ("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "yes", "skip_incomplete_buckets", True),
+        ("CGX_COMPRESSION_STOCHASTIC_ROUNDING", "On", "stochastic_rounding", True),
+        ("CGX_COMPRESSION_SEED", "123", "seed", 123),
+        ("CGX_INNER_COMMUNICATOR_TYPE", "gloo", "inner_communicator", "GLOO"),
+        ("CGX_INNER_REDUCTION_TYPE", "RING", "inner_reduction", "Ring"),
+        ("CGX_HOSTNAME", "node7", "hostname", "node7"),
+        ("CGX_SHM_RING_BYTES", "65536", "shm_ring_bytes", 65536),
+    ],
+)
+def test_parses_each_variable(variable, text, field, value):
+    assert getattr(from_env({variable: text}), field) == value
+
+
+@pytest.mark.parametrize(
+    "variable, text",
+    [
+        ("CGX_COMPRESSION_QUANTIZATION_BITS", "12abc"),
+        ("CGX_COMPRESSION_QUANTIZATION_BITS", "9"),
+        ("CGX_COMPRESSION_QUANTIZATION_BITS", ""),
+        ("CGX_COMPRESSION_BUCKET_SIZE", "0"),
+        ("CGX_COMPRESSION_MINIMAL_SIZE", "-1"),
+        ("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "2"),
+        ("CGX_INNER_COMMUNICATOR_TYPE", "MPI"),
+        ("CGX_INNER_REDUCTION_TYPE", "tree"),
+        ("CGX_HOSTNAME", "  "),
+        ("CGX_SHM_RING_BYTES", "1k"),
+    ],
+)
+def test_bad_values_name_the_variable_and_what_it_accepts(variable, text):
+    var = next(v for v in VARIABLES if v.name == variable)
+    with pytest.raises(ValueError) as info:
+        from_env({variable: text})
+    assert variable in str(info.value) and var.accepted in str(info.value)
+
+
+def test_config_in_python_is_checked_like_the_environment():
+    with pytest.raises(ValueError, match="bits"):
+        cgx.Config(bits=0)
+    with pytest.raises(ValueError, match="inner_reduction"):
+        cgx.Config(inner_reduction="tree")
+    assert cgx.Config(inner_reduction="ring").inner_reduction == "Ring"
+
+
+def test_every_setting_reaches_the_backend():
+    config = cgx.Config(bits=3, bucket_size=77, minimal_size=5, skip_incomplete_buckets=True,
+                        stochastic_rounding=True, seed=99, inner_communicator="GLOO",
+                        inner_reduction="Ring", hostname="h1", shm_ring_bytes=8192)
+    dist.init_process_group("cgx", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=10), pg_options=config)
+    try:
+        settings = cgx.get_backend().settings
+        assert settings.bits == 3 and settings.bucket_size == 77 and settings.minimal_size == 5
+        assert settings.skip_incomplete_buckets and settings.stochastic_rounding
+        assert settings.seed == 99 and settings.hostname == "h1" and settings.shm_ring_bytes == 8192
+        assert settings.inner_communicator == cgx._C.InnerCommunicator.GLOO
+        assert settings.inner_reduction == cgx._C.ReductionAlgorithm.Ring
+        t = torch.randn(1000)
+        expected = t.clone()
+        dist.all_reduce(t)  # one rank: nothing to exchange, the values stay as they are
+        assert torch.equal(t, expected)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_settings_round_trip_field_by_field():
+    config = cgx.Config(bits=6, bucket_size=1000, minimal_size=0, seed=2**63, hostname="x")
+    settings = to_settings(config)
+    for field in ("bits", "bucket_size", "minimal_size", "skip_incomplete_buckets",
+                  "stochastic_rounding", "seed", "hostname", "shm_ring_bytes"):
+        assert getattr(settings, field) == getattr(config, field), field
+
+
+def test_wrong_pg_options_type_is_rejected():
+    with pytest.raises(TypeError, match="cgx.Config"):
+        cgx.create_backend(None, backend_options={"bits": 4})
+
+
+def test_python_m_cgx_prints_the_table():
+    out = subprocess.run([sys.executable, "-m", "cgx"], capture_output=True, text=True,
+                         env={"CGX_COMPRESSION_QUANTIZATION_BITS": "4", "PATH": ""}, check=True)
+    for var in VARIABLES:
+        assert var.name in out.stdout
+    assert "4  environment" in out.stdout.replace("   ", "  ")

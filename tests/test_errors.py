@@ -1,0 +1,131 @@
+"""Bad input and faults: a clear exception on every rank, within the timeout, never a
+hang or garbage; the group stays usable after a rejected call."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import RankError, init_cgx, run_ranks, values
+
+
+def _mismatched_sizes(rank, world):
+    import cgx
+
+    init_cgx(rank, world, timeout_s=30, pg_options=cgx.Config(bits=4))
+    t = torch.randn(1000 + (rank == world - 1) * 24)
+    try:
+        dist.all_reduce(t)
+        first = "no error"
+    except RuntimeError as e:
+        first = str(e)
+    # Rejected before any data moved: the group still works.
+    ok = torch.ones(5000)
+    dist.all_reduce(ok)
+    return first, bool((ok == world).all())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_different_sizes_raise_on_every_rank(world):
+    for message, still_works in values(run_ranks(_mismatched_sizes, world)):
+        assert "ranks were given different calls" in message
+        assert "1000 elements" in message and "1024 elements" in message
+        assert still_works
+
+
+def _bad_tensors(rank, world):
+    import cgx
+
+    init_cgx(rank, world, pg_options=cgx.Config(bits=4, minimal_size=0))
+    out = {}
+    sparse = torch.randn(100, 100).to_sparse()
+    try:
+        dist.all_reduce(sparse)
+        out["sparse"] = "no error"
+    except RuntimeError as e:
+        out["sparse"] = str(e)
+    empty = torch.empty(0)
+    dist.all_reduce(empty)
+    out["empty"] = empty.numel()
+    # Non-contiguous input is reduced in place through its view.
+    base = torch.ones(300, 300)
+    view = base[:, ::3]
+    dist.all_reduce(view)
+    out["strided"] = bool((view == world).all()) and bool((base[:, 1] == 1).all())
+    try:
+        dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.AVG)
+        out["int_avg"] = "no error"
+    except (RuntimeError, ValueError) as e:
+        out["int_avg"] = str(e)
+    return out
+
+
+def test_sparse_empty_strided_and_bad_op():
+    for r in values(run_ranks(_bad_tensors, 2)):
+        assert "sparse tensors are not supported" in r["sparse"]
+        assert r["empty"] == 0
+        assert r["strided"]
+        assert "AVG needs floating-point" in r["int_avg"]
+
+
+def _init_only(rank, world):
+    init_cgx(rank, world)
+    return "initialized"
+
+
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("CGX_COMPRESSION_QUANTIZATION_BITS", "12abc"),
+        ("CGX_COMPRESSION_QUANTIZATION_BITS", "0"),
+        ("CGX_COMPRESSION_BUCKET_SIZE", "-4"),
+        ("CGX_INNER_REDUCTION_TYPE", "tree"),
+        ("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "maybe"),
+    ],
+)
+def test_bad_environment_value_raises_value_error_at_init(variable, value):
+    for r in run_ranks(_init_only, 2, env={variable: value}):
+        assert isinstance(r, RankError) and r.type == "ValueError", r
+        assert variable in r.message and repr(value) in r.message
+
+
+def _dies_mid_collective(rank, world, timeout_s):
+    import cgx
+
+    init_cgx(rank, world, timeout_s=timeout_s, pg_options=cgx.Config(bits=4, shm_ring_bytes=65536))
+    t = torch.randn(4_000_000)
+    dist.all_reduce(t)  # a healthy call first
+    if rank == world - 1:
+        dist.all_reduce(t, async_op=True)  # starts streaming, then the process vanishes
+        os._exit(1)
+    # The call matched with the dead rank's usually fails part-way; if that rank got
+    # through it before dying, the next call must fail.
+    outcome, elapsed = "no error", 0.0
+    for _ in range(2):
+        start = time.monotonic()
+        try:
+            dist.all_reduce(t)
+        except RuntimeError as e:
+            outcome, elapsed = str(e), time.monotonic() - start
+            break
+    try:  # later calls fail at once instead of waiting again
+        dist.all_reduce(t)
+        later = "no error"
+    except RuntimeError as e:
+        later = str(e)
+    return outcome, elapsed, later
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dead_peer_raises_within_timeout(world):
+    timeout_s = 5.0
+    results = run_ranks(_dies_mid_collective, world, args=(timeout_s,), expect_exit={world - 1})
+    assert results[-1] is None
+    for outcome, elapsed, later in values(results[:-1]):
+        assert "timed out" in outcome or "failed" in outcome, outcome
+        assert elapsed < timeout_s + 5, elapsed
+        assert "unusable after an earlier failure" in later
