@@ -111,7 +111,10 @@ def run_ranks(
             else:
                 raise AssertionError(f"rank {rank} died with exit code {process.exitcode}")
     leaked = cgx_shm_entries() - shm_before
-    assert not leaked, f"left in /dev/shm: {sorted(leaked)}"
+    if leaked:
+        errors = [f"rank {i}: {r.type}: {r.message}" for i, r in enumerate(results)
+                  if isinstance(r, RankError)]
+        raise AssertionError(f"left in /dev/shm: {sorted(leaked)}; rank errors: {errors}")
     return results
 
 

@@ -107,11 +107,12 @@ def test_wrong_pg_options_type_is_rejected():
         cgx.create_backend(None, backend_options={"bits": 4})
 
 
-def test_python_m_cgx_prints_the_table():
+def test_python_m_cgx_prints_the_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CGX_")}
     env["CGX_COMPRESSION_QUANTIZATION_BITS"] = "4"
+    # From an empty folder: the source tree's cgx/ has no compiled module.
     out = subprocess.run([sys.executable, "-m", "cgx"], capture_output=True, text=True, env=env,
-                         check=True)
+                         cwd=tmp_path, check=True)
     rows = {line.split()[0]: line.split()[1:3] for line in out.stdout.splitlines()}
     assert set(rows) == {var.name for var in VARIABLES}
     assert rows["CGX_COMPRESSION_QUANTIZATION_BITS"] == ["4", "environment"]

@@ -38,13 +38,12 @@ std::string unguessable_name() {
 
 std::unique_ptr<transport::Transport> connect(const c10::intrusive_ptr<c10d::Store>& store,
                                               int rank, int size,
-                                              std::chrono::milliseconds timeout,
                                               const c10::intrusive_ptr<c10d::Backend>& exact,
-                                              const Settings& options, int& num_hosts) {
+                                              const Settings& settings, int& num_hosts) {
   StoreAdapter kv(store);
-  const auto hosts = topology::HostMap::exchange(kv, rank, size, options.hostname);
+  const auto hosts = topology::HostMap::exchange(kv, rank, size, settings.hostname);
   num_hosts = hosts.num_hosts();
-  const bool shm = options.inner_communicator == InnerCommunicator::SHM;
+  const bool shm = settings.inner_communicator == InnerCommunicator::SHM;
   const auto local_ranks = hosts.ranks_on_host_of(rank);
 
   std::unique_ptr<transport::Transport> local;
@@ -58,7 +57,7 @@ std::unique_ptr<transport::Transport> connect(const c10::intrusive_ptr<c10d::Sto
     const auto name = kv.get(key);
     local = std::make_unique<transport::ShmTransport>(
         rank, local_ranks, std::string(name.begin(), name.end()),
-        static_cast<size_t>(options.shm_ring_bytes), kv, timeout);
+        static_cast<size_t>(settings.shm_ring_bytes), kv);
   }
   std::vector<bool> remote(size, false);
   bool any_remote = false;
@@ -85,7 +84,7 @@ ProcessGroupCGX::ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, i
       timeout_(timeout),
       exact_(std::move(exact)) {
   TORCH_CHECK(exact_, "cgx: the exact (Gloo) backend is missing");
-  transport_ = connect(store, rank, size, timeout, exact_, settings_, num_hosts_);
+  transport_ = connect(store, rank, size, exact_, settings_, num_hosts_);
 }
 
 ProcessGroupCGX::~ProcessGroupCGX() { shutdown(); }

@@ -6,7 +6,8 @@
 // Structure: values are processed in chunks of kChunk (a multiple of 8, so chunks start on
 // whole bytes of the level stream). Within a chunk, each bucket is scanned for min/max and
 // then quantized while still in L1 into one byte per level; the chunk's levels are then
-// packed into the bit stream with a per-width routine. Decoding runs the same walk backwards.
+// packed into the bit stream by a per-width routine. Decoding unpacks a chunk to one byte
+// per level, then dequantizes it bucket by bucket.
 #include "quantizer.h"
 
 #include <algorithm>
@@ -277,18 +278,16 @@ CGX_AVX2_CLONE void encode_levels(const QuantizerParams& params, const Layout& l
   uint8_t* stream = dst + layout.levels_offset;
   uint8_t levels[kChunk];
 
+  // Bucket b spans [bucket_start, bucket_end); pieces of it are cut at chunk boundaries.
+  int64_t b = 0, bucket_start = 0, bucket_end = std::min(bucket, layout.quantized);
   BucketCode code{};
-  int64_t coded_bucket = -1;
   for (int64_t chunk = 0; chunk < layout.quantized; chunk += kChunk) {
     const int64_t chunk_end = std::min(chunk + kChunk, layout.quantized);
     for (int64_t i = chunk; i < chunk_end;) {
-      const int64_t b = i / bucket;
-      const int64_t bucket_end = std::min((b + 1) * bucket, layout.quantized);
-      if (b != coded_bucket) {  // first piece of this bucket: scan all of it
-        code = encode_bucket(src + b * bucket, bucket_end - b * bucket, params.bits);
+      if (i == bucket_start) {  // first piece of the bucket: scan all of it
+        code = encode_bucket(src + bucket_start, bucket_end - bucket_start, params.bits);
         const float pair[2] = {code.min, code.scale};
         std::memcpy(meta + b * sizeof(pair), pair, sizeof(pair));
-        coded_bucket = b;
       }
       const int64_t end = std::min(bucket_end, chunk_end);
       uint8_t* out = levels + (i - chunk);
@@ -301,6 +300,11 @@ CGX_AVX2_CLONE void encode_levels(const QuantizerParams& params, const Layout& l
         quantize_nearest(src + i, end - i, code, max_level, out);
       }
       i = end;
+      if (i == bucket_end) {
+        ++b;
+        bucket_start = bucket_end;
+        bucket_end += std::min(bucket, layout.quantized - bucket_end);
+      }
     }
     const int64_t count = chunk_end - chunk;
     const int64_t groups = (count + 7) / 8;
@@ -316,16 +320,20 @@ CGX_AVX2_CLONE void decode_levels(const QuantizerParams& params, const Layout& l
   const uint8_t* stream = src + layout.levels_offset;
   uint8_t levels[kChunk];
 
+  int64_t b = 0, bucket_end = std::min(bucket, layout.quantized);
   for (int64_t chunk = 0; chunk < layout.quantized; chunk += kChunk) {
     const int64_t chunk_end = std::min(chunk + kChunk, layout.quantized);
     unpack(params.bits, stream + chunk / 8 * params.bits, (chunk_end - chunk + 7) / 8, levels);
     for (int64_t i = chunk; i < chunk_end;) {
-      const int64_t b = i / bucket;
-      const int64_t end = std::min((b + 1) * bucket, chunk_end);
+      const int64_t end = std::min(bucket_end, chunk_end);
       float pair[2];  // (min, scale)
       std::memcpy(pair, meta + b * sizeof(pair), sizeof(pair));
       dequantize(levels + (i - chunk), end - i, pair[0], pair[1], add, dst + i);
       i = end;
+      if (i == bucket_end) {
+        ++b;
+        bucket_end += std::min(bucket, layout.quantized - bucket_end);
+      }
     }
   }
 }

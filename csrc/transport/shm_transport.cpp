@@ -480,8 +480,7 @@ struct ShmTransport::Impl {
 
 ShmTransport::ShmTransport(int rank, std::vector<int> local_ranks,
                            const std::string& name_prefix, size_t ring_bytes,
-                           KeyValueStore& store, Clock::duration /*timeout*/)
-    // Every wait here is a store wait, bounded by the store's own timeout.
+                           KeyValueStore& store)
     : impl_(std::make_unique<Impl>(rank, local_ranks, name_prefix, ring_bytes, store)) {}
 
 ShmTransport::~ShmTransport() = default;

@@ -22,9 +22,10 @@ class ShmTransport final : public Transport {
   // `local_ranks`: the group ranks on this host, including `rank`, in increasing order.
   // `name_prefix`: unguessable, identical on all local ranks of this group (the caller
   // agrees it through the store). `ring_bytes`: capacity of each ring. Blocks until every
-  // local peer has attached (store waits) and throws std::runtime_error on failure.
+  // local peer has attached (store waits, bounded by the store's own timeout) and throws
+  // std::runtime_error on failure.
   ShmTransport(int rank, std::vector<int> local_ranks, const std::string& name_prefix,
-               size_t ring_bytes, KeyValueStore& store, Clock::duration timeout);
+               size_t ring_bytes, KeyValueStore& store);
   ~ShmTransport() override;
 
   ShmTransport(const ShmTransport&) = delete;
