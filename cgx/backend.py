@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import socket
 
 import torch
 import torch.distributed as dist
 
 from cgx import _C
-from cgx.config import Config, from_env
+from cgx.config import VARIABLES, Config, from_env
+
+# Settings every rank of a group must share (the host name is each rank's own).
+_SHARED_FIELDS = tuple(v.field for v in VARIABLES if v.field != "hostname")
 
 
 def to_settings(config: Config) -> _C.Settings:
@@ -45,10 +49,28 @@ def create_backend(dist_options, backend_options=None) -> _C.ProcessGroupCGX:
         )
     store = dist_options.store
     rank, size, timeout = dist_options.group_rank, dist_options.group_size, dist_options.timeout
-    exact = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
-    return _C.ProcessGroupCGX(
-        dist.PrefixStore("cgx/", store), rank, size, timeout, exact, to_settings(config)
-    )
+    # Every rank counts the groups it created on this store prefix, so the n-th one gets
+    # fresh keys even where an earlier one (destroyed, re-initialized) left keys behind.
+    incarnation = store.add(f"cgx/incarnation/{rank}", 1)
+    cgx_store = dist.PrefixStore(f"cgx/{incarnation}/", store)
+    _check_same_config(cgx_store, rank, size, config)
+    exact = dist.ProcessGroupGloo(dist.PrefixStore(f"gloo/{incarnation}/", store), rank, size, timeout)
+    return _C.ProcessGroupCGX(cgx_store, rank, size, timeout, exact, to_settings(config))
+
+
+def _check_same_config(store: dist.Store, rank: int, size: int, config: Config) -> None:
+    """Ranks with different settings would take different paths and meet only at the
+    timeout: compare them at creation instead, and fail on every rank alike."""
+    store.set(f"config/{rank}", json.dumps([getattr(config, f) for f in _SHARED_FIELDS]))
+    configs = [json.loads(store.get(f"config/{r}")) for r in range(size)]
+    for r in range(1, size):
+        for field, a, b in zip(_SHARED_FIELDS, configs[0], configs[r]):
+            if a != b:
+                name = next(v.name for v in VARIABLES if v.field == field)
+                raise ValueError(
+                    f"cgx: ranks of the group disagree on {name}: rank 0 has {a!r}, "
+                    f"rank {r} has {b!r}"
+                )
 
 
 def get_backend(group: dist.ProcessGroup | None = None) -> _C.ProcessGroupCGX:

@@ -79,9 +79,11 @@ def _nonempty(text: str) -> str:
 VARIABLES: tuple[Variable, ...] = (
     Variable("CGX_COMPRESSION_QUANTIZATION_BITS", "bits", 32, "1..8, or 32 (off)", _bits,
              "Bits per value on the wire. 32 turns compression off: every allreduce is exact."),
-    Variable("CGX_COMPRESSION_BUCKET_SIZE", "bucket_size", 512, "integer >= 1", _int_in(1),
+    Variable("CGX_COMPRESSION_BUCKET_SIZE", "bucket_size", 512, "integer in 1..2^30",
+             _int_in(1, 2**30),
              "Values per quantization bucket (each bucket sends its own min and scale)."),
-    Variable("CGX_COMPRESSION_MINIMAL_SIZE", "minimal_size", 16, "integer >= 0", _int_in(0),
+    Variable("CGX_COMPRESSION_MINIMAL_SIZE", "minimal_size", 16, "integer in 0..2^62",
+             _int_in(0, 2**62),
              "Tensors with at most this many elements are reduced exactly (uncompressed)."),
     Variable("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "skip_incomplete_buckets", False,
              "0/1, true/false, yes/no, on/off", _bool,
@@ -89,7 +91,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CGX_COMPRESSION_STOCHASTIC_ROUNDING", "stochastic_rounding", False,
              "0/1, true/false, yes/no, on/off", _bool,
              "Round stochastically (unbiased) instead of to the nearest level."),
-    Variable("CGX_COMPRESSION_SEED", "seed", 0, "integer >= 0", _int_in(0, 2**64 - 1),
+    Variable("CGX_COMPRESSION_SEED", "seed", 0, "integer in 0..2^64-1", _int_in(0, 2**64 - 1),
              "Seed of the stochastic-rounding streams: the same seed gives the same results."),
     Variable("CGX_INNER_COMMUNICATOR_TYPE", "inner_communicator", "SHM", "SHM | GLOO",
              _choice("SHM", "GLOO"),
@@ -103,8 +105,8 @@ VARIABLES: tuple[Variable, ...] = (
              _nonempty,
              "Host identity: ranks with the same value share memory. Set it to different "
              "values to force the cross-host path (tests, network namespaces)."),
-    Variable("CGX_SHM_RING_BYTES", "shm_ring_bytes", 4 << 20, "integer >= 4096",
-             _int_in(4096),
+    Variable("CGX_SHM_RING_BYTES", "shm_ring_bytes", 4 << 20, "integer in 4096..2^36",
+             _int_in(4096, 2**36),
              "Capacity of each shared-memory ring (one per ordered pair of local ranks); "
              "larger messages stream through it."),
 )

@@ -114,7 +114,8 @@ PYBIND11_MODULE(_C, m) {
                     c10::intrusive_ptr<c10d::Backend>, Settings>(),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("exact"), py::arg("settings"), py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("settings", &ProcessGroupCGX::settings)
+      // A copy: the live settings are const, shared with the worker thread.
+      .def_property_readonly("settings", [](const ProcessGroupCGX& pg) { return pg.settings(); })
       .def_property_readonly("num_hosts", &ProcessGroupCGX::num_hosts)
       .def(
           "stats",

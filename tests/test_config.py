@@ -50,6 +50,7 @@ def test_parses_each_variable(variable, text, field, value):
         ("CGX_COMPRESSION_QUANTIZATION_BITS", "9"),
         ("CGX_COMPRESSION_QUANTIZATION_BITS", ""),
         ("CGX_COMPRESSION_BUCKET_SIZE", "0"),
+        ("CGX_COMPRESSION_BUCKET_SIZE", "9223372036854775807"),
         ("CGX_COMPRESSION_MINIMAL_SIZE", "-1"),
         ("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "2"),
         ("CGX_INNER_COMMUNICATOR_TYPE", "MPI"),

@@ -129,3 +129,34 @@ def test_dead_peer_raises_within_timeout(world):
         assert "timed out" in outcome or "failed" in outcome, outcome
         assert elapsed < timeout_s + 5, elapsed
         assert "unusable after an earlier failure" in later
+
+
+def _mismatched_settings(rank, world):
+    import cgx
+
+    init_cgx(rank, world, pg_options=cgx.Config(bits=4 if rank == 0 else 8))
+    return "initialized"
+
+
+def test_ranks_with_different_settings_fail_at_creation():
+    for r in run_ranks(_mismatched_settings, 3):
+        assert isinstance(r, RankError) and r.type == "ValueError", r
+        assert "disagree on CGX_COMPRESSION_QUANTIZATION_BITS" in r.message
+        assert "rank 0 has 4, rank 1 has 8" in r.message
+
+
+def _high_tag(rank, world):
+    init_cgx(rank, world)
+    try:
+        if rank == 0:
+            dist.send(torch.ones(2), dst=1, tag=1 << 30)
+        else:
+            dist.recv(torch.ones(2), src=0, tag=1 << 30)
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def test_user_tags_in_cgx_range_are_rejected():
+    for message in values(run_ranks(_high_tag, 2)):
+        assert "tags must be in 0.." in message

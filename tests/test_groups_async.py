@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import threading
 
 import torch
@@ -59,7 +60,7 @@ def _subgroups_and_concurrency(rank, world):
     fut = work.get_future()
     value = fut.wait()
     results["future_value_is_output"] = value[0].data_ptr() == t.data_ptr()
-    results["completed"] = work.is_completed() and work.wait(timeout=__import__("datetime").timedelta(seconds=5))
+    results["completed"] = work.wait(timeout=datetime.timedelta(seconds=5)) and work.is_completed()
     results["future_result"] = bool((t == world).all())
     chained = dist.all_reduce(torch.ones(100_000), async_op=True).get_future().then(
         lambda f: f.value()[0].sum().item())
@@ -106,3 +107,61 @@ def test_ddp_keeps_replicas_identical():
     # Gradients went through the compressed path, about 4x smaller than float32.
     assert stats["calls"] >= 5
     assert stats["bytes_sent"] * 3 < stats["uncompressed_bytes"]
+
+
+def _work_semantics(rank, world):
+    import cgx
+
+    init_cgx(rank, world, pg_options=cgx.Config(bits=4, minimal_size=16))
+    out = {}
+    # wait() returns only once the future is complete too.
+    races = 0
+    for _ in range(300):
+        w = dist.all_reduce(torch.ones(64), async_op=True)
+        w.wait()
+        races += not w.get_future().done()
+    out["future_done_after_wait"] = races == 0
+
+    # A future callback that runs another collective of the group and waits for it (as
+    # hooks chaining allreduces do) must not deadlock the group.
+    nested = torch.ones(1000)
+    chained = dist.all_reduce(torch.ones(1000), async_op=True).get_future().then(
+        lambda f: dist.all_reduce(nested, async_op=True).get_future().wait()[0].sum().item())
+    out["nested"] = chained.wait() == 1000 * world
+
+    # barrier() waits for compressed work queued before it.
+    pending = [dist.all_reduce(torch.ones(200_000), async_op=True) for _ in range(3)]
+    dist.barrier()
+    out["barrier_orders"] = all(w.is_completed() for w in pending)
+
+    # allreduce_coalesced hands back every tensor, in order, exact and compressed alike.
+    small, big = torch.ones(4), torch.ones(1000)
+    fut = dist.all_reduce_coalesced([small, big], async_op=True)  # a Future already
+    shapes = [tuple(t.shape) for t in fut.wait()]
+    out["coalesced_outputs"] = shapes == [(4,), (1000,)]
+
+    # Leaf tensors that require grad: reduced in place like Gloo does, on both paths.
+    for n, dtype, op in ((8, torch.float32, dist.ReduceOp.AVG), (1000, torch.float32, dist.ReduceOp.AVG),
+                         (1000, torch.float16, dist.ReduceOp.SUM)):
+        leaf = torch.ones(n, dtype=dtype, requires_grad=True)
+        dist.all_reduce(leaf, op=op)
+        expected = 1.0 if op == dist.ReduceOp.AVG else float(world)
+        out[f"requires_grad_{n}_{dtype}_{op}"] = bool((leaf.detach() == expected).all())
+
+    # Exact-path AVG: a real Work (wait with timeout, result, future).
+    t = torch.full((8,), 2.0)
+    w = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
+    out["exact_avg_wait_timeout"] = w.wait(timeout=datetime.timedelta(seconds=30))
+    out["exact_avg_result"] = bool((w.result()[0] == 2.0).all())
+
+    # Settings read from Python are a copy: writing to it changes nothing live.
+    settings = cgx.get_backend().settings
+    settings.bits = 1
+    out["settings_copy"] = cgx.get_backend().settings.bits == 4
+    return out
+
+
+def test_work_future_barrier_and_autograd_semantics():
+    for rank, r in enumerate(values(run_ranks(_work_semantics, 2))):
+        failed = [k for k, v in r.items() if not v]
+        assert not failed, (rank, failed)

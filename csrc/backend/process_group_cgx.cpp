@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 #include <cstdio>
 #include <random>
@@ -18,12 +19,17 @@ namespace cgx::backend {
 
 namespace {
 
+// Our transport tags start at 2^30; user send/recv tags must stay below.
+constexpr int kMaxUserTag = (1 << 30) - 1;
+
 void validate(const Settings& o) {
   TORCH_CHECK_VALUE((o.bits >= 1 && o.bits <= 8) || o.bits == 32,
                     "cgx: bits must be in 1..8 or 32 (no compression), got ", o.bits);
-  TORCH_CHECK_VALUE(o.bucket_size >= 1, "cgx: bucket_size must be >= 1, got ", o.bucket_size);
+  TORCH_CHECK_VALUE(o.bucket_size >= 1 && o.bucket_size <= kMaxBucketSize,
+                    "cgx: bucket_size must be in 1..", kMaxBucketSize, ", got ", o.bucket_size);
   TORCH_CHECK_VALUE(o.minimal_size >= 0, "cgx: minimal_size must be >= 0, got ", o.minimal_size);
-  TORCH_CHECK_VALUE(o.shm_ring_bytes >= 4096, "cgx: shm_ring_bytes must be >= 4096, got ",
+  TORCH_CHECK_VALUE(o.shm_ring_bytes >= 4096 && o.shm_ring_bytes <= kMaxShmRingBytes,
+                    "cgx: shm_ring_bytes must be in 4096..", kMaxShmRingBytes, ", got ",
                     o.shm_ring_bytes);
   TORCH_CHECK_VALUE(!o.hostname.empty(), "cgx: hostname must not be empty");
 }
@@ -74,6 +80,33 @@ const char* op_name(c10d::ReduceOp::RedOpType op) {
   return op == c10d::ReduceOp::AVG ? "AVG" : "SUM";
 }
 
+// now + timeout, saturating (a timeout of years must not wrap into the past).
+transport::Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+  const auto now = transport::Clock::now();
+  const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(
+      transport::Clock::time_point::max() - now);
+  return timeout < room ? now + timeout : transport::Clock::time_point::max();
+}
+
+// Shapes and dtypes of the tensors of a call, so that coalesced calls whose tensors
+// differ between ranks are caught even when the total size agrees (FNV-1a).
+uint64_t layout_hash(const std::vector<at::Tensor>& tensors) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  auto mix = [&h](int64_t v) {
+    for (int i = 0; i < 8; ++i) h = (h ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xff)) * 0x100000001b3ULL;
+  };
+  for (const auto& t : tensors) {
+    mix(static_cast<int64_t>(t.scalar_type()));
+    mix(t.numel());
+  }
+  return h;
+}
+
+void check_tag(int tag) {
+  TORCH_CHECK_VALUE(tag >= 0 && tag <= kMaxUserTag, "cgx: send/recv tags must be in 0..",
+                    kMaxUserTag, " (higher tags are cgx's own), got ", tag);
+}
+
 }  // namespace
 
 ProcessGroupCGX::ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, int rank,
@@ -84,6 +117,9 @@ ProcessGroupCGX::ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, i
       timeout_(timeout),
       exact_(std::move(exact)) {
   TORCH_CHECK(exact_, "cgx: the exact (Gloo) backend is missing");
+  TORCH_CHECK(exact_->getRank() == rank && exact_->getSize() == size,
+              "cgx: the exact backend has rank ", exact_->getRank(), " of ", exact_->getSize(),
+              ", expected ", rank, " of ", size);
   transport_ = connect(store, rank, size, exact_, settings_, num_hosts_);
 }
 
@@ -121,7 +157,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce(std::vector<at::Tensor
                                                           const c10d::AllreduceOptions& opts) {
   check_dense_cpu(tensors, "allreduce");
   if (tensors.size() == 1 && compressible(tensors[0], opts.reduceOp))
-    return compressed_allreduce(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, {});
+    return compressed_allreduce(tensors, tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, {});
   return exact_allreduce(tensors, opts.reduceOp, /*coalesced=*/false);
 }
 
@@ -133,7 +169,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_coalesced(
   c10::intrusive_ptr<c10d::Work> exact_work;
   if (!exact.empty()) exact_work = exact_allreduce(exact, opts.reduceOp, /*coalesced=*/true);
   if (compressed.empty()) return exact_work;
-  return compressed_allreduce(std::move(compressed), opts.reduceOp,
+  return compressed_allreduce(std::move(compressed), tensors, opts.reduceOp,
                               c10d::OpType::ALLREDUCE_COALESCED, std::move(exact_work));
 }
 
@@ -157,49 +193,64 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::
     TORCH_CHECK(at::isFloatingType(t.scalar_type()),
                 "cgx allreduce: ReduceOp.AVG needs floating-point tensors, got ", t.scalar_type());
   auto sum = run(c10d::ReduceOp::SUM);
+  auto work = c10::make_intrusive<CGXWork>(getRank(), c10d::OpType::ALLREDUCE, tensors);
   const int size = getSize();
-  auto averaged = sum->getFuture()->then(
-      [tensors, size](c10::ivalue::Future& done) {
-        for (const auto& t : tensors) t.div_(size);
-        return done.value();
-      },
-      c10::ListType::create(c10::TensorType::get()));
-  return c10d::Work::create_from_future(averaged);
+  // Runs where Gloo completes its future; divides only a sum that really completed.
+  sum->getFuture()->addCallback([work, tensors, size](c10::ivalue::Future& done) {
+    std::exception_ptr error = done.hasError() ? done.exception_ptr() : nullptr;
+    if (!error) {
+      try {
+        for (const auto& t : tensors) t.detach().div_(size);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    work->settle(error);
+  });
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
-    std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
-    c10::intrusive_ptr<c10d::Work> also) {
-  auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, tensors);
+    std::vector<at::Tensor> tensors, std::vector<at::Tensor> outputs,
+    c10d::ReduceOp::RedOpType op, c10d::OpType op_type, c10::intrusive_ptr<c10d::Work> also) {
+  auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, std::move(outputs));
   const uint64_t sequence = ++sequence_;
   worker_.enqueue([this, work, tensors, op, sequence, also]() mutable {
+    std::exception_ptr error;
     try {
       TORCH_CHECK(!shut_down_, "cgx: the process group was shut down before this collective ran");
       TORCH_CHECK(broken_.empty(), "cgx: the process group is unusable after an earlier failure: ",
                   broken_);
       run_compressed(tensors, op, sequence);
       if (also) also->wait();
-      work->complete();
     } catch (...) {
-      work->fail(std::current_exception());
+      error = std::current_exception();
     }
+    CGXWork::settle_async(std::move(work), error);
   });
   return work;
 }
 
 void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
                                      c10d::ReduceOp::RedOpType op, uint64_t sequence) {
+  // Communication, not a differentiable op: write through detached views.
+  at::NoGradGuard no_grad;
   // One contiguous float32 buffer holding every tensor; in place when the single tensor
   // already is one.
   const bool in_place = tensors.size() == 1 && tensors[0].scalar_type() == at::kFloat &&
                         tensors[0].is_contiguous();
   at::Tensor flat;
+  int64_t input_bytes = 0;
   if (in_place) {
-    flat = tensors[0];
+    flat = tensors[0].detach();
+    input_bytes = flat.nbytes();
   } else {
     std::vector<at::Tensor> parts;
     parts.reserve(tensors.size());
-    for (const auto& t : tensors) parts.push_back(t.reshape(-1).to(at::kFloat));
+    for (const auto& t : tensors) {
+      parts.push_back(t.detach().reshape(-1).to(at::kFloat));
+      input_bytes += t.numel() * t.element_size();
+    }
     flat = at::cat(parts);
   }
 
@@ -210,6 +261,7 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   signature.bits = settings_.bits;
   signature.flags = static_cast<int32_t>(settings_.inner_reduction) |
                     (settings_.skip_incomplete_buckets << 4) | (settings_.stochastic_rounding << 5);
+  signature.layout = layout_hash(tensors);
   std::snprintf(signature.dtype, sizeof signature.dtype, "%s",
                 c10::toString(tensors.size() == 1 ? tensors[0].scalar_type() : at::kFloat));
   std::snprintf(signature.op, sizeof signature.op, "%s", op_name(op));
@@ -221,15 +273,19 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   options.quantizer.stochastic = settings_.stochastic_rounding;
   options.algorithm = settings_.inner_reduction;
   options.seed = collectives::stream_seed(settings_.seed, 0, 0, 0) ^ sequence;
-  options.deadline = transport::Clock::now() + timeout_;
+  options.deadline = deadline_after(timeout_);
 
   collectives::Traffic traffic;
   try {
     collectives::check_same_on_all_ranks(*transport_, getRank(), getSize(), signature,
-                                         options.deadline);
+                                         options.deadline, scratch_);
     traffic = collectives::allreduce(*transport_, getRank(), getSize(), flat.data_ptr<float>(),
                                      flat.numel(), options, scratch_);
-  } catch (const transport::TimeoutError& e) {
+  } catch (const collectives::CallMismatchError&) {
+    throw;  // only signatures moved: the group stays usable
+  } catch (const std::exception& e) {
+    // Data may be half delivered and peers out of step: nothing on this path can be
+    // trusted again.
     broken_ = e.what();
     throw;
   }
@@ -237,13 +293,14 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
     std::lock_guard<std::mutex> lock(stats_mutex_);
     stats_.calls += 1;
     stats_.bytes_sent += traffic.bytes;
-    stats_.uncompressed_bytes += traffic.values * tensors[0].element_size();
+    // In the callers' dtypes (2 bytes a value for float16 / bfloat16).
+    stats_.uncompressed_bytes += traffic.values * input_bytes / std::max<int64_t>(1, flat.numel());
   }
   if (op == c10d::ReduceOp::AVG) flat.div_(getSize());
   if (in_place) return;
   int64_t offset = 0;
   for (auto& t : tensors) {
-    t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
     offset += t.numel();
   }
 }
@@ -313,18 +370,35 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::alltoall(std::vector<at::Tensor>
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::send(std::vector<at::Tensor>& tensors,
                                                      int dst_rank, int tag) {
+  check_tag(tag);
   return exact_->send(tensors, dst_rank, tag);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recv(std::vector<at::Tensor>& tensors,
                                                      int src_rank, int tag) {
+  check_tag(tag);
   return exact_->recv(tensors, src_rank, tag);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recvAnysource(std::vector<at::Tensor>& tensors,
                                                               int tag) {
+  check_tag(tag);
   return exact_->recvAnysource(tensors, tag);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::barrier(const c10d::BarrierOptions& opts) {
-  return exact_->barrier(opts);
+  // Gloo's barrier is issued now (Gloo's program order); it completes once Gloo's barrier
+  // has and every compressed collective queued before it has run, as a barrier should.
+  auto gloo_barrier = exact_->barrier(opts);
+  auto work = c10::make_intrusive<CGXWork>(getRank(), c10d::OpType::BARRIER,
+                                           std::vector<at::Tensor>{});
+  worker_.enqueue([work, gloo_barrier]() {
+    std::exception_ptr error;
+    try {
+      gloo_barrier->wait();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    CGXWork::settle_async(work, error);
+  });
+  return work;
 }
 
 }  // namespace cgx::backend

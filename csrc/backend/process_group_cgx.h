@@ -22,6 +22,10 @@ namespace cgx::backend {
 
 enum class InnerCommunicator { SHM, GLOO };
 
+// Larger buckets buy nothing (metadata is already negligible) and would overflow sizes.
+constexpr int64_t kMaxBucketSize = int64_t{1} << 30;
+constexpr int64_t kMaxShmRingBytes = int64_t{1} << 36;
+
 // Validated settings (cgx/config.py parses CGX_* variables into this).
 struct Settings {
   int bits = 32;  // 1..8, or 32 = no compression
@@ -112,8 +116,10 @@ class ProcessGroupCGX final : public c10d::Backend {
   // Gloo allreduce, with AVG done as SUM followed by a division (Gloo has no AVG).
   c10::intrusive_ptr<c10d::Work> exact_allreduce(std::vector<at::Tensor>& tensors,
                                                  const c10d::ReduceOp& op, bool coalesced);
-  // Queues a compressed allreduce of `tensors`; the work also waits for `also` if given.
+  // Queues a compressed allreduce of `tensors`; the work, whose result is `outputs`,
+  // also waits for `also` (the exact part of a coalesced call) if given.
   c10::intrusive_ptr<c10d::Work> compressed_allreduce(std::vector<at::Tensor> tensors,
+                                                      std::vector<at::Tensor> outputs,
                                                       c10d::ReduceOp::RedOpType op,
                                                       c10d::OpType op_type,
                                                       c10::intrusive_ptr<c10d::Work> also);
@@ -127,7 +133,7 @@ class ProcessGroupCGX final : public c10d::Backend {
   std::unique_ptr<transport::Transport> transport_;
   collectives::Scratch scratch_;  // used by the worker thread only
   uint64_t sequence_ = 0;         // compressed calls issued (caller's thread)
-  // Set once a transport failure has left the group unusable; read by the worker only.
+  // Set once a failure while data moved left the group unusable; worker thread only.
   std::string broken_;
   mutable std::mutex stats_mutex_;
   Stats stats_;

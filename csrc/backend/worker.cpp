@@ -23,7 +23,12 @@ void Worker::stop() {
     stopping_ = true;
   }
   cv_.notify_one();
-  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+  if (!thread_.joinable()) return;
+  // From a task of its own (the group dropped inside its last collective): cannot join.
+  if (thread_.get_id() == std::this_thread::get_id())
+    thread_.detach();
+  else
+    thread_.join();
 }
 
 void Worker::loop() {

@@ -22,12 +22,16 @@ std::vector<uint8_t*> Scratch::buffers(const std::vector<size_t>& sizes) {
   return out;
 }
 
-Chunking::Chunking(int64_t n, int parts, int64_t bucket_size) : n_(n) {
-  const int64_t buckets = (n + bucket_size - 1) / bucket_size;
-  chunk_ = (buckets + parts - 1) / parts * bucket_size;
-}
+Chunking::Chunking(int64_t n, int parts, int64_t bucket_size)
+    : n_(n),
+      buckets_(n / bucket_size + (n % bucket_size != 0)),
+      parts_(parts),
+      bucket_size_(bucket_size) {}
 
-int64_t Chunking::offset(int i) const { return std::min(n_, chunk_ * i); }
+// Whole buckets, spread as evenly as they go: chunk i starts at bucket floor(i*B/parts).
+int64_t Chunking::offset(int i) const {
+  return std::min(n_, buckets_ * i / parts_ * bucket_size_);
+}
 
 uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk) {
   // splitmix64 over the packed coordinates: cheap, and well mixed in every bit.

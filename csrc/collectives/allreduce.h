@@ -63,7 +63,9 @@ class Chunking {
 
  private:
   int64_t n_;
-  int64_t chunk_;
+  int64_t buckets_;
+  int parts_;
+  int64_t bucket_size_;
 };
 
 // A distinct stochastic-rounding seed for each (call, compressing rank, stage, chunk).

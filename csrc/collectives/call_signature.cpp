@@ -21,6 +21,8 @@ std::pair<std::string, std::string> first_difference(const CallSignature& a,
   if (a.sequence != b.sequence)
     return {"call #" + str(a.sequence), "call #" + str(b.sequence)};
   if (a.numel != b.numel) return {str(a.numel) + " elements", str(b.numel) + " elements"};
+  if (a.layout != b.layout)
+    return {"tensors of other shapes or dtypes", "tensors of other shapes or dtypes"};
   if (std::strncmp(a.dtype, b.dtype, sizeof a.dtype) != 0)
     return {std::string("dtype ") + a.dtype, std::string("dtype ") + b.dtype};
   if (std::strncmp(a.op, b.op, sizeof a.op) != 0)
@@ -35,22 +37,24 @@ std::pair<std::string, std::string> first_difference(const CallSignature& a,
 }  // namespace
 
 void check_same_on_all_ranks(transport::Transport& transport, int rank, int size,
-                             const CallSignature& mine, transport::Clock::time_point deadline) {
-  std::vector<CallSignature> theirs(size);
+                             const CallSignature& mine, transport::Clock::time_point deadline,
+                             Scratch& scratch) {
+  auto* theirs = reinterpret_cast<CallSignature*>(
+      scratch.buffers({size * sizeof(CallSignature)}).front());
+  theirs[rank] = mine;
   std::vector<transport::Send> sends;
   std::vector<transport::Recv> recvs;
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
-    sends.push_back({p, &mine, sizeof mine});
+    sends.push_back({p, &theirs[rank], sizeof(CallSignature)});
     recvs.push_back({p, &theirs[p], sizeof(CallSignature)});
   }
   transport.exchange(sends, recvs, deadline);
-  theirs[rank] = mine;
   // Compare everyone against rank 0 so that every rank reports the same mismatch.
   for (int p = 1; p < size; ++p) {
     auto [zero, other] = first_difference(theirs[0], theirs[p]);
     if (!zero.empty())
-      throw std::runtime_error("cgx allreduce: ranks were given different calls: rank 0 has " +
+      throw CallMismatchError("cgx allreduce: ranks were given different calls: rank 0 has " +
                                zero + ", rank " + std::to_string(p) + " has " + other);
   }
 }

@@ -39,31 +39,49 @@ int C10dTransport::next_tag(std::vector<uint32_t>& counters, int peer) {
 C10dTransport::Posted C10dTransport::post(const std::vector<Send>& sends,
                                           const std::vector<Recv>& recvs) {
   Posted posted;
-  // Zero-byte messages are skipped on both sides (both know the size).
-  for (const auto& r : recvs) {
-    if (r.bytes == 0) continue;
-    std::vector<at::Tensor> t{as_bytes(r.data, r.bytes)};
-    posted.works.push_back(backend_->recv(t, r.peer, next_tag(received_, r.peer)));
-  }
-  for (const auto& s : sends) {
-    if (s.bytes == 0) continue;
-    std::vector<at::Tensor> t{as_bytes(s.data, s.bytes)};
-    posted.works.push_back(backend_->send(t, s.peer, next_tag(sent_, s.peer)));
+  try {
+    // Zero-byte messages are skipped on both sides (both know the size).
+    for (const auto& r : recvs) {
+      if (r.bytes == 0) continue;
+      std::vector<at::Tensor> t{as_bytes(r.data, r.bytes)};
+      posted.works.push_back(backend_->recv(t, r.peer, next_tag(received_, r.peer)));
+    }
+    for (const auto& s : sends) {
+      if (s.bytes == 0) continue;
+      std::vector<at::Tensor> t{as_bytes(s.data, s.bytes)};
+      posted.works.push_back(backend_->send(t, s.peer, next_tag(sent_, s.peer)));
+    }
+  } catch (const std::exception& e) {
+    // Settle what was posted before its buffers go away.
+    abandon(posted, Clock::now());
+    throw TimeoutError(std::string("cgx transport over the wrapped backend failed: ") + e.what());
   }
   return posted;
 }
 
 void C10dTransport::wait(Posted& posted, Clock::time_point deadline) {
+  std::string first_error;
   for (auto& work : posted.works) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (left.count() <= 0) left = std::chrono::milliseconds(1);
+    // Every op is waited for, also after one failed, so none outlives this call.
     try {
-      work->wait(left);
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) left = std::chrono::milliseconds(1);
+      if (!work->wait(left) && first_error.empty()) first_error = "operation aborted";
     } catch (const std::exception& e) {
-      throw TimeoutError(std::string("cgx transport over the wrapped backend failed: ") + e.what());
+      if (first_error.empty()) first_error = e.what();
     }
   }
   posted.works.clear();
+  if (!first_error.empty())
+    throw TimeoutError("cgx transport over the wrapped backend failed: " + first_error);
+}
+
+void C10dTransport::abandon(Posted& posted, Clock::time_point deadline) noexcept {
+  try {
+    wait(posted, deadline);
+  } catch (const std::exception&) {
+    // The caller is already failing with its own cause.
+  }
 }
 
 void C10dTransport::exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,

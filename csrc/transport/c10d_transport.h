@@ -22,7 +22,11 @@ class C10dTransport final : public Transport {
   };
   // Posts every op without waiting, so that another transport can progress meanwhile.
   Posted post(const std::vector<Send>& sends, const std::vector<Recv>& recvs);
+  // Waits for every posted op (all of them, even after one fails), then throws
+  // TimeoutError with the first failure.
   void wait(Posted& posted, Clock::time_point deadline);
+  // wait() for a caller that is already failing: swallows the errors.
+  void abandon(Posted& posted, Clock::time_point deadline) noexcept;
 
   void exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
                 Clock::time_point deadline) override;

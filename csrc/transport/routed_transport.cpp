@@ -27,7 +27,15 @@ void RoutedTransport::exchange(const std::vector<Send>& sends, const std::vector
 
   C10dTransport::Posted posted;
   if (remote_) posted = remote_->post(remote_sends, remote_recvs);
-  if (local_) local_->exchange(local_sends, local_recvs, deadline);
+  if (local_) {
+    try {
+      local_->exchange(local_sends, local_recvs, deadline);
+    } catch (...) {
+      // The posted ops point into the caller's buffers: settle them before unwinding.
+      if (remote_) remote_->abandon(posted, deadline);
+      throw;
+    }
+  }
   if (remote_) remote_->wait(posted, deadline);
 }
 

@@ -145,7 +145,10 @@ class Segment {
     if (ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) throw_errno("ftruncate", name, errno);
     // Reserve the pages now: a full /dev/shm then fails here, not as SIGBUS mid-exchange.
     if (int error = posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes)); error != 0) {
-      throw_errno("posix_fallocate", name, error);
+      if (error != ENOSPC) throw_errno("posix_fallocate", name, error);
+      throw std::runtime_error("cgx shm: /dev/shm has no room for " + std::to_string(bytes) +
+                               " bytes (" + name + "); lower CGX_SHM_RING_BYTES or enlarge "
+                               "/dev/shm (docker: --shm-size)");
     }
     segment.map(fd.get(), bytes);
     return segment;
