@@ -77,6 +77,8 @@ def get_backend(group: dist.ProcessGroup | None = None) -> _C.ProcessGroupCGX:
     """The ProcessGroupCGX behind a "cgx" group (the default group when None)."""
     group = group if group is not None else dist.group.WORLD
     backend = group._get_backend(torch.device("cpu"))
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps backends in a checking wrapper.
+    backend = getattr(backend, "wrapped_pg", backend)
     if not isinstance(backend, _C.ProcessGroupCGX):
         raise ValueError(f"group is not a cgx group (its CPU backend is {type(backend).__name__})")
     return backend

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -98,8 +99,11 @@ def _ddp(rank, world):
     return flat, cgx.stats()
 
 
-def test_ddp_keeps_replicas_identical():
-    per_rank = values(run_ranks(_ddp, 3))
+@pytest.mark.parametrize("debug", ["OFF", "DETAIL"])
+def test_ddp_keeps_replicas_identical(debug):
+    """Also under TORCH_DISTRIBUTED_DEBUG=DETAIL, where torch wraps the backend in a
+    checker that compares every collective (and sequence numbers) across ranks."""
+    per_rank = values(run_ranks(_ddp, 3, env={"TORCH_DISTRIBUTED_DEBUG": debug}))
     params = [p for p, _ in per_rank]
     for p in params[1:]:
         assert torch.equal(p, params[0]), "replicas drifted apart"

@@ -294,7 +294,8 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
     stats_.calls += 1;
     stats_.bytes_sent += traffic.bytes;
     // In the callers' dtypes (2 bytes a value for float16 / bfloat16).
-    stats_.uncompressed_bytes += traffic.values * input_bytes / std::max<int64_t>(1, flat.numel());
+    const double bytes_per_value = static_cast<double>(input_bytes) / flat.numel();
+    stats_.uncompressed_bytes += static_cast<uint64_t>(traffic.values * bytes_per_value);
   }
   if (op == c10d::ReduceOp::AVG) flat.div_(getSize());
   if (in_place) return;

@@ -52,6 +52,9 @@ class ProcessGroupCGX final : public c10d::Backend {
   const Settings& settings() const { return settings_; }
   int num_hosts() const { return num_hosts_; }
   void shutdown() override;
+  // Gloo's: TORCH_DISTRIBUTED_DEBUG=DETAIL checks them to catch desynchronized ranks.
+  void setSequenceNumberForGroup() override { exact_->setSequenceNumberForGroup(); }
+  uint64_t getSequenceNumberForGroup() override { return exact_->getSequenceNumberForGroup(); }
 
   // Totals over this rank's compressed calls (read from any thread).
   struct Stats {
@@ -132,7 +135,7 @@ class ProcessGroupCGX final : public c10d::Backend {
   int num_hosts_ = 1;
   std::unique_ptr<transport::Transport> transport_;
   collectives::Scratch scratch_;  // used by the worker thread only
-  uint64_t sequence_ = 0;         // compressed calls issued (caller's thread)
+  std::atomic<uint64_t> sequence_{0};  // compressed calls issued (callers' threads)
   // Set once a failure while data moved left the group unusable; worker thread only.
   std::string broken_;
   mutable std::mutex stats_mutex_;
