@@ -16,6 +16,9 @@ from cgx import _C  # noqa: F401  (cgx._C: the native module)
 from cgx._C import ProcessGroupCGX, compress, compressed_size, decompress
 from cgx.backend import create_backend, get_backend, stats
 from cgx.config import Config, from_env
+from cgx.adaptive import AdaptiveBits
+from cgx.hooks import CGXState, cgx_hook
+from cgx.layers import CompressionPolicy, LayerRule, LayerSetting
 
 __all__ = [
     "ProcessGroupCGX",
@@ -27,6 +30,12 @@ __all__ = [
     "create_backend",
     "get_backend",
     "stats",
+    "AdaptiveBits",
+    "CGXState",
+    "cgx_hook",
+    "CompressionPolicy",
+    "LayerRule",
+    "LayerSetting",
 ]
 __version__ = "0.1.0"
 

@@ -118,6 +118,30 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("settings", [](const ProcessGroupCGX& pg) { return pg.settings(); })
       .def_property_readonly("num_hosts", &ProcessGroupCGX::num_hosts)
       .def(
+          "allreduce_layout",
+          [](ProcessGroupCGX& pg, const at::Tensor& tensor,
+             const std::vector<std::tuple<int64_t, int64_t, int, int64_t>>& layout,
+             bool average) {
+            std::vector<cgx::compression::Segment> segments;
+            segments.reserve(layout.size());
+            for (const auto& [offset, numel, bits, bucket_size] : layout) {
+              cgx::compression::Segment s;
+              s.offset = offset;
+              s.numel = numel;
+              s.raw = bits == 32;
+              s.params.bits = bits;
+              s.params.bucket_size = bucket_size;
+              s.params.skip_incomplete_buckets = pg.settings().skip_incomplete_buckets;
+              s.params.stochastic = pg.settings().stochastic_rounding;
+              segments.push_back(s);
+            }
+            return pg.allreduce_layout(tensor, std::move(segments), average);
+          },
+          py::arg("tensor"), py::arg("layout"), py::kw_only(), py::arg("average") = false,
+          py::call_guard<py::gil_scoped_release>(),
+          "Allreduce of one tensor with a per-segment plan: layout = [(offset, numel, bits, "
+          "bucket_size), ...] covering the tensor in order; bits 32 sends a segment exactly.")
+      .def(
           "stats",
           [](const ProcessGroupCGX& pg) {
             const auto s = pg.stats();

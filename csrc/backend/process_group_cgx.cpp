@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <cstdio>
+#include <optional>
 #include <random>
 
 #include "backend/cgx_work.h"
@@ -88,16 +89,25 @@ transport::Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
   return timeout < room ? now + timeout : transport::Clock::time_point::max();
 }
 
-// Shapes and dtypes of the tensors of a call, so that coalesced calls whose tensors
-// differ between ranks are caught even when the total size agrees (FNV-1a).
-uint64_t layout_hash(const std::vector<at::Tensor>& tensors) {
+// Shapes and dtypes of the tensors of a call and its compression layout, so that calls
+// whose tensors or plans differ between ranks are caught even when the total size agrees
+// (FNV-1a).
+uint64_t layout_hash(const std::vector<at::Tensor>& tensors,
+                     const compression::LayoutCodec& codec) {
   uint64_t h = 0xcbf29ce484222325ULL;
   auto mix = [&h](int64_t v) {
-    for (int i = 0; i < 8; ++i) h = (h ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xff)) * 0x100000001b3ULL;
+    for (int i = 0; i < 8; ++i)
+      h = (h ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xff)) * 0x100000001b3ULL;
   };
   for (const auto& t : tensors) {
     mix(static_cast<int64_t>(t.scalar_type()));
     mix(t.numel());
+  }
+  for (const auto& segment : codec.segments()) {
+    mix(segment.numel);
+    mix(segment.raw ? 32 : segment.params.bits);
+    mix(segment.params.bucket_size);
+    mix(segment.params.skip_incomplete_buckets + 2 * segment.params.stochastic);
   }
   return h;
 }
@@ -130,6 +140,15 @@ void ProcessGroupCGX::shutdown() {
   worker_.stop();
 }
 
+compression::LayoutCodec ProcessGroupCGX::uniform_codec(int64_t numel) const {
+  compression::QuantizerParams params;
+  params.bits = settings_.bits;
+  params.bucket_size = settings_.bucket_size;
+  params.skip_incomplete_buckets = settings_.skip_incomplete_buckets;
+  params.stochastic = settings_.stochastic_rounding;
+  return compression::LayoutCodec::uniform(params, numel);
+}
+
 ProcessGroupCGX::Stats ProcessGroupCGX::stats() const {
   std::lock_guard<std::mutex> lock(stats_mutex_);
   return stats_;
@@ -157,7 +176,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce(std::vector<at::Tensor
                                                           const c10d::AllreduceOptions& opts) {
   check_dense_cpu(tensors, "allreduce");
   if (tensors.size() == 1 && compressible(tensors[0], opts.reduceOp))
-    return compressed_allreduce(tensors, tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, {});
+    return compressed_allreduce(tensors, tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, {},
+                                nullptr);
   return exact_allreduce(tensors, opts.reduceOp, /*coalesced=*/false);
 }
 
@@ -170,7 +190,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_coalesced(
   if (!exact.empty()) exact_work = exact_allreduce(exact, opts.reduceOp, /*coalesced=*/true);
   if (compressed.empty()) return exact_work;
   return compressed_allreduce(std::move(compressed), tensors, opts.reduceOp,
-                              c10d::OpType::ALLREDUCE_COALESCED, std::move(exact_work));
+                              c10d::OpType::ALLREDUCE_COALESCED, std::move(exact_work), nullptr);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
+    at::Tensor tensor, std::vector<compression::Segment> layout, bool average) {
+  std::vector<at::Tensor> tensors{tensor};
+  check_dense_cpu(tensors, "allreduce_layout");
+  const auto dtype = tensor.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+                   "cgx allreduce_layout: expected float32, float16 or bfloat16, got ", dtype);
+  std::shared_ptr<const compression::LayoutCodec> codec;
+  try {
+    codec = std::make_shared<compression::LayoutCodec>(std::move(layout), tensor.numel());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, "cgx allreduce_layout: ", e.what());
+  }
+  const auto op = average ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  if (codec->all_raw()) return exact_allreduce(tensors, op, /*coalesced=*/false);
+  return compressed_allreduce(tensors, tensors, op, c10d::OpType::ALLREDUCE, {},
+                              std::move(codec));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::Tensor>& tensors,
@@ -212,16 +251,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     std::vector<at::Tensor> tensors, std::vector<at::Tensor> outputs,
-    c10d::ReduceOp::RedOpType op, c10d::OpType op_type, c10::intrusive_ptr<c10d::Work> also) {
+    c10d::ReduceOp::RedOpType op, c10d::OpType op_type, c10::intrusive_ptr<c10d::Work> also,
+    std::shared_ptr<const compression::LayoutCodec> codec) {
   auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, std::move(outputs));
   const uint64_t sequence = ++sequence_;
-  worker_.enqueue([this, work, tensors, op, sequence, also]() mutable {
+  worker_.enqueue([this, work, tensors, op, sequence, also, codec]() mutable {
     std::exception_ptr error;
     try {
       TORCH_CHECK(!shut_down_, "cgx: the process group was shut down before this collective ran");
       TORCH_CHECK(broken_.empty(), "cgx: the process group is unusable after an earlier failure: ",
                   broken_);
-      run_compressed(tensors, op, sequence);
+      run_compressed(tensors, op, sequence, codec.get());
       if (also) also->wait();
     } catch (...) {
       error = std::current_exception();
@@ -232,7 +272,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
 }
 
 void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
-                                     c10d::ReduceOp::RedOpType op, uint64_t sequence) {
+                                     c10d::ReduceOp::RedOpType op, uint64_t sequence,
+                                     const compression::LayoutCodec* codec) {
   // Communication, not a differentiable op: write through detached views.
   at::NoGradGuard no_grad;
   // One contiguous float32 buffer holding every tensor; in place when the single tensor
@@ -254,6 +295,9 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
     flat = at::cat(parts);
   }
 
+  std::optional<compression::LayoutCodec> uniform;
+  if (!codec) codec = &uniform.emplace(uniform_codec(flat.numel()));
+
   collectives::CallSignature signature;
   signature.sequence = sequence;
   signature.numel = flat.numel();
@@ -261,16 +305,12 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   signature.bits = settings_.bits;
   signature.flags = static_cast<int32_t>(settings_.inner_reduction) |
                     (settings_.skip_incomplete_buckets << 4) | (settings_.stochastic_rounding << 5);
-  signature.layout = layout_hash(tensors);
+  signature.layout = layout_hash(tensors, *codec);
   std::snprintf(signature.dtype, sizeof signature.dtype, "%s",
                 c10::toString(tensors.size() == 1 ? tensors[0].scalar_type() : at::kFloat));
   std::snprintf(signature.op, sizeof signature.op, "%s", op_name(op));
 
   collectives::AllreduceOptions options;
-  options.quantizer.bits = settings_.bits;
-  options.quantizer.bucket_size = settings_.bucket_size;
-  options.quantizer.skip_incomplete_buckets = settings_.skip_incomplete_buckets;
-  options.quantizer.stochastic = settings_.stochastic_rounding;
   options.algorithm = settings_.inner_reduction;
   options.seed = collectives::stream_seed(settings_.seed, 0, 0, 0) ^ sequence;
   options.deadline = deadline_after(timeout_);
@@ -280,7 +320,7 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
     collectives::check_same_on_all_ranks(*transport_, getRank(), getSize(), signature,
                                          options.deadline, scratch_);
     traffic = collectives::allreduce(*transport_, getRank(), getSize(), flat.data_ptr<float>(),
-                                     flat.numel(), options, scratch_);
+                                     *codec, options, scratch_);
   } catch (const collectives::CallMismatchError&) {
     throw;  // only signatures moved: the group stays usable
   } catch (const std::exception& e) {

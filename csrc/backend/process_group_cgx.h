@@ -69,6 +69,13 @@ class ProcessGroupCGX final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
 
+  // Allreduce of one float tensor compressed segment by segment as `layout` says (the
+  // per-layer plan of a DDP bucket); raw segments travel exactly. The layout is part of
+  // the call, compared across ranks like its size. An all-raw layout goes to Gloo.
+  c10::intrusive_ptr<c10d::Work> allreduce_layout(at::Tensor tensor,
+                                                  std::vector<compression::Segment> layout,
+                                                  bool average);
+
   // Exact path: forwarded to Gloo.
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -116,18 +123,20 @@ class ProcessGroupCGX final : public c10d::Backend {
 
  private:
   bool compressible(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
+  // The group's settings applied to a whole buffer.
+  compression::LayoutCodec uniform_codec(int64_t numel) const;
   // Gloo allreduce, with AVG done as SUM followed by a division (Gloo has no AVG).
   c10::intrusive_ptr<c10d::Work> exact_allreduce(std::vector<at::Tensor>& tensors,
                                                  const c10d::ReduceOp& op, bool coalesced);
   // Queues a compressed allreduce of `tensors`; the work, whose result is `outputs`,
   // also waits for `also` (the exact part of a coalesced call) if given.
-  c10::intrusive_ptr<c10d::Work> compressed_allreduce(std::vector<at::Tensor> tensors,
-                                                      std::vector<at::Tensor> outputs,
-                                                      c10d::ReduceOp::RedOpType op,
-                                                      c10d::OpType op_type,
-                                                      c10::intrusive_ptr<c10d::Work> also);
+  // `codec` null: the group's uniform settings.
+  c10::intrusive_ptr<c10d::Work> compressed_allreduce(
+      std::vector<at::Tensor> tensors, std::vector<at::Tensor> outputs,
+      c10d::ReduceOp::RedOpType op, c10d::OpType op_type, c10::intrusive_ptr<c10d::Work> also,
+      std::shared_ptr<const compression::LayoutCodec> codec);
   void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op,
-                      uint64_t sequence);
+                      uint64_t sequence, const compression::LayoutCodec* codec);
 
   const Settings settings_;
   const std::chrono::milliseconds timeout_;

@@ -22,15 +22,10 @@ std::vector<uint8_t*> Scratch::buffers(const std::vector<size_t>& sizes) {
   return out;
 }
 
-Chunking::Chunking(int64_t n, int parts, int64_t bucket_size)
-    : n_(n),
-      buckets_(n / bucket_size + (n % bucket_size != 0)),
-      parts_(parts),
-      bucket_size_(bucket_size) {}
-
-// Whole buckets, spread as evenly as they go: chunk i starts at bucket floor(i*B/parts).
-int64_t Chunking::offset(int i) const {
-  return std::min(n_, buckets_ * i / parts_ * bucket_size_);
+Chunking::Chunking(const compression::LayoutCodec& codec, int parts) : offsets_(parts + 1, 0) {
+  const int64_t n = codec.total();
+  for (int i = 1; i <= parts; ++i)
+    offsets_[i] = std::max(offsets_[i - 1], codec.align_up(n / parts * i + n % parts * i / parts));
 }
 
 uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk) {
@@ -43,15 +38,15 @@ uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk) {
   return z ^ (z >> 31);
 }
 
-Traffic allreduce(transport::Transport& transport, int rank, int size, float* data, int64_t n,
-                  const AllreduceOptions& options, Scratch& scratch) {
-  compression::validate(options.quantizer);
-  if (size == 1 || n == 0) return {};
+Traffic allreduce(transport::Transport& transport, int rank, int size, float* data,
+                  const compression::LayoutCodec& codec, const AllreduceOptions& options,
+                  Scratch& scratch) {
+  if (size == 1 || codec.total() == 0) return {};
   switch (options.algorithm) {
     case ReductionAlgorithm::SRA:
-      return sra_allreduce(transport, rank, size, data, n, options, scratch);
+      return sra_allreduce(transport, rank, size, data, codec, options, scratch);
     case ReductionAlgorithm::Ring:
-      return ring_allreduce(transport, rank, size, data, n, options, scratch);
+      return ring_allreduce(transport, rank, size, data, codec, options, scratch);
   }
   throw std::invalid_argument("unknown reduction algorithm");
 }

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "compression/quantizer.h"
+#include "compression/layout_codec.h"
 #include "transport/transport.h"
 
 namespace cgx::collectives {
@@ -12,7 +12,6 @@ namespace cgx::collectives {
 enum class ReductionAlgorithm { SRA, Ring };
 
 struct AllreduceOptions {
-  compression::QuantizerParams quantizer;
   ReductionAlgorithm algorithm = ReductionAlgorithm::SRA;
   // Stochastic-rounding stream of this call; identical on all ranks, different per call.
   uint64_t seed = 0;
@@ -41,31 +40,33 @@ class Scratch {
   std::vector<uint8_t> arena_;
 };
 
-// data[0, n) on every rank becomes the sum over ranks, quantized as documented in
-// docs/algorithms.md; afterwards every rank holds bit-identical values. `rank` and `size`
+// data[0, codec.total()) on every rank becomes the sum over ranks, each segment quantized
+// as the codec's layout says (docs/algorithms.md); afterwards every rank holds
+// bit-identical values. `rank` and `size`
 // are the group's. Throws TimeoutError (transport) at the deadline.
-Traffic allreduce(transport::Transport& transport, int rank, int size, float* data, int64_t n,
-                  const AllreduceOptions& options, Scratch& scratch);
+Traffic allreduce(transport::Transport& transport, int rank, int size, float* data,
+                  const compression::LayoutCodec& codec, const AllreduceOptions& options,
+                  Scratch& scratch);
 
 // The two algorithms (one file each).
 Traffic sra_allreduce(transport::Transport& transport, int rank, int size, float* data,
-                      int64_t n, const AllreduceOptions& options, Scratch& scratch);
+                      const compression::LayoutCodec& codec, const AllreduceOptions& options,
+                      Scratch& scratch);
 Traffic ring_allreduce(transport::Transport& transport, int rank, int size, float* data,
-                       int64_t n, const AllreduceOptions& options, Scratch& scratch);
+                       const compression::LayoutCodec& codec, const AllreduceOptions& options,
+                       Scratch& scratch);
 
-// Splits n values into `parts` chunks whose boundaries fall on bucket boundaries, so that
-// a chunk quantizes the same whoever compresses it. Chunk i is [offset(i), offset(i+1)).
+// Splits the codec's buffer into `parts` chunks of about equal size, cut only where no
+// quantization bucket is split: a chunk quantizes each layer on the layer's own bucket
+// grid, whoever compresses it. Chunk i is [offset(i), offset(i+1)).
 class Chunking {
  public:
-  Chunking(int64_t n, int parts, int64_t bucket_size);
-  int64_t offset(int i) const;
-  int64_t length(int i) const { return offset(i + 1) - offset(i); }
+  Chunking(const compression::LayoutCodec& codec, int parts);
+  int64_t offset(int i) const { return offsets_[i]; }
+  int64_t length(int i) const { return offsets_[i + 1] - offsets_[i]; }
 
  private:
-  int64_t n_;
-  int64_t buckets_;
-  int parts_;
-  int64_t bucket_size_;
+  std::vector<int64_t> offsets_;
 };
 
 // A distinct stochastic-rounding seed for each (call, compressing rank, stage, chunk).

@@ -19,15 +19,17 @@ int mod(int a, int m) { return ((a % m) + m) % m; }
 }  // namespace
 
 Traffic ring_allreduce(transport::Transport& transport, int rank, int size, float* data,
-                       int64_t n, const AllreduceOptions& options, Scratch& scratch) {
-  const auto& q = options.quantizer;
-  const Chunking chunks(n, size, q.bucket_size);
+                       const compression::LayoutCodec& codec, const AllreduceOptions& options,
+                       Scratch& scratch) {
+  const Chunking chunks(codec, size);
+  auto begin = [&](int c) { return chunks.offset(c); };
+  auto end = [&](int c) { return chunks.offset(c + 1); };
   const int next = mod(rank + 1, size);
   const int prev = mod(rank - 1, size);
 
   // One compressed buffer per chunk, plus one to receive partial sums into.
   std::vector<size_t> sizes(size + 1);
-  for (int c = 0; c < size; ++c) sizes[c] = compression::compressed_bytes(q, chunks.length(c));
+  for (int c = 0; c < size; ++c) sizes[c] = codec.compressed_bytes(begin(c), end(c));
   sizes[size] = *std::max_element(sizes.begin(), sizes.begin() + size);
   const std::vector<uint8_t*> buf = scratch.buffers(sizes);
   uint8_t* incoming = buf[size];
@@ -36,25 +38,24 @@ Traffic ring_allreduce(transport::Transport& transport, int rank, int size, floa
   for (int s = 0; s + 1 < size; ++s) {
     const int out = mod(rank - s, size);
     const int in = mod(rank - s - 1, size);
-    compression::compress(q, data + chunks.offset(out), chunks.length(out), buf[out],
-                          stream_seed(options.seed, rank, s, out));
+    codec.compress(data, begin(out), end(out), buf[out], stream_seed(options.seed, rank, s, out));
     transport.exchange({{next, buf[out], sizes[out]}}, {{prev, incoming, sizes[in]}},
                        options.deadline);
-    compression::decompress_add(q, incoming, chunks.length(in), data + chunks.offset(in));
+    codec.decompress_add(incoming, begin(in), end(in), data);
     traffic += {sizes[out], static_cast<uint64_t>(chunks.length(out))};
   }
 
   const int owned = next;
-  compression::compress(q, data + chunks.offset(owned), chunks.length(owned), buf[owned],
-                        stream_seed(options.seed, rank, size, owned));
-  compression::decompress(q, buf[owned], chunks.length(owned), data + chunks.offset(owned));
+  codec.compress(data, begin(owned), end(owned), buf[owned],
+                 stream_seed(options.seed, rank, size, owned));
+  codec.decompress(buf[owned], begin(owned), end(owned), data);
 
   for (int s = 0; s + 1 < size; ++s) {
     const int out = mod(rank + 1 - s, size);
     const int in = mod(rank - s, size);
     transport.exchange({{next, buf[out], sizes[out]}}, {{prev, buf[in], sizes[in]}},
                        options.deadline);
-    compression::decompress(q, buf[in], chunks.length(in), data + chunks.offset(in));
+    codec.decompress(buf[in], begin(in), end(in), data);
     traffic += {sizes[out], static_cast<uint64_t>(chunks.length(out))};
   }
   return traffic;

@@ -1,0 +1,142 @@
+"""Adaptive per-layer bits (L-GreCo): spend bits where quantization hurts most.
+
+Every ``interval`` steps, for each compressed layer and each candidate setting, measure
+the quantization error ``|Q(g) - g|^2`` on the gradients accumulated since the last
+choice, and its cost (compressed bytes). A dynamic program then picks one candidate per
+layer minimising total bytes subject to
+
+    total error <= alpha * total error of the uniform default setting.
+
+Rank 0 decides and broadcasts; every rank applies the same plan from the next step.
+
+Example::
+
+    adaptive = cgx.AdaptiveBits(candidates=[(2, 512), (3, 512), (4, 512), (8, 512)],
+                                default=(4, 512), interval=100)
+    state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=4), adaptive=adaptive)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping
+
+import torch
+
+from cgx import _C
+from cgx.layers import LayerSetting
+
+__all__ = ["AdaptiveBits", "choose_settings", "quantization_error"]
+
+
+def quantization_error(values: torch.Tensor, setting: LayerSetting) -> float:
+    """Squared L2 error of quantizing `values` with `setting`."""
+    flat = values.reshape(-1).float()
+    decoded = _C.decompress(
+        _C.compress(flat, setting.bits, setting.bucket_size), flat.numel(), setting.bits,
+        setting.bucket_size,
+    )
+    return float((decoded - flat).double().pow(2).sum())
+
+
+def choose_settings(
+    errors: Mapping[str, Mapping[LayerSetting, float]],
+    costs: Mapping[str, Mapping[LayerSetting, int]],
+    budget: float,
+    resolution: int = 4000,
+) -> dict[str, LayerSetting]:
+    """One candidate per layer minimising the total cost with total error <= budget.
+
+    Dynamic program over layers, the error axis cut into `resolution` steps of
+    budget / resolution; each error is rounded up to whole steps, so the choice never
+    exceeds the budget (it may miss a plan that fits only by less than a step per layer).
+    Ties go to the lower error. If no plan fits, each layer gets its lowest-error
+    candidate.
+    """
+    if budget < 0 or not math.isfinite(budget):
+        raise ValueError(f"budget must be finite and >= 0, got {budget}")
+    if resolution < 1:
+        raise ValueError(f"resolution must be >= 1, got {resolution}")
+    layers = list(errors)
+    step = budget / resolution if budget > 0 else 1.0
+    inf = float("inf")
+    # best[e]: least cost of the layers so far using exactly e error steps.
+    best = [0.0] + [inf] * resolution
+    choices: list[list[tuple[int, LayerSetting] | None]] = []
+    for layer in layers:
+        options = sorted(errors[layer].items(), key=lambda kv: (kv[1], costs[layer][kv[0]]))
+        new = [inf] * (resolution + 1)
+        picked: list[tuple[int, LayerSetting] | None] = [None] * (resolution + 1)
+        for setting, err in options:
+            units = math.ceil(err / step - 1e-9) if budget > 0 else (0 if err == 0 else resolution + 1)
+            if units > resolution:
+                continue
+            cost = costs[layer][setting]
+            for e in range(resolution - units, -1, -1):
+                total = best[e] + cost
+                if total < new[e + units]:
+                    new[e + units] = total
+                    picked[e + units] = (e, setting)
+        best = new
+        choices.append(picked)
+    end = min(range(resolution + 1), key=lambda e: (best[e], e))
+    if best[end] == inf:
+        return {layer: min(errors[layer], key=lambda s: errors[layer][s]) for layer in layers}
+    plan = {}
+    for layer, picked in zip(reversed(layers), reversed(choices)):
+        previous, setting = picked[end]
+        plan[layer] = setting
+        end = previous
+    return plan
+
+
+class AdaptiveBits:
+    """Periodic L-GreCo selection for :class:`cgx.CGXState` (``adaptive=``).
+
+    Args:
+        candidates: (bits, bucket_size) pairs a layer may use.
+        default: the uniform setting the error budget is measured against; must be a
+            candidate.
+        alpha: allowed total error as a multiple of the default's.
+        interval: steps between choices (gradients accumulate in between).
+    """
+
+    def __init__(
+        self,
+        candidates: Iterable[tuple[int, int]] = ((2, 512), (3, 512), (4, 512), (6, 512), (8, 512)),
+        default: tuple[int, int] = (4, 512),
+        *,
+        alpha: float = 1.0,
+        interval: int = 100,
+    ) -> None:
+        self.candidates = tuple(LayerSetting(b, k) for b, k in candidates)
+        for c in self.candidates:
+            if not (1 <= c.bits <= 8) or c.bucket_size < 1:
+                raise ValueError(f"cgx.AdaptiveBits: bad candidate {c}")
+        self.default = LayerSetting(*default)
+        if self.default not in self.candidates:
+            raise ValueError(f"cgx.AdaptiveBits: default {default} is not among the candidates")
+        if not alpha > 0:
+            raise ValueError(f"cgx.AdaptiveBits: alpha must be > 0, got {alpha}")
+        if not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"cgx.AdaptiveBits: interval must be an integer >= 1, got {interval!r}")
+        self.alpha = alpha
+        self.interval = interval
+        self.accumulated: dict[str, torch.Tensor] = {}
+
+    def accumulate(self, name: str, grad: torch.Tensor) -> None:
+        acc = self.accumulated.get(name)
+        if acc is None or acc.numel() != grad.numel():
+            self.accumulated[name] = grad.detach().float().clone()
+        else:
+            acc += grad.detach().float()
+
+    def choose(self) -> dict[str, LayerSetting]:
+        """A plan for the layers accumulated so far."""
+        errors = {n: {c: quantization_error(g, c) for c in self.candidates} for n, g in self.accumulated.items()}
+        costs = {
+            n: {c: _C.compressed_size(g.numel(), c.bits, c.bucket_size) for c in self.candidates}
+            for n, g in self.accumulated.items()
+        }
+        budget = self.alpha * sum(e[self.default] for e in errors.values())
+        return choose_settings(errors, costs, budget)

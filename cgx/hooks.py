@@ -1,0 +1,237 @@
+"""The cgx DDP communication hook and its state.
+
+Example::
+
+    import cgx, torch.distributed as dist
+    dist.init_process_group("cgx")
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=4), warmup_steps=100)
+    ddp.register_comm_hook(state, cgx.cgx_hook)
+
+Each bucket is averaged with one ``allreduce_layout`` call on the "cgx" group: the
+bucket's per-layer plan (which slice is which parameter, with its bits and bucket size)
+travels with the call, so other allreduces on the same group in between (metrics, loss
+averaging, a distributed loss) cannot disturb it.
+
+Error feedback (on by default) keeps, per compressed parameter, the part of its gradient
+that quantization dropped (``g - Q(g)``, computed locally with the layer's settings) and
+adds it to the next step's gradient. It costs one float32 per compressed gradient element
+and a local compress/decompress of the compressed layers each step.
+"""
+
+
+# No `from __future__ import annotations` here: DDP checks cgx_hook's annotations as
+# objects (dist.GradBucket), not strings.
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cgx import _C
+from cgx.backend import get_backend
+from cgx.adaptive import AdaptiveBits
+from cgx.layers import RAW_BITS, CompressionPolicy, LayerSetting, bucket_plan
+
+__all__ = ["CGXState", "cgx_hook"]
+
+
+class CGXState:
+    """State of :func:`cgx_hook`: the policy, error-feedback residuals, warm-up, stats.
+
+    Args:
+        process_group: a "cgx" group, or None for the default group.
+        model: the module wrapped by DDP (its parameter names key the policy).
+        policy: per-layer settings; default ``CompressionPolicy()`` (4 bits, bucket 512).
+        error_feedback: keep and re-add each layer's quantization residual.
+        warmup_steps: the first steps are reduced uncompressed (exactly, through Gloo).
+        stats_every: every this many steps, measure each compressed layer's relative
+            quantization error ``|Q(g) - g| / |g|`` (0 turns the sampling off).
+        adaptive: a :class:`cgx.AdaptiveBits` that re-chooses the compressed layers'
+            settings periodically (L-GreCo); None keeps the policy's.
+    """
+
+    __slots__ = (
+        # hyper-parameters
+        "process_group",
+        "policy",
+        "error_feedback",
+        "warmup_steps",
+        "stats_every",
+        "adaptive",
+        # wiring to the model (not pickled: rebuilt by attach())
+        "_param_ids",
+        "_settings_by_param",
+        # internal state, checkpointed
+        "step",
+        "residuals",
+        "layer_settings",
+        # stats
+        "bytes_sent",
+        "bytes_uncompressed",
+        "layer_errors",
+    )
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None,
+        model: torch.nn.Module,
+        policy: CompressionPolicy | None = None,
+        *,
+        error_feedback: bool = True,
+        warmup_steps: int = 0,
+        stats_every: int = 10,
+        adaptive: AdaptiveBits | None = None,
+    ) -> None:
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"cgx.CGXState: warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        if not isinstance(stats_every, int) or stats_every < 0:
+            raise ValueError(f"cgx.CGXState: stats_every must be an integer >= 0, got {stats_every!r}")
+        self.process_group = process_group
+        self.policy = policy if policy is not None else CompressionPolicy()
+        self.error_feedback = bool(error_feedback)
+        self.warmup_steps = warmup_steps
+        self.stats_every = stats_every
+        self.adaptive = adaptive
+        self.step = 0
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.bytes_sent = 0
+        self.bytes_uncompressed = 0
+        self.layer_errors: dict[str, float] = {}
+        self.layer_settings: dict[str, LayerSetting] = {}
+        self._param_ids: dict[str, int] = {}
+        self._settings_by_param: dict[int, tuple[str, LayerSetting]] = {}
+        self.attach(model)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Resolves the policy on `model` (after unpickling: re-attach the model)."""
+        resolved = self.policy.resolve(model)
+        # Settings chosen later (adaptive selection, a loaded checkpoint) stay.
+        self.layer_settings = {**resolved, **{n: s for n, s in self.layer_settings.items() if n in resolved}}
+        self._param_ids = {n: id(p) for n, p in model.named_parameters() if n in resolved}
+        self._rewire()
+
+    def set_layer_settings(self, settings: dict[str, LayerSetting]) -> None:
+        """Replaces the settings of the named layers (e.g. from adaptive selection)."""
+        unknown = set(settings) - set(self.layer_settings)
+        if unknown:
+            raise ValueError(f"cgx.CGXState: unknown layers {sorted(unknown)}")
+        self.layer_settings.update(settings)
+        self._rewire()
+
+    def _rewire(self) -> None:
+        self._settings_by_param = {
+            pid: (n, self.layer_settings[n]) for n, pid in self._param_ids.items()
+        }
+
+    # ---- stats and checkpoints
+
+    def compression_stats(self) -> dict[str, Any]:
+        """Bytes this rank put into allreduces (payload) against uncompressed, and the last
+        sampled relative quantization error of each compressed layer."""
+        return {
+            "step": self.step,
+            "bytes_sent": self.bytes_sent,
+            "bytes_uncompressed": self.bytes_uncompressed,
+            "compression_ratio": self.bytes_uncompressed / max(1, self.bytes_sent),
+            "layer_errors": dict(self.layer_errors),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "residuals": {n: r.clone() for n, r in self.residuals.items()},
+            "layer_settings": {n: (s.bits, s.bucket_size) for n, s in self.layer_settings.items()},
+            "bytes_sent": self.bytes_sent,
+            "bytes_uncompressed": self.bytes_uncompressed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.residuals = {n: r.clone() for n, r in state["residuals"].items()}
+        self.bytes_sent = int(state["bytes_sent"])
+        self.bytes_uncompressed = int(state["bytes_uncompressed"])
+        self.set_layer_settings({n: LayerSetting(*s) for n, s in state["layer_settings"].items()})
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The process group and the parameter wiring do not survive pickling.
+        return {
+            slot: getattr(self, slot)
+            for slot in self.__slots__
+            if slot not in ("process_group", "_param_ids", "_settings_by_param")
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.process_group = None
+        self._param_ids = {}
+        self._settings_by_param = {}
+        for slot, value in state.items():
+            setattr(self, slot, value)
+
+    # ---- per bucket
+
+    def _prepare(self, buffer: torch.Tensor, compressed: list) -> None:
+        """Adds each compressed layer's residual to its gradient and keeps the new one;
+        samples the layers' quantization error."""
+        sample = self.stats_every > 0 and self.step % self.stats_every == 0
+        if not (self.error_feedback or sample or self.adaptive):
+            return
+        for name, offset, numel, setting in compressed:
+            view = buffer.narrow(0, offset, numel)
+            grad = view.float()
+            if grad.data_ptr() == view.data_ptr():
+                grad = grad.clone()  # keep the unquantized values apart from the buffer
+            if self.adaptive:
+                self.adaptive.accumulate(name, grad)
+            residual = self.residuals.get(name) if self.error_feedback else None
+            if residual is not None and residual.numel() == numel:
+                grad += residual
+                view.copy_(grad)
+            decoded = _C.decompress(
+                _C.compress(view, setting.bits, setting.bucket_size), numel, setting.bits,
+                setting.bucket_size,
+            )
+            if self.error_feedback:
+                self.residuals[name] = grad - decoded
+            if sample:
+                norm = float(grad.norm())
+                self.layer_errors[name] = float((decoded - grad).norm()) / norm if norm > 0 else 0.0
+
+    def _count(self, buffer: torch.Tensor, layout: list) -> None:
+        self.bytes_uncompressed += buffer.numel() * buffer.element_size()
+        if all(bits == RAW_BITS for _, _, bits, _ in layout):
+            self.bytes_sent += buffer.numel() * buffer.element_size()  # Gloo, in its dtype
+            return
+        for _, numel, bits, bucket_size in layout:
+            self.bytes_sent += 4 * numel if bits == RAW_BITS else _C.compressed_size(numel, bits, bucket_size)
+
+
+def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Averages a DDP bucket with per-layer compression. Register with
+    ``ddp.register_comm_hook(state, cgx.cgx_hook)``."""
+    if not state._settings_by_param:
+        raise RuntimeError("cgx_hook: the state has no model attached (after unpickling, call state.attach(model))")
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    backend = get_backend(group)
+    buffer = bucket.buffer()
+    buffer.div_(group.size())  # divide first, as torch's hooks do (no fp16 overflow)
+    if state.step < state.warmup_steps:
+        layout = [(0, buffer.numel(), RAW_BITS, 1)]
+    else:
+        layout, compressed = bucket_plan(bucket, state._settings_by_param)
+        state._prepare(buffer, compressed)
+    state._count(buffer, layout)
+    future = backend.allreduce_layout(buffer, layout).get_future()
+    if bucket.is_last():
+        state.step += 1
+        if state.adaptive and state.step >= state.warmup_steps and state.step % state.adaptive.interval == 0:
+            _replan(state, group)
+    return future.then(lambda f: f.value()[0])
+
+
+def _replan(state: CGXState, group: dist.ProcessGroup) -> None:
+    """Rank 0 chooses the layers' settings from its accumulated gradients; every rank
+    applies the same plan from the next step."""
+    plan = [state.adaptive.choose() if group.rank() == 0 else None]
+    state.adaptive.accumulated = {}
+    dist.broadcast_object_list(plan, group_src=0, group=group)
+    state.set_layer_settings(plan[0])

@@ -1,0 +1,201 @@
+"""Per-layer compression policy, and the plan it resolves to for each DDP bucket.
+
+A policy says how each parameter's gradient travels: quantized with some bits and
+bucket size, or raw (exactly). Rules pick parameters by name pattern, module type and
+size; the first rule that matches a parameter wins, the policy's defaults apply to the
+rest. As in CGX, 1-D parameters (biases, norm weights) and small layers stay raw unless
+a rule says otherwise.
+
+Example::
+
+    policy = cgx.CompressionPolicy(
+        bits=4,
+        rules=[
+            cgx.LayerRule(module_type=torch.nn.Embedding, bits=8),
+            cgx.LayerRule(pattern="*.bias", bits=32),
+            cgx.LayerRule(pattern="head.*", bits=8, bucket_size=128),
+        ],
+    )
+
+The plan of a bucket is a list of ``(offset, numel, bits, bucket_size)`` segments that
+covers the bucket's flat buffer in order; it travels with each allreduce call
+(``ProcessGroupCGX.allreduce_layout``), so no hidden state assumes the order of calls.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+__all__ = ["LayerRule", "LayerSetting", "CompressionPolicy", "Segment"]
+
+RAW_BITS = 32
+Segment = tuple[int, int, int, int]  # (offset, numel, bits, bucket_size)
+
+
+def _check_bits(bits: int, what: str) -> None:
+    if not (isinstance(bits, int) and (1 <= bits <= 8 or bits == RAW_BITS)):
+        raise ValueError(f"{what}: bits must be in 1..8, or 32 for uncompressed, got {bits!r}")
+
+
+def _check_bucket_size(bucket_size: int, what: str) -> None:
+    if not (isinstance(bucket_size, int) and 1 <= bucket_size <= 2**30):
+        raise ValueError(f"{what}: bucket_size must be in 1..2^30, got {bucket_size!r}")
+
+
+@dataclass(frozen=True)
+class LayerSetting:
+    """How one parameter's gradient travels."""
+
+    bits: int
+    bucket_size: int
+
+    @property
+    def compressed(self) -> bool:
+        return self.bits != RAW_BITS
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """Settings for the parameters the rule matches.
+
+    A parameter matches when every criterion the rule states holds: ``pattern``
+    (fnmatch on the qualified parameter name, e.g. ``"encoder.*.weight"``),
+    ``module_type`` (the module owning the parameter is an instance of it), ``max_numel``
+    (the parameter has at most that many elements). ``bits=32`` leaves it uncompressed;
+    ``bucket_size=None`` keeps the policy's.
+    """
+
+    pattern: str | None = None
+    module_type: type | tuple[type, ...] | None = None
+    max_numel: int | None = None
+    bits: int = RAW_BITS
+    bucket_size: int | None = None
+
+    def __post_init__(self) -> None:
+        what = f"cgx.LayerRule({self.pattern or self.module_type or self.max_numel})"
+        if self.pattern is None and self.module_type is None and self.max_numel is None:
+            raise ValueError("cgx.LayerRule: give at least one of pattern, module_type, max_numel")
+        _check_bits(self.bits, what)
+        if self.bucket_size is not None:
+            _check_bucket_size(self.bucket_size, what)
+        if self.max_numel is not None and (not isinstance(self.max_numel, int) or self.max_numel < 0):
+            raise ValueError(f"{what}: max_numel must be an integer >= 0, got {self.max_numel!r}")
+
+    def matches(self, name: str, module: torch.nn.Module, numel: int) -> bool:
+        return (
+            (self.pattern is None or fnmatch.fnmatchcase(name, self.pattern))
+            and (self.module_type is None or isinstance(module, self.module_type))
+            and (self.max_numel is None or numel <= self.max_numel)
+        )
+
+
+class CompressionPolicy:
+    """Per-layer compression settings for a model.
+
+    Args:
+        bits: default bits for compressed layers (1..8, or 32 for none).
+        bucket_size: default quantization bucket size.
+        rules: :class:`LayerRule` s, the first match wins.
+        minimal_size: layers with at most this many elements stay raw (CGX's default).
+        compress_1d: compress 1-D parameters (biases, norm weights) too; off as in CGX.
+    """
+
+    def __init__(
+        self,
+        bits: int = 4,
+        bucket_size: int = 512,
+        rules: Iterable[LayerRule] = (),
+        *,
+        minimal_size: int = 16,
+        compress_1d: bool = False,
+    ) -> None:
+        _check_bits(bits, "cgx.CompressionPolicy")
+        _check_bucket_size(bucket_size, "cgx.CompressionPolicy")
+        if not isinstance(minimal_size, int) or minimal_size < 0:
+            raise ValueError(f"cgx.CompressionPolicy: minimal_size must be >= 0, got {minimal_size!r}")
+        self.bits = bits
+        self.bucket_size = bucket_size
+        self.rules = tuple(rules)
+        for rule in self.rules:
+            if not isinstance(rule, LayerRule):
+                raise TypeError(f"cgx.CompressionPolicy: rules must be LayerRule, got {rule!r}")
+        self.minimal_size = minimal_size
+        self.compress_1d = compress_1d
+
+    def setting_for(self, name: str, module: torch.nn.Module, param: torch.Tensor) -> LayerSetting:
+        for rule in self.rules:
+            if rule.matches(name, module, param.numel()):
+                return LayerSetting(rule.bits, rule.bucket_size or self.bucket_size)
+        if param.numel() <= self.minimal_size or (param.dim() <= 1 and not self.compress_1d):
+            return LayerSetting(RAW_BITS, self.bucket_size)
+        return LayerSetting(self.bits, self.bucket_size)
+
+    def resolve(self, model: torch.nn.Module) -> dict[str, LayerSetting]:
+        """The setting of every trainable parameter of `model`, by qualified name.
+
+        Raises ValueError for a rule pattern that names no parameter (a typo would
+        otherwise silently compress a layer the user meant to protect)."""
+        owners = {}
+        for module_name, module in model.named_modules():
+            for param_name, _ in module.named_parameters(recurse=False):
+                owners[f"{module_name}.{param_name}" if module_name else param_name] = module
+        settings = {}
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                settings[name] = self.setting_for(name, owners[name], param)
+        for rule in self.rules:
+            if rule.pattern is not None and not any(
+                fnmatch.fnmatchcase(n, rule.pattern) for n in settings
+            ):
+                raise ValueError(
+                    f"cgx.LayerRule pattern {rule.pattern!r} matches no trainable parameter "
+                    f"(parameters look like {next(iter(settings), '<none>')!r})"
+                )
+        return settings
+
+
+def bucket_plan(
+    bucket: torch.distributed.GradBucket,
+    settings_by_param: dict[int, tuple[str, LayerSetting]],
+) -> tuple[list[Segment], list[tuple[str, int, int, LayerSetting]]]:
+    """The plan of one DDP bucket: the segments covering its flat buffer in order, and the
+    compressed parameters in it as (name, offset, numel, setting).
+
+    `settings_by_param` maps id(parameter) -> (name, setting). Offsets come from where
+    each gradient view lies in the buffer, so the plan follows DDP's layout, also after it
+    rebuilds its buckets."""
+    buffer = bucket.buffer()
+    base, itemsize, total = buffer.data_ptr(), buffer.element_size(), buffer.numel()
+    pieces = []
+    for param, grad in zip(bucket.parameters(), bucket.gradients()):
+        name, setting = settings_by_param[id(param)]
+        pieces.append(((grad.data_ptr() - base) // itemsize, grad.numel(), name, setting))
+    pieces.sort(key=lambda p: p[0])
+
+    segments: list[Segment] = []
+    compressed = []
+    cursor = 0
+
+    def add_raw(offset: int, numel: int) -> None:
+        if numel <= 0:
+            return
+        if segments and segments[-1][2] == RAW_BITS:  # merge neighbouring raw runs
+            o, n, b, k = segments.pop()
+            segments.append((o, n + numel, b, k))
+        else:
+            segments.append((offset, numel, RAW_BITS, 1))
+
+    for offset, numel, name, setting in pieces:
+        add_raw(cursor, offset - cursor)  # padding DDP may leave between views
+        if setting.compressed and numel > 0:
+            segments.append((offset, numel, setting.bits, setting.bucket_size))
+            compressed.append((name, offset, numel, setting))
+        else:
+            add_raw(offset, numel)
+        cursor = max(cursor, offset + numel)
+    add_raw(cursor, total - cursor)
+    return segments, compressed

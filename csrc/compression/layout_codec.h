@@ -1,0 +1,55 @@
+// The codec a collective uses for one call: a layout of segments of the flat buffer, each
+// quantized with its own settings or sent raw (a layer that stays uncompressed). The
+// layout travels with the call; nothing assumes an order of calls.
+//
+// A range [begin, end) of the buffer compresses to the concatenation of its pieces (its
+// intersections with the segments), each padded to 16 bytes, in the wire format of
+// quantizer.h; raw pieces are float32 values.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "compression/quantizer.h"
+
+namespace cgx::compression {
+
+struct Segment {
+  int64_t offset = 0;
+  int64_t numel = 0;
+  bool raw = false;          // sent as float32, exactly
+  QuantizerParams params;    // when not raw
+};
+
+class LayoutCodec {
+ public:
+  // Throws std::invalid_argument unless the segments cover [0, total) in order.
+  LayoutCodec(std::vector<Segment> segments, int64_t total);
+  // One quantized segment covering everything.
+  static LayoutCodec uniform(const QuantizerParams& params, int64_t total);
+
+  int64_t total() const { return total_; }
+  const std::vector<Segment>& segments() const { return segments_; }
+  bool all_raw() const;
+
+  // The first position >= pos where the buffer may be cut without splitting a
+  // quantization bucket (buckets are laid from each segment's start).
+  int64_t align_up(int64_t pos) const;
+
+  size_t compressed_bytes(int64_t begin, int64_t end) const;
+  // `data` is the whole buffer; only [begin, end) is read or written.
+  void compress(const float* data, int64_t begin, int64_t end, uint8_t* dst, uint64_t seed) const;
+  void decompress(const uint8_t* src, int64_t begin, int64_t end, float* data) const;
+  void decompress_add(const uint8_t* src, int64_t begin, int64_t end, float* data) const;
+
+ private:
+  // Calls fn(segment index, piece begin, piece length) for each piece of [begin, end).
+  template <typename Fn>
+  void for_each_piece(int64_t begin, int64_t end, Fn&& fn) const;
+  size_t piece_bytes(const Segment& s, int64_t n) const;
+
+  std::vector<Segment> segments_;
+  int64_t total_;
+};
+
+}  // namespace cgx::compression
