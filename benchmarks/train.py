@@ -1,0 +1,269 @@
+"""Convergence of DDP training with cgx against the alternatives, side by side.
+
+Trains the same model with the same seeds and steps on N local ranks ("cgx" backend
+underneath, uncompressed unless a method compresses), once per method:
+
+  allreduce     DDP's default allreduce (float32, exact)
+  fp16          torch's fp16_compress_hook
+  powersgd      torch's PowerSGD hook (rank 4, error feedback)
+  cgx8 / cgx4   cgx_hook, 8 / 4 bits, error feedback
+  cgx2          cgx_hook, 2 bits, error feedback
+  cgx-adaptive  cgx_hook with L-GreCo bit selection (candidates 2..8 bits, budget = 4 bits')
+
+Tasks:
+  gpt     a small GPT-style transformer on real text: CPython's own standard-library
+          sources (bytes as tokens); reports validation loss.
+  digits  an MLP classifier on scikit-learn's bundled digits images; reports accuracy.
+
+    python benchmarks/train.py --task gpt --steps 300 --world-size 2
+    python benchmarks/train.py --task digits --out docs/convergence
+
+Prints a table (final loss / accuracy, payload bytes per step per rank, ratio to
+float32) and writes <out>/<task>.json and <out>/<task>.png (loss curves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+METHODS = ("allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx-adaptive")
+WARMUP_STEPS = 10  # uncompressed first steps, for every compressing method alike
+
+
+# ---- tasks: data and model
+
+
+def stdlib_text() -> bytes:
+    """Real text every machine has: the sources of a few CPython standard modules."""
+    import argparse as m1, collections as m2, inspect as m3, os as m4, typing as m5
+    import unittest.case as m6
+
+    return "\n".join(inspect.getsource(m) for m in (m1, m2, m3, m4, m5, m6)).encode()
+
+
+class GPT(torch.nn.Module):
+    """Decoder-only transformer over bytes (pre-norm blocks, learned positions)."""
+
+    def __init__(self, dim=128, depth=2, heads=4, context=64, vocab=256):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, dim)
+        self.positions = torch.nn.Parameter(torch.zeros(context, dim))
+        layer = torch.nn.TransformerEncoderLayer(
+            dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = torch.nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.out = torch.nn.Linear(dim, vocab)
+        self.register_buffer("causal", torch.nn.Transformer.generate_square_subsequent_mask(context))
+
+    def forward(self, x):
+        h = self.tokens(x) + self.positions[: x.shape[1]]
+        return self.out(self.norm(self.blocks(h, mask=self.causal, is_causal=True)))
+
+
+class GPTTask:
+    name = "gpt"
+    context = 64
+    batch = 16
+    lr = 3e-3
+
+    def __init__(self):
+        data = torch.tensor(list(stdlib_text()), dtype=torch.long)
+        split = int(0.9 * data.numel())
+        self.train, self.val = data[:split], data[split:]
+
+    def model(self):
+        return GPT(context=self.context)
+
+    def batch_for(self, rank, step, source=None):
+        source = self.train if source is None else source
+        g = torch.Generator().manual_seed(10_000 * step + rank)
+        starts = torch.randint(0, source.numel() - self.context - 1, (self.batch,), generator=g)
+        x = torch.stack([source[s : s + self.context] for s in starts])
+        y = torch.stack([source[s + 1 : s + self.context + 1] for s in starts])
+        return x, y
+
+    def loss(self, model, x, y):
+        return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        losses = [self.loss(model, *self.batch_for(0, 10**6 + i, self.val)).item() for i in range(20)]
+        return {"val_loss": sum(losses) / len(losses)}
+
+
+class DigitsTask:
+    name = "digits"
+    batch = 32
+    lr = 1e-3
+
+    def __init__(self):
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        x = torch.tensor(x, dtype=torch.float32) / 16.0
+        y = torch.tensor(y)
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+        x, y = x[order], y[order]
+        self.train, self.val = (x[:1400], y[:1400]), (x[1400:], y[1400:])
+
+    def model(self):
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+            torch.nn.Linear(512, 10),
+        )
+
+    def batch_for(self, rank, step):
+        g = torch.Generator().manual_seed(10_000 * step + rank)
+        idx = torch.randint(0, len(self.train[1]), (self.batch,), generator=g)
+        return self.train[0][idx], self.train[1][idx]
+
+    def loss(self, model, x, y):
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        x, y = self.val
+        logits = model(x)
+        return {"val_loss": torch.nn.functional.cross_entropy(logits, y).item(),
+                "val_accuracy": (logits.argmax(1) == y).float().mean().item()}
+
+
+TASKS = {"gpt": GPTTask, "digits": DigitsTask}
+
+
+# ---- one training run per method
+
+
+def attach_method(method, ddp, model):
+    """Registers the method's hook; returns a function giving payload bytes so far."""
+    import cgx
+
+    raw = sum(p.numel() * p.element_size() for p in model.parameters())
+    if method == "allreduce":
+        return lambda step: raw * step
+    if method == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return lambda step: raw // 2 * step
+    if method == "powersgd":
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4,
+                                            start_powerSGD_iter=WARMUP_STEPS, min_compression_rate=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        # PowerSGD counts only the compressed steps; its float32 warm-up is added here.
+        return lambda step: raw * min(step, WARMUP_STEPS) + 4 * state.compression_stats()[2]
+    bits = {"cgx8": 8, "cgx4": 4, "cgx2": 2, "cgx-adaptive": 4}[method]
+    adaptive = cgx.AdaptiveBits(interval=50) if method == "cgx-adaptive" else None
+    state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=bits), warmup_steps=WARMUP_STEPS,
+                         adaptive=adaptive)
+    ddp.register_comm_hook(state, cgx.cgx_hook)
+    return lambda step: state.compression_stats()["bytes_sent"]
+
+
+def run_method(rank, world, task_name, method, steps, store, out_path):
+    import cgx  # noqa: F401  (backend "cgx")
+
+    torch.set_num_threads(1)
+    dist.init_process_group("cgx", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    task = TASKS[task_name]()
+    torch.manual_seed(0)
+    model = task.model()
+    # One bucket for every method: torch's PowerSGD hook issues collectives from future
+    # callbacks, and with several buckets their order differs between ranks (Gloo then
+    # aborts with a size mismatch, with or without cgx underneath).
+    dist._DEFAULT_FIRST_BUCKET_BYTES = 1 << 30
+    ddp = DDP(model, bucket_cap_mb=1024)
+    bytes_so_far = attach_method(method, ddp, model)
+    opt = torch.optim.AdamW(model.parameters(), lr=task.lr)
+    losses = []
+    start = time.perf_counter()
+    for step in range(steps):
+        x, y = task.batch_for(rank, step)
+        loss = task.loss(ddp, x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        avg = loss.detach().clone()
+        dist.all_reduce(avg, op=dist.ReduceOp.AVG)  # an interleaved allreduce, as in real scripts
+        losses.append(avg.item())
+    elapsed = time.perf_counter() - start
+    if rank == 0:
+        result = {"method": method, "losses": losses, "seconds": elapsed,
+                  "bytes_per_step": bytes_so_far(steps) / steps,
+                  "float32_bytes_per_step": sum(p.numel() * 4 for p in model.parameters()),
+                  **task.evaluate(model)}
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def plot(results, task, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        losses = torch.tensor(r["losses"])
+        window = max(1, len(losses) // 30)
+        smooth = torch.nn.functional.avg_pool1d(losses[None, None], window, 1).flatten()
+        ax.plot(range(window - 1, len(losses)), smooth.tolist(), label=r["method"])
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss (moving average of {window})")
+    ax.set_title(f"{task}: DDP convergence by gradient compression")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="gpt")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--out", default="convergence-results")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for method in args.methods:
+            print(f"[{args.task}] {method} ...", flush=True)
+            out = os.path.join(tmp, f"{method}.json")
+            mp.spawn(run_method, args=(args.world_size, args.task, method, args.steps,
+                                       os.path.join(tmp, f"{method}.store"), out),
+                     nprocs=args.world_size)
+            with open(out) as f:
+                results.append(json.load(f))
+    base = results[0]
+    metric = "val_accuracy" if args.task == "digits" else "val_loss"
+    print(f"\n{args.task}, {args.world_size} ranks, {args.steps} steps, torch {torch.__version__}")
+    print(f"| method | {metric} | val_loss vs {base['method']} | payload bytes/step/rank | x fewer than float32 | s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        rel = r["val_loss"] / base["val_loss"] - 1
+        print(f"| {r['method']} | {r[metric]:.4f} | {rel:+.2%} | {r['bytes_per_step']:,.0f} | "
+              f"{r['float32_bytes_per_step'] / r['bytes_per_step']:.2f} | {r['seconds']:.1f} |")
+    with open(os.path.join(args.out, f"{args.task}.json"), "w") as f:
+        json.dump({"task": args.task, "world_size": args.world_size, "steps": args.steps,
+                   "results": results}, f)
+    plot(results, args.task, os.path.join(args.out, f"{args.task}.png"))
+    print(f"wrote {args.out}/{args.task}.json and {args.task}.png")
+
+
+if __name__ == "__main__":
+    main()
