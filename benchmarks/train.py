@@ -87,9 +87,9 @@ class GPTTask:
     def model(self):
         return GPT(context=self.context)
 
-    def batch_for(self, rank, step, source=None):
+    def batch_for(self, rank, step, seed=0, source=None):
         source = self.train if source is None else source
-        g = torch.Generator().manual_seed(10_000 * step + rank)
+        g = torch.Generator().manual_seed(10_000 * step + rank + 10**9 * seed)
         starts = torch.randint(0, source.numel() - self.context - 1, (self.batch,), generator=g)
         x = torch.stack([source[s : s + self.context] for s in starts])
         y = torch.stack([source[s + 1 : s + self.context + 1] for s in starts])
@@ -100,7 +100,7 @@ class GPTTask:
 
     @torch.no_grad()
     def evaluate(self, model):
-        losses = [self.loss(model, *self.batch_for(0, 10**6 + i, self.val)).item() for i in range(20)]
+        losses = [self.loss(model, *self.batch_for(0, 10**6 + i, source=self.val)).item() for i in range(20)]
         return {"val_loss": sum(losses) / len(losses)}
 
 
@@ -125,8 +125,8 @@ class DigitsTask:
             torch.nn.Linear(512, 10),
         )
 
-    def batch_for(self, rank, step):
-        g = torch.Generator().manual_seed(10_000 * step + rank)
+    def batch_for(self, rank, step, seed=0):
+        g = torch.Generator().manual_seed(10_000 * step + rank + 10**9 * seed)
         idx = torch.randint(0, len(self.train[1]), (self.batch,), generator=g)
         return self.train[0][idx], self.train[1][idx]
 
@@ -171,14 +171,14 @@ def attach_method(method, ddp, model):
     return lambda step: state.compression_stats()["bytes_sent"]
 
 
-def run_method(rank, world, task_name, method, steps, store, out_path):
+def run_method(rank, world, task_name, method, steps, seed, store, out_path):
     import cgx  # noqa: F401  (backend "cgx")
 
     torch.set_num_threads(1)
     dist.init_process_group("cgx", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     task = TASKS[task_name]()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = task.model()
     # One bucket for every method: torch's PowerSGD hook issues collectives from future
     # callbacks, and with several buckets their order differs between ranks (Gloo then
@@ -190,7 +190,7 @@ def run_method(rank, world, task_name, method, steps, store, out_path):
     losses = []
     start = time.perf_counter()
     for step in range(steps):
-        x, y = task.batch_for(rank, step)
+        x, y = task.batch_for(rank, step, seed)
         loss = task.loss(ddp, x, y)
         opt.zero_grad()
         loss.backward()
@@ -236,6 +236,7 @@ def main():
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     parser.add_argument("--out", default="convergence-results")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -244,25 +245,27 @@ def main():
         for method in args.methods:
             print(f"[{args.task}] {method} ...", flush=True)
             out = os.path.join(tmp, f"{method}.json")
-            mp.spawn(run_method, args=(args.world_size, args.task, method, args.steps,
+            mp.spawn(run_method, args=(args.world_size, args.task, method, args.steps, args.seed,
                                        os.path.join(tmp, f"{method}.store"), out),
                      nprocs=args.world_size)
             with open(out) as f:
                 results.append(json.load(f))
     base = results[0]
     metric = "val_accuracy" if args.task == "digits" else "val_loss"
-    print(f"\n{args.task}, {args.world_size} ranks, {args.steps} steps, torch {torch.__version__}")
+    print(f"\n{args.task}, {args.world_size} ranks, {args.steps} steps, seed {args.seed}, "
+          f"torch {torch.__version__}")
     print(f"| method | {metric} | val_loss vs {base['method']} | payload bytes/step/rank | x fewer than float32 | s |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in results:
         rel = r["val_loss"] / base["val_loss"] - 1
         print(f"| {r['method']} | {r[metric]:.4f} | {rel:+.2%} | {r['bytes_per_step']:,.0f} | "
               f"{r['float32_bytes_per_step'] / r['bytes_per_step']:.2f} | {r['seconds']:.1f} |")
-    with open(os.path.join(args.out, f"{args.task}.json"), "w") as f:
+    stem = os.path.join(args.out, args.task + (f"-seed{args.seed}" if args.seed else ""))
+    with open(stem + ".json", "w") as f:
         json.dump({"task": args.task, "world_size": args.world_size, "steps": args.steps,
-                   "results": results}, f)
-    plot(results, args.task, os.path.join(args.out, f"{args.task}.png"))
-    print(f"wrote {args.out}/{args.task}.json and {args.task}.png")
+                   "seed": args.seed, "results": results}, f)
+    plot(results, args.task, stem + ".png")
+    print(f"wrote {stem}.json and {stem}.png")
 
 
 if __name__ == "__main__":
