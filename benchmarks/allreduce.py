@@ -1,0 +1,282 @@
+"""Allreduce over emulated commodity links: Gloo float32, Gloo with an fp16 cast, and cgx.
+
+One run measures every method side by side, interleaved within each repeat (so that a
+noisy machine slows them alike), for each size, world size and link rate:
+
+- `gloo`: torch's Gloo allreduce of the float32 tensor;
+- `gloo-fp16`: cast to float16, Gloo allreduce, cast back (the casts are timed);
+- `cgx-<bits>-<SRA|Ring>`: the cgx backend, compressed.
+
+Link rates: `loopback` (all ranks on this host: cgx over shared memory, Gloo over TCP on
+lo), `unshaped`, `10gbit`, `1gbit`, ... (one emulated host per rank, network namespaces
+joined by veth links shaped with tbf; benchmarks/netemu.py). Needs root for the
+emulated rates. Prints a table (median time, and each method's speed-up over Gloo),
+writes JSON and a PNG plot.
+
+    python -P benchmarks/allreduce.py                                  # the full matrix
+    python -P benchmarks/allreduce.py --sizes-mib 64 --world-sizes 2 --rates 1gbit
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from launch import run_job  # noqa: E402
+from netemu import EmulatedHosts  # noqa: E402
+
+CGX_METHODS = [f"cgx-{bits}-{alg}" for alg in ("SRA", "Ring") for bits in (8, 4, 2)]
+METHODS = ["gloo", "gloo-fp16", *CGX_METHODS]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64, 256],
+                        help="float32 tensor sizes in MiB (default: 1 4 16 64 256)")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rates", nargs="+", default=["loopback", "10gbit", "1gbit"],
+                        help="loopback, unshaped, or a tbf rate such as 10gbit / 1gbit")
+    parser.add_argument("--ranks-per-host", type=int, default=1,
+                        help="ranks in each emulated host (default 1: every rank its own host)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    parser.add_argument("--repeats", type=int, default=5, help="timed samples per method")
+    parser.add_argument("--bucket-size", type=int, default=512)
+    parser.add_argument("--json", metavar="PATH", default="allreduce.json")
+    parser.add_argument("--plot", metavar="PATH", default="allreduce.png")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="per (world size, rate) job")
+    return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------
+# One rank (run by launch.run_job with torch's env:// variables)
+
+
+def _groups(methods, bucket_size):
+    import torch.distributed as dist
+
+    import cgx
+
+    env_config = cgx.from_env()  # CGX_HOSTNAME tells emulated hosts apart
+    groups = {}
+    for method in methods:
+        if method.startswith("gloo"):
+            groups[method] = dist.group.WORLD
+        else:
+            _, bits, algorithm = method.split("-")
+            config = dataclasses.replace(env_config, bits=int(bits), bucket_size=bucket_size,
+                                         inner_reduction=algorithm, minimal_size=0)
+            groups[method] = dist.new_group(backend="cgx", pg_options=config)
+    return groups
+
+
+def _tx_bytes(emulated):
+    """This host's bytes sent on its link (None on loopback, where there is no link)."""
+    if not emulated:
+        return None
+    with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def _allreduce(method, group, x):
+    import torch
+    import torch.distributed as dist
+
+    if method == "gloo-fp16":
+        h = x.to(torch.float16)
+        dist.all_reduce(h, group=group)
+        x.copy_(h)
+    else:
+        dist.all_reduce(x, group=group)
+
+
+def worker(config_path):
+    import torch
+    import torch.distributed as dist
+
+    import cgx
+
+    with open(config_path) as f:
+        cfg = json.load(f)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = _groups(cfg["methods"], cfg["bucket_size"])
+    samples = {}  # (size, method) -> [seconds per repeat on this rank]
+    wire = {}  # (size, method) -> [bytes this host sent, payload cgx counted]
+    for size_mib in cfg["sizes_mib"]:
+        n = int(size_mib * 2**20) // 4
+        source = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+        x = torch.empty_like(source)
+        for repeat in range(-1, cfg["repeats"]):  # repeat -1: warm-up and bytes on the wire
+            if rank == 0:
+                print(f"  {size_mib:g} MiB, repeat {repeat + 1}/{cfg['repeats']}", flush=True)
+            for method in cfg["methods"]:
+                group = groups[method]
+                x.copy_(source)
+                dist.barrier()
+                before = (_tx_bytes(cfg["emulated"]), cgx.stats(group)["bytes_sent"] if method.startswith("cgx") else 0)
+                start = time.perf_counter()
+                _allreduce(method, group, x)
+                elapsed = time.perf_counter() - start
+                if repeat < 0:
+                    dist.barrier()  # every peer has received what this host sent
+                    after = (_tx_bytes(cfg["emulated"]), cgx.stats(group)["bytes_sent"] if method.startswith("cgx") else 0)
+                    wire[(size_mib, method)] = [
+                        None if before[0] is None else after[0] - before[0], after[1] - before[1]]
+                else:
+                    samples.setdefault((size_mib, method), []).append(elapsed)
+    # Each sample's time is the slowest rank's; wire bytes are gathered per rank.
+    keys = sorted(samples)
+    times = torch.tensor([samples[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, [wire[k] for k in keys])
+    if rank == 0:
+        rows = []
+        for i, (size_mib, method) in enumerate(keys):
+            per_rank = [g[i] for g in gathered]
+            rows.append({"size_mib": size_mib, "method": method, "seconds": times[i].tolist(),
+                         "median_s": statistics.median(times[i].tolist()),
+                         "wire_bytes": [w[0] for w in per_rank],
+                         "payload_bytes": [w[1] for w in per_rank]})
+        with open(cfg["out"], "w") as f:
+            json.dump(rows, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------
+# The driver
+
+
+def run_matrix(args):
+    results = []
+    for world in args.world_sizes:
+        for rate in args.rates:
+            print(f"[world {world}, {rate}]", flush=True)
+            with tempfile.TemporaryDirectory(prefix="cgx-bench-") as tmp:
+                cfg = {"methods": args.methods, "sizes_mib": args.sizes_mib,
+                       "repeats": args.repeats, "bucket_size": args.bucket_size,
+                       "out": os.path.join(tmp, "rows.json"), "emulated": rate != "loopback"}
+                cfg_path = os.path.join(tmp, "config.json")
+                with open(cfg_path, "w") as f:
+                    json.dump(cfg, f)
+                argv = [sys.executable, "-P", os.path.abspath(__file__), "--worker", cfg_path]
+                if rate == "loopback":
+                    run_job(argv, world, timeout_s=args.timeout_s)
+                else:
+                    with EmulatedHosts(world // args.ranks_per_host, rate=rate) as hosts:
+                        run_job(argv, world, hosts=hosts, timeout_s=args.timeout_s)
+                with open(cfg["out"]) as f:
+                    for row in json.load(f):
+                        results.append(dict(row, world_size=world, rate=rate,
+                                            ranks_per_host=args.ranks_per_host))
+    return results
+
+
+def table(results) -> str:
+    """Markdown: median ms per method, and its speed-up over Gloo float32."""
+    lines = []
+    methods = [m for m in METHODS if any(r["method"] == m for r in results)]
+    by_key = {(r["world_size"], r["rate"], r["size_mib"], r["method"]): r for r in results}
+    cases = sorted({(r["world_size"], r["rate"], r["size_mib"]) for r in results},
+                   key=lambda c: (c[0], c[1], c[2]))
+    lines.append("| ranks | link | MiB | " + " | ".join(methods) + " |")
+    lines.append("|---:|---|---:|" + "---:|" * len(methods))
+    for world, rate, size in cases:
+        gloo = by_key.get((world, rate, size, "gloo"))
+        cells = []
+        for m in methods:
+            r = by_key.get((world, rate, size, m))
+            if r is None:
+                cells.append("")
+                continue
+            ms = r["median_s"] * 1e3
+            cells.append(f"{ms:.1f}" + (f" ({gloo['median_s'] / r['median_s']:.2f}x)"
+                                        if gloo and m != "gloo" else ""))
+        lines.append(f"| {world} | {rate} | {size:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def wire_table(results) -> str:
+    """Bytes that crossed the links (all hosts, headers included) against Gloo's."""
+    rows = [r for r in results if r["wire_bytes"][0] is not None]
+    if not rows:
+        return ""
+    by_key = {(r["world_size"], r["rate"], r["size_mib"], r["method"]): r for r in rows}
+    lines = ["| ranks | link | MiB | method | MiB on the wire | payload MiB (cgx) | x fewer than gloo |",
+             "|---:|---|---:|---|---:|---:|---:|"]
+    for r in rows:
+        wire = sum(r["wire_bytes"])
+        gloo = by_key.get((r["world_size"], r["rate"], r["size_mib"], "gloo"))
+        ratio = f"{sum(gloo['wire_bytes']) / wire:.2f}" if gloo else ""
+        payload = f"{sum(r['payload_bytes']) / 2**20:.2f}" if r["method"].startswith("cgx") else ""
+        lines.append(f"| {r['world_size']} | {r['rate']} | {r['size_mib']:g} | {r['method']} | "
+                     f"{wire / 2**20:.2f} | {payload} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = sorted({r["world_size"] for r in results})
+    rates = list(dict.fromkeys(r["rate"] for r in results))
+    fig, axes = plt.subplots(len(worlds), len(rates), figsize=(5 * len(rates), 4 * len(worlds)),
+                             squeeze=False)
+    for i, world in enumerate(worlds):
+        for j, rate in enumerate(rates):
+            ax = axes[i][j]
+            for method in METHODS:
+                pts = sorted((r["size_mib"], r["median_s"] * 1e3) for r in results
+                             if r["world_size"] == world and r["rate"] == rate and r["method"] == method)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=method,
+                            linestyle="--" if method.startswith("gloo") else "-")
+            ax.set(xscale="log", yscale="log", xlabel="tensor size (MiB, float32)",
+                   ylabel="allreduce time (ms)", title=f"{world} ranks, {rate}")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker(sys.argv[2])
+        return
+    args = parse_args()
+    import torch
+
+    started = time.time()
+    results = run_matrix(args)
+    print(f"\nallreduce, median of {args.repeats}, {os.cpu_count()} cores, "
+          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"bucket {args.bucket_size}, {args.ranks_per_host} rank(s) per host, "
+          f"{time.time() - started:.0f} s")
+    print(table(results))
+    wire = wire_table(results)
+    if wire:
+        print("\n" + wire)
+    with open(args.json, "w") as f:
+        json.dump({"machine": {"cores": os.cpu_count(), "torch": torch.__version__,
+                               "platform": platform.platform()},
+                   "args": vars(args), "results": results}, f, indent=1)
+    plot(results, args.plot)
+    print(f"wrote {args.json} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

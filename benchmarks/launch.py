@@ -1,0 +1,96 @@
+"""Starts the ranks of a job as real processes, on this host or on emulated hosts.
+
+Each rank runs `argv` with torch's env:// variables set (MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE). On emulated hosts (netemu.EmulatedHosts) rank r
+runs in host r // ranks_per_host, and cgx is told which ranks share a host through
+CGX_HOSTNAME (the namespaces share the machine's hostname and /dev/shm), so traffic
+between hosts crosses the shaped links and traffic inside a host does not. Gloo is bound
+to the host's interface with GLOO_SOCKET_IFNAME.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Sequence
+
+from netemu import EmulatedHosts
+
+__all__ = ["RankFailure", "run_job"]
+
+
+class RankFailure(RuntimeError):
+    """A rank exited with an error or the job ran past its time limit."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(argv: Sequence[str], world_size: int, *, hosts: EmulatedHosts | None = None,
+            env: dict[str, str] | None = None, timeout_s: float = 600.0) -> None:
+    """Runs `argv` as `world_size` ranks and waits for all of them. Without `hosts`, all
+    ranks are local (loopback, one host); with it, ranks are spread evenly over its hosts.
+    Raises RankFailure (after killing the others) when a rank fails or time runs out."""
+    if hosts is not None and world_size % hosts.count:
+        raise ValueError(f"{world_size} ranks do not spread evenly over {hosts.count} hosts")
+    per_host = world_size // hosts.count if hosts is not None else world_size
+    base = dict(os.environ, **(env or {}))
+    base.update(
+        MASTER_ADDR=hosts.address(0) if hosts else "127.0.0.1",
+        # A fresh namespace has every port free; on the shared loopback ask the kernel.
+        MASTER_PORT=str(29500 if hosts else _free_port()),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(per_host),
+        GLOO_SOCKET_IFNAME="eth0" if hosts else "lo",
+    )
+    procs: list[subprocess.Popen] = []
+    # stderr to files, not pipes: a chatty rank must not block on a full pipe.
+    logs = [tempfile.TemporaryFile("w+") for _ in range(world_size)]
+    try:
+        for rank in range(world_size):
+            host = rank // per_host
+            rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank % per_host))
+            if hosts is not None:
+                rank_env["CGX_HOSTNAME"] = f"emulated-host-{host}"
+                procs.append(hosts.popen(host, argv, rank_env, stderr=logs[rank]))
+            else:
+                procs.append(subprocess.Popen(argv, env=rank_env, stderr=logs[rank]))
+        _wait_all(procs, logs, timeout_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
+
+
+def _tail(log, limit: int = 4000) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-limit:]
+
+
+def _wait_all(procs: list[subprocess.Popen], logs: list, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank = failed[0]
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            raise RankFailure(f"rank {rank} exited with code {codes[rank]}:\n{_tail(logs[rank])}")
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            raise RankFailure(f"ranks still running after {timeout_s:.0f} s; rank 0 said:\n"
+                              f"{_tail(logs[0])}")
+        time.sleep(0.05)
