@@ -24,7 +24,7 @@ from typing import Iterable, Mapping
 import torch
 
 from cgx import _C
-from cgx.layers import LayerSetting
+from cgx.layers import LayerSetting, check_bits, check_bucket_size
 
 __all__ = ["AdaptiveBits", "choose_settings", "quantization_error"]
 
@@ -44,14 +44,17 @@ def choose_settings(
     costs: Mapping[str, Mapping[LayerSetting, int]],
     budget: float,
     resolution: int = 4000,
+    baseline: Mapping[str, LayerSetting] | None = None,
 ) -> dict[str, LayerSetting]:
     """One candidate per layer minimising the total cost with total error <= budget.
 
     Dynamic program over layers, the error axis cut into `resolution` steps of
     budget / resolution; each error is rounded up to whole steps, so the choice never
-    exceeds the budget (it may miss a plan that fits only by less than a step per layer).
-    Ties go to the lower error. If no plan fits, each layer gets its lowest-error
-    candidate.
+    exceeds the budget. The rounding can lose up to one step per layer, so the program
+    may miss a plan that fits by less than that; `baseline` (the uniform default the
+    budget was measured on) is returned instead where it fits and costs less, so the
+    choice never sends more than the default. Ties go to the lower error. If no plan
+    fits, each layer gets its lowest-error candidate.
     """
     if budget < 0 or not math.isfinite(budget):
         raise ValueError(f"budget must be finite and >= 0, got {budget}")
@@ -80,13 +83,22 @@ def choose_settings(
         best = new
         choices.append(picked)
     end = min(range(resolution + 1), key=lambda e: (best[e], e))
+
+    def total(plan, table):
+        return sum(table[layer][plan[layer]] for layer in layers)
+
+    baseline_fits = baseline is not None and total(baseline, errors) <= budget
     if best[end] == inf:
+        if baseline_fits:
+            return dict(baseline)
         return {layer: min(errors[layer], key=lambda s: errors[layer][s]) for layer in layers}
     plan = {}
     for layer, picked in zip(reversed(layers), reversed(choices)):
         previous, setting = picked[end]
         plan[layer] = setting
         end = previous
+    if baseline_fits and total(baseline, costs) < total(plan, costs):
+        return dict(baseline)
     return plan
 
 
@@ -111,8 +123,8 @@ class AdaptiveBits:
     ) -> None:
         self.candidates = tuple(LayerSetting(b, k) for b, k in candidates)
         for c in self.candidates:
-            if not (1 <= c.bits <= 8) or c.bucket_size < 1:
-                raise ValueError(f"cgx.AdaptiveBits: bad candidate {c}")
+            check_bits(c.bits, f"cgx.AdaptiveBits candidate {c}", allow_raw=False)
+            check_bucket_size(c.bucket_size, f"cgx.AdaptiveBits candidate {c}")
         self.default = LayerSetting(*default)
         if self.default not in self.candidates:
             raise ValueError(f"cgx.AdaptiveBits: default {default} is not among the candidates")
@@ -139,4 +151,5 @@ class AdaptiveBits:
             for n, g in self.accumulated.items()
         }
         budget = self.alpha * sum(e[self.default] for e in errors.values())
-        return choose_settings(errors, costs, budget)
+        uniform = {n: self.default for n in errors}
+        return choose_settings(errors, costs, budget, baseline=uniform)

@@ -14,9 +14,11 @@ travels with the call, so other allreduces on the same group in between (metrics
 averaging, a distributed loss) cannot disturb it.
 
 Error feedback (on by default) keeps, per compressed parameter, the part of its gradient
-that quantization dropped (``g - Q(g)``, computed locally with the layer's settings) and
-adds it to the next step's gradient. It costs one float32 per compressed gradient element
-and a local compress/decompress of the compressed layers each step.
+that quantization dropped (``g - Q(g)``, computed locally with the layer's and the group's
+settings) and adds it to the next step's gradient. It costs one float32 per compressed
+gradient element and a local compress/decompress of the compressed layers each step. It
+needs round-to-nearest: with stochastic rounding the dropped part is not known locally
+(and the rounding is unbiased already), so such a group needs ``error_feedback=False``.
 """
 
 
@@ -41,7 +43,8 @@ class CGXState:
     Args:
         process_group: a "cgx" group, or None for the default group.
         model: the module wrapped by DDP (its parameter names key the policy).
-        policy: per-layer settings; default ``CompressionPolicy()`` (4 bits, bucket 512).
+        policy: per-layer settings; None takes bits, bucket size and minimal size from
+            the group's settings (the CGX_* variables or its ``pg_options``).
         error_feedback: keep and re-add each layer's quantization residual.
         warmup_steps: the first steps are reduced uncompressed (exactly, through Gloo).
         stats_every: every this many steps, measure each compressed layer's relative
@@ -87,7 +90,7 @@ class CGXState:
         if not isinstance(stats_every, int) or stats_every < 0:
             raise ValueError(f"cgx.CGXState: stats_every must be an integer >= 0, got {stats_every!r}")
         self.process_group = process_group
-        self.policy = policy if policy is not None else CompressionPolicy()
+        self.policy = policy if policy is not None else _policy_of(process_group)
         self.error_feedback = bool(error_feedback)
         self.warmup_steps = warmup_steps
         self.stats_every = stats_every
@@ -137,20 +140,40 @@ class CGXState:
         }
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's state: residuals (and adaptive statistics) differ between ranks, so
+        every rank saves and loads its own."""
         return {
+            "rank": self._rank(),
             "step": self.step,
             "residuals": {n: r.clone() for n, r in self.residuals.items()},
             "layer_settings": {n: (s.bits, s.bucket_size) for n, s in self.layer_settings.items()},
+            "adaptive_accumulated": (
+                {n: g.clone() for n, g in self.adaptive.accumulated.items()} if self.adaptive else {}
+            ),
             "bytes_sent": self.bytes_sent,
             "bytes_uncompressed": self.bytes_uncompressed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        rank = self._rank()
+        if state["rank"] is not None and rank is not None and state["rank"] != rank:
+            raise ValueError(
+                f"cgx.CGXState.load_state_dict: this is rank {state['rank']}'s state, loaded on "
+                f"rank {rank}; error-feedback residuals are per rank, so every rank must save "
+                f"and load its own state_dict()"
+            )
+        if self.adaptive:
+            self.adaptive.accumulated = {n: g.clone() for n, g in state["adaptive_accumulated"].items()}
         self.step = int(state["step"])
         self.residuals = {n: r.clone() for n, r in state["residuals"].items()}
         self.bytes_sent = int(state["bytes_sent"])
         self.bytes_uncompressed = int(state["bytes_uncompressed"])
         self.set_layer_settings({n: LayerSetting(*s) for n, s in state["layer_settings"].items()})
+
+    def _rank(self) -> int | None:
+        if not dist.is_initialized():
+            return None
+        return dist.get_rank(self.process_group if self.process_group is not None else dist.group.WORLD)
 
     def __getstate__(self) -> dict[str, Any]:
         # The process group and the parameter wiring do not survive pickling.
@@ -169,26 +192,32 @@ class CGXState:
 
     # ---- per bucket
 
-    def _prepare(self, buffer: torch.Tensor, compressed: list) -> None:
+    def _prepare(self, buffer: torch.Tensor, compressed: list, group_settings, decides: bool) -> None:
         """Adds each compressed layer's residual to its gradient and keeps the new one;
-        samples the layers' quantization error."""
+        samples the layers' quantization error; feeds adaptive selection on the rank
+        that decides (`decides`)."""
         sample = self.stats_every > 0 and self.step % self.stats_every == 0
-        if not (self.error_feedback or sample or self.adaptive):
+        adaptive = self.adaptive if decides else None
+        if not (self.error_feedback or sample or adaptive):
             return
+        # The group's rounding settings, so that Q(g) here is what goes on the wire.
+        skip = group_settings.skip_incomplete_buckets
+        stochastic = group_settings.stochastic_rounding
         for name, offset, numel, setting in compressed:
             view = buffer.narrow(0, offset, numel)
             grad = view.float()
             if grad.data_ptr() == view.data_ptr():
                 grad = grad.clone()  # keep the unquantized values apart from the buffer
-            if self.adaptive:
-                self.adaptive.accumulate(name, grad)
+            if adaptive:
+                adaptive.accumulate(name, grad)
             residual = self.residuals.get(name) if self.error_feedback else None
             if residual is not None and residual.numel() == numel:
                 grad += residual
                 view.copy_(grad)
             decoded = _C.decompress(
-                _C.compress(view, setting.bits, setting.bucket_size), numel, setting.bits,
-                setting.bucket_size,
+                _C.compress(view, setting.bits, setting.bucket_size, stochastic=stochastic,
+                            seed=self.step, skip_incomplete_buckets=skip),
+                numel, setting.bits, setting.bucket_size, skip_incomplete_buckets=skip,
             )
             if self.error_feedback:
                 self.residuals[name] = grad - decoded
@@ -196,13 +225,22 @@ class CGXState:
                 norm = float(grad.norm())
                 self.layer_errors[name] = float((decoded - grad).norm()) / norm if norm > 0 else 0.0
 
-    def _count(self, buffer: torch.Tensor, layout: list) -> None:
+    def _count(self, buffer: torch.Tensor, layout: list, skip_incomplete: bool) -> None:
         self.bytes_uncompressed += buffer.numel() * buffer.element_size()
         if all(bits == RAW_BITS for _, _, bits, _ in layout):
             self.bytes_sent += buffer.numel() * buffer.element_size()  # Gloo, in its dtype
             return
         for _, numel, bits, bucket_size in layout:
-            self.bytes_sent += 4 * numel if bits == RAW_BITS else _C.compressed_size(numel, bits, bucket_size)
+            self.bytes_sent += 4 * numel if bits == RAW_BITS else _C.compressed_size(
+                numel, bits, bucket_size, skip_incomplete_buckets=skip_incomplete)
+
+
+def _policy_of(group: dist.ProcessGroup | None) -> CompressionPolicy:
+    """The group's settings as a policy: the environment (or pg_options) is the default
+    that a policy given in Python overrides."""
+    settings = get_backend(group).settings
+    return CompressionPolicy(bits=settings.bits, bucket_size=settings.bucket_size,
+                             minimal_size=settings.minimal_size)
 
 
 def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -212,14 +250,21 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         raise RuntimeError("cgx_hook: the state has no model attached (after unpickling, call state.attach(model))")
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     backend = get_backend(group)
+    settings = backend.settings
+    if state.error_feedback and settings.stochastic_rounding:
+        raise ValueError(
+            "cgx_hook: error feedback needs round-to-nearest, but the group rounds "
+            "stochastically (CGX_COMPRESSION_STOCHASTIC_ROUNDING): create the CGXState "
+            "with error_feedback=False"
+        )
     buffer = bucket.buffer()
     buffer.div_(group.size())  # divide first, as torch's hooks do (no fp16 overflow)
     if state.step < state.warmup_steps:
         layout = [(0, buffer.numel(), RAW_BITS, 1)]
     else:
         layout, compressed = bucket_plan(bucket, state._settings_by_param)
-        state._prepare(buffer, compressed)
-    state._count(buffer, layout)
+        state._prepare(buffer, compressed, settings, decides=group.rank() == 0)
+    state._count(buffer, layout, settings.skip_incomplete_buckets)
     future = backend.allreduce_layout(buffer, layout).get_future()
     if bucket.is_last():
         state.step += 1

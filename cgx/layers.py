@@ -36,12 +36,13 @@ RAW_BITS = 32
 Segment = tuple[int, int, int, int]  # (offset, numel, bits, bucket_size)
 
 
-def _check_bits(bits: int, what: str) -> None:
-    if not (isinstance(bits, int) and (1 <= bits <= 8 or bits == RAW_BITS)):
-        raise ValueError(f"{what}: bits must be in 1..8, or 32 for uncompressed, got {bits!r}")
+def check_bits(bits: int, what: str, allow_raw: bool = True) -> None:
+    if not (isinstance(bits, int) and (1 <= bits <= 8 or (allow_raw and bits == RAW_BITS))):
+        allowed = "1..8, or 32 for uncompressed" if allow_raw else "1..8"
+        raise ValueError(f"{what}: bits must be in {allowed}, got {bits!r}")
 
 
-def _check_bucket_size(bucket_size: int, what: str) -> None:
+def check_bucket_size(bucket_size: int, what: str) -> None:
     if not (isinstance(bucket_size, int) and 1 <= bucket_size <= 2**30):
         raise ValueError(f"{what}: bucket_size must be in 1..2^30, got {bucket_size!r}")
 
@@ -79,9 +80,9 @@ class LayerRule:
         what = f"cgx.LayerRule({self.pattern or self.module_type or self.max_numel})"
         if self.pattern is None and self.module_type is None and self.max_numel is None:
             raise ValueError("cgx.LayerRule: give at least one of pattern, module_type, max_numel")
-        _check_bits(self.bits, what)
+        check_bits(self.bits, what)
         if self.bucket_size is not None:
-            _check_bucket_size(self.bucket_size, what)
+            check_bucket_size(self.bucket_size, what)
         if self.max_numel is not None and (not isinstance(self.max_numel, int) or self.max_numel < 0):
             raise ValueError(f"{what}: max_numel must be an integer >= 0, got {self.max_numel!r}")
 
@@ -113,8 +114,8 @@ class CompressionPolicy:
         minimal_size: int = 16,
         compress_1d: bool = False,
     ) -> None:
-        _check_bits(bits, "cgx.CompressionPolicy")
-        _check_bucket_size(bucket_size, "cgx.CompressionPolicy")
+        check_bits(bits, "cgx.CompressionPolicy")
+        check_bucket_size(bucket_size, "cgx.CompressionPolicy")
         if not isinstance(minimal_size, int) or minimal_size < 0:
             raise ValueError(f"cgx.CompressionPolicy: minimal_size must be >= 0, got {minimal_size!r}")
         self.bits = bits
@@ -137,8 +138,8 @@ class CompressionPolicy:
     def resolve(self, model: torch.nn.Module) -> dict[str, LayerSetting]:
         """The setting of every trainable parameter of `model`, by qualified name.
 
-        Raises ValueError for a rule pattern that names no parameter (a typo would
-        otherwise silently compress a layer the user meant to protect)."""
+        Raises ValueError for a rule whose pattern or module type selects no parameter
+        (a typo would otherwise silently compress a layer the user meant to protect)."""
         owners = {}
         for module_name, module in model.named_modules():
             for param_name, _ in module.named_parameters(recurse=False):
@@ -154,6 +155,13 @@ class CompressionPolicy:
                 raise ValueError(
                     f"cgx.LayerRule pattern {rule.pattern!r} matches no trainable parameter "
                     f"(parameters look like {next(iter(settings), '<none>')!r})"
+                )
+            if rule.module_type is not None and not any(
+                isinstance(owners[n], rule.module_type) for n in settings
+            ):
+                raise ValueError(
+                    f"cgx.LayerRule module_type {rule.module_type!r} matches no module that "
+                    f"owns a trainable parameter"
                 )
         return settings
 

@@ -46,6 +46,39 @@ def test_dynamic_program_matches_brute_force(seed):
     assert sum(costs[n][plan[n]] for n in layers) == expected[0]
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_dynamic_program_with_rounding_never_costs_more_than_the_default(seed):
+    """Float errors on a coarse grid: the program loses up to one grid step of budget per
+    layer, so it finds at least the optimum of the budget less that, never exceeds the
+    budget, and never costs more than the uniform default it was measured against."""
+    rng = random.Random(seed)
+    candidates = [cgx.LayerSetting(b, 512) for b in (2, 3, 4, 8)]
+    layers = [f"layer{i}" for i in range(rng.randint(1, 5))]
+    errors = {n: {c: rng.uniform(0, 10) / c.bits for c in candidates} for n in layers}
+    costs = {n: {c: rng.randint(1, 20) * c.bits for c in candidates} for n in layers}
+    default = candidates[2]
+    budget = sum(errors[n][default] for n in layers)
+    resolution = 20
+    plan = choose_settings(errors, costs, budget, resolution=resolution,
+                           baseline={n: default for n in layers})
+    cost = sum(costs[n][plan[n]] for n in layers)
+    assert sum(errors[n][plan[n]] for n in layers) <= budget * (1 + 1e-12)
+    assert cost <= sum(costs[n][default] for n in layers)
+    tighter = brute_force(errors, costs, budget * (1 - len(layers) / resolution))
+    if tighter is not None:
+        assert cost <= tighter[0]
+
+
+def test_identical_layers_keep_the_uniform_default():
+    # Three identical layers: uniform 4 bits fits the budget exactly; rounding each
+    # layer's error up must not push the choice to a dearer plan.
+    four, eight = cgx.LayerSetting(4, 512), cgx.LayerSetting(8, 512)
+    errors = {n: {four: 1.0, eight: 0.1} for n in "abc"}
+    costs = {n: {four: 4, eight: 8} for n in "abc"}
+    plan = choose_settings(errors, costs, 3.0, resolution=7, baseline={n: four for n in "abc"})
+    assert plan == {n: four for n in "abc"}
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="budget"):
         choose_settings({}, {}, -1.0)
@@ -53,6 +86,10 @@ def test_bad_arguments():
         cgx.AdaptiveBits(candidates=[(2, 512)], default=(4, 512))
     with pytest.raises(ValueError, match="interval"):
         cgx.AdaptiveBits(interval=0)
+    with pytest.raises(ValueError, match="bits must be in 1..8"):
+        cgx.AdaptiveBits(candidates=[(32, 512), (4, 512)])
+    with pytest.raises(ValueError, match="bucket_size"):
+        cgx.AdaptiveBits(candidates=[(4, 2**31)], default=(4, 2**31))
 
 
 class TinyGPT(torch.nn.Module):

@@ -138,31 +138,47 @@ def test_hook_error_bounded_and_layers_follow_policy(bits):
         assert set(stats["layer_errors"]) == {"embed.weight", "hidden.weight", "head.weight"}
 
 
+def _reference_average(model, x, y, world):
+    """Every parameter's exact averaged gradient, and the per-rank local gradients."""
+    reference = make_model()
+    reference.load_state_dict(model.state_dict())
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    out = {}
+    for name, p in reference.named_parameters():
+        local = p.grad.reshape(-1)
+        everyone = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(everyone, local)
+        out[name] = (torch.stack(everyone).sum(0) / world, [g / world for g in everyone])
+    return out
+
+
 def _interleaved(rank, world):
     import cgx
 
     init_cgx(rank, world, pg_options=cgx.Config(bits=8, minimal_size=0))
     model = make_model(interleave=True)
     ddp = DDP(model, bucket_cap_mb=0.02)
-    policy = cgx.CompressionPolicy(bits=2, rules=[cgx.LayerRule(pattern="head.*", bits=32)])
-    state = cgx.CGXState(None, model, policy)
+    # embed's gradient is ready last: after DDP rebuilds its buckets (step 1 on) it is
+    # alone in the last bucket, reduced after a metric allreduce on the same group.
+    policy = cgx.CompressionPolicy(bits=2, rules=[cgx.LayerRule(pattern="embed.*", bits=32)])
+    state = cgx.CGXState(None, model, policy, error_feedback=False)
     ddp.register_comm_hook(state, cgx.cgx_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    head_exact = True
+    failures = []
     same = True
     for step in range(4):
         x, y = batch(rank, step)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        # The raw head layer is the exact average despite the allreduces in between.
-        reference = make_model()
-        reference.load_state_dict(model.state_dict())
-        torch.nn.functional.cross_entropy(reference(x), y).backward()
-        local = reference.head.weight.grad.reshape(-1)
-        everyone = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(everyone, local)
-        exact = torch.stack(everyone).sum(0) / world
-        head_exact = head_exact and bool(torch.allclose(model.head.weight.grad.reshape(-1), exact, rtol=1e-5, atol=1e-7))
+        for name, (exact, parts) in _reference_average(model, x, y, world).items():
+            got = dict(model.named_parameters())[name].grad.reshape(-1)
+            setting = state.layer_settings[name]
+            if setting.compressed:
+                ok = float((got - exact).abs().max()) <= allreduce_error_bound(parts, setting.bits)
+            else:  # raw: the exact average despite the allreduces in between
+                ok = bool(torch.allclose(got, exact, rtol=1e-5, atol=1e-7))
+            if not ok:
+                failures.append((step, name))
         opt.step()
         metric = torch.ones(5000)
         dist.all_reduce(metric)  # loss averaging between steps
@@ -170,12 +186,101 @@ def _interleaved(rank, world):
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         same = same and all(torch.equal(gathered[0], g) for g in gathered)
-    return head_exact, same, state.layer_settings["embed.weight"].bits
+    return failures, same, state.layer_settings["hidden.weight"].compressed
 
 
 def test_other_allreduces_between_buckets_do_not_disturb_the_plan():
-    for head_exact, same, embed_bits in values(run_ranks(_interleaved, 2)):
-        assert head_exact and same and embed_bits == 2
+    for failures, same, compressed in values(run_ranks(_interleaved, 2)):
+        assert failures == [] and same and compressed
+
+
+class Linear64(torch.nn.Module):
+    """loss = <w, c>: the gradient is c, whatever w is."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, c):
+        return (self.weight * c).sum()
+
+
+def _cumulative_error(rank, world, error_feedback, dtype):
+    """A constant gradient (loss = <w, c_rank>) reduced for many steps with SGD, lr 1:
+    the total update should be steps x the average of c. Error feedback re-sends what
+    quantization dropped, so its total error grows much more slowly."""
+    import cgx
+
+    init_cgx(rank, world)
+    torch.manual_seed(0)
+    model = Linear64().to(dtype)
+    c = torch.randn(64, 64, generator=torch.Generator().manual_seed(rank)).to(dtype)
+    ddp = DDP(model)
+    state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=2), error_feedback=error_feedback)
+    ddp.register_comm_hook(state, cgx.cgx_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    start = model.weight.detach().double().clone()
+    steps = 40
+    for _ in range(steps):
+        opt.zero_grad()
+        ddp(c).backward()
+        opt.step()
+    everyone = [torch.empty_like(c) for _ in range(world)]
+    dist.all_gather(everyone, c)
+    expected = steps * torch.stack([e.double() for e in everyone]).mean(0)
+    moved = start - model.weight.detach().double()
+    return float((moved - expected).abs().max()), float(expected.abs().max()) / steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_error_feedback_keeps_the_total_update_on_track(dtype):
+    with_ef = values(run_ranks(_cumulative_error, 2, args=(True, dtype)))
+    without = values(run_ranks(_cumulative_error, 2, args=(False, dtype)))
+    for (err_ef, scale), (err_plain, _) in zip(with_ef, without):
+        # Without feedback the same rounding repeats every step and the error grows
+        # with the steps. Feedback cancels the first stage (each rank's contribution);
+        # the second stage (the re-quantized sum) is not fed back (docs/hooks.md), so
+        # part of the drift stays. Measured: 0.28x at 40 steps, 2 bits.
+        assert err_ef < 0.5 * err_plain, (err_ef, err_plain)
+        assert err_plain > 5 * scale  # the uncorrected drift is real
+
+
+def _group_rounding_settings(rank, world):
+    import cgx
+
+    init_cgx(rank, world)
+    out = {}
+    # Partial last buckets travel raw: the residual there is zero.
+    skip = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, skip_incomplete_buckets=True))
+    model = make_model()
+    ddp = DDP(model, process_group=skip)
+    state = cgx.CGXState(skip, model)  # policy from the group: 4 bits, bucket 512
+    ddp.register_comm_hook(state, cgx.cgx_hook)
+    x, y = batch(rank, 0)
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    residual = state.residuals["head.weight"]  # 1280 values: 2 whole buckets + 256
+    out["skip"] = (state.layer_settings["head.weight"], bool(residual[1024:].eq(0).all()),
+                   bool(residual[:1024].ne(0).any()))
+    # Stochastic rounding and error feedback do not mix: a clear error, on every rank.
+    stochastic = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, stochastic_rounding=True))
+    model = make_model()
+    ddp = DDP(model, process_group=stochastic)
+    ddp.register_comm_hook(cgx.CGXState(stochastic, model), cgx.cgx_hook)
+    try:
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        out["stochastic"] = "no error"
+    except Exception as e:  # DDP may wrap it
+        out["stochastic"] = str(e)
+    return out
+
+
+def test_hook_follows_the_groups_rounding_settings():
+    import cgx
+
+    for out in values(run_ranks(_group_rounding_settings, 2)):
+        setting, tail_zero, head_nonzero = out["skip"]
+        assert setting == cgx.LayerSetting(4, 512) and tail_zero and head_nonzero
+        assert "error feedback needs round-to-nearest" in out["stochastic"]
 
 
 def _variants(rank, world, variant):
@@ -239,7 +344,10 @@ def _checkpoint(rank, world):
     def setup():
         model = make_model()
         ddp = DDP(model)
-        state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=2), warmup_steps=1)
+        # Adaptive choices at steps 2 and 4: the checkpoint falls between them.
+        adaptive = cgx.AdaptiveBits(interval=2)
+        state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=2), warmup_steps=1,
+                             adaptive=adaptive)
         ddp.register_comm_hook(state, cgx.cgx_hook)
         return model, ddp, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
@@ -247,8 +355,8 @@ def _checkpoint(rank, world):
     train(ddp, model, rank, 3, opt=opt)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "cgx": state.state_dict()}, buf)
-    train(ddp, model, rank, 1, start=3, opt=opt)
-    uninterrupted = flat_params(model)
+    train(ddp, model, rank, 2, start=3, opt=opt)
+    uninterrupted = flat_params(model), dict(state.layer_settings)
 
     model, ddp, state, opt = setup()
     buf.seek(0)
@@ -256,18 +364,37 @@ def _checkpoint(rank, world):
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     state.load_state_dict(saved["cgx"])
-    train(ddp, model, rank, 1, start=3, opt=opt)
-    resumed = flat_params(model)
+    train(ddp, model, rank, 2, start=3, opt=opt)
+    resumed = flat_params(model), dict(state.layer_settings)
 
+    # Residuals are per rank: loading another rank's state is refused.
+    theirs = [None] * world
+    dist.all_gather_object(theirs, saved["cgx"])
+    try:
+        state.load_state_dict(theirs[(rank + 1) % world])
+        wrong_rank = "accepted"
+    except ValueError as e:
+        wrong_rank = str(e)
+
+    # An unpickled state (without its process group) re-attached to a copy of the model
+    # takes the same next step as the original.
     copy = pickle.loads(pickle.dumps(state))
-    pickled_ok = copy.process_group is None and copy.step == state.step and set(copy.residuals) == set(state.residuals)
-    copy.attach(model)
-    return torch.equal(uninterrupted, resumed), bool(state.residuals), pickled_ok
+    twin = make_model()
+    twin.load_state_dict(model.state_dict())
+    copy.attach(twin)
+    twin_ddp = DDP(twin)
+    twin_ddp.register_comm_hook(copy, cgx.cgx_hook)
+    train(ddp, model, rank, 1, start=5)
+    train(twin_ddp, twin, rank, 1, start=5)
+    pickled_ok = copy.process_group is None and torch.equal(flat_params(model), flat_params(twin))
+    return (torch.equal(uninterrupted[0], resumed[0]), uninterrupted[1] == resumed[1],
+            bool(state.residuals), wrong_rank, pickled_ok)
 
 
 def test_checkpoint_round_trip_resumes_exactly():
-    for same, had_residuals, pickled_ok in values(run_ranks(_checkpoint, 2)):
-        assert same and had_residuals and pickled_ok
+    for same, same_plan, had_residuals, wrong_rank, pickled_ok in values(run_ranks(_checkpoint, 2)):
+        assert same and same_plan and had_residuals and pickled_ok
+        assert "every rank must save and load its own" in wrong_rank
 
 
 def test_bad_configuration_raises_value_error():
@@ -290,6 +417,8 @@ def test_bad_configuration_raises_value_error():
         cgx.CGXState(None, make_model(), warmup_steps=-1)
     with pytest.raises(ValueError, match="matches no trainable parameter"):
         cgx.CGXState(None, make_model(), cgx.CompressionPolicy(rules=[cgx.LayerRule(pattern="enbed.*", bits=8)]))
+    with pytest.raises(ValueError, match="module_type .* matches no module"):
+        cgx.CGXState(None, make_model(), cgx.CompressionPolicy(rules=[cgx.LayerRule(module_type=torch.nn.Conv2d)]))
 
 
 def test_policy_resolution_rules_and_defaults():
