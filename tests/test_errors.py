@@ -37,6 +37,34 @@ def test_different_sizes_raise_on_every_rank(world):
         assert still_works
 
 
+def _paths_split(rank, world):
+    """One rank's tensor is at or under minimal_size (exact, through Gloo), the other's
+    is compressed: both raise, and the next compressed call cannot pair up with the
+    stale half of the failed one (it raises too, or is right): never garbage."""
+    import cgx
+
+    init_cgx(rank, world, timeout_s=5, pg_options=cgx.Config(bits=4, minimal_size=16))
+    t = torch.randn(10 if rank == 0 else 1000)
+    try:
+        dist.all_reduce(t)
+        first = "no error"
+    except RuntimeError as e:
+        first = str(e)
+    ok = torch.ones(1000)
+    try:
+        dist.all_reduce(ok)
+        second = "right" if bool((ok == world).all()) else f"garbage: {ok[:4].tolist()}"
+    except RuntimeError as e:
+        second = str(e)
+    return first, second
+
+
+def test_ranks_on_different_paths_raise_never_garbage():
+    for first, second in values(run_ranks(_paths_split, 2, timeout_s=120)):
+        assert first != "no error"
+        assert not second.startswith("garbage"), second
+
+
 def _bad_tensors(rank, world):
     import cgx
 

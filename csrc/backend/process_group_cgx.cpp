@@ -215,6 +215,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::Tensor>& tensors,
                                                                 const c10d::ReduceOp& op,
                                                                 bool coalesced) {
+  count_call();
   auto run = [&](const c10d::ReduceOp& reduce_op) {
     if (coalesced) {
       c10d::AllreduceCoalescedOptions o;
@@ -254,7 +255,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     c10d::ReduceOp::RedOpType op, c10d::OpType op_type, c10::intrusive_ptr<c10d::Work> also,
     std::shared_ptr<const compression::LayoutCodec> codec) {
   auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, std::move(outputs));
-  const uint64_t sequence = ++sequence_;
+  const uint64_t sequence = count_call();
   worker_.enqueue([this, work, tensors, op, sequence, also, codec]() mutable {
     std::exception_ptr error;
     try {
@@ -350,63 +351,76 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
+  count_call();
   return exact_->broadcast(tensors, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
+  count_call();
   return exact_->reduce(tensors, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  count_call();
   return exact_->allgather(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  count_call();
   return exact_->_allgather_base(output, input, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  count_call();
   return exact_->allgather_coalesced(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  count_call();
   return exact_->allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
+  count_call();
   return exact_->gather(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
+  count_call();
   return exact_->scatter(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  count_call();
   return exact_->reduce_scatter(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  count_call();
   return exact_->_reduce_scatter_base(output, input, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  count_call();
   return exact_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  count_call();
   return exact_->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::alltoall(std::vector<at::Tensor>& outputs,
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllToAllOptions& opts) {
+  count_call();
   return exact_->alltoall(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::send(std::vector<at::Tensor>& tensors,
@@ -427,6 +441,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recvAnysource(std::vector<at::Te
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::barrier(const c10d::BarrierOptions& opts) {
   // Gloo's barrier is issued now (Gloo's program order); it completes once Gloo's barrier
   // has and every compressed collective queued before it has run, as a barrier should.
+  count_call();
   auto gloo_barrier = exact_->barrier(opts);
   auto work = c10::make_intrusive<CGXWork>(getRank(), c10d::OpType::BARRIER,
                                            std::vector<at::Tensor>{});

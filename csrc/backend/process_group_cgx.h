@@ -123,6 +123,7 @@ class ProcessGroupCGX final : public c10d::Backend {
 
  private:
   bool compressible(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
+  uint64_t count_call() { return ++sequence_; }
   // The group's settings applied to a whole buffer.
   compression::LayoutCodec uniform_codec(int64_t numel) const;
   // Gloo allreduce, with AVG done as SUM followed by a division (Gloo has no AVG).
@@ -144,7 +145,10 @@ class ProcessGroupCGX final : public c10d::Backend {
   int num_hosts_ = 1;
   std::unique_ptr<transport::Transport> transport_;
   collectives::Scratch scratch_;  // used by the worker thread only
-  std::atomic<uint64_t> sequence_{0};  // compressed calls issued (callers' threads)
+  // Collectives issued, exact ones included (callers' threads): a compressed call's
+  // number differs between ranks whenever they took different paths before it (a size
+  // on either side of minimal_size, a dtype mismatch), and its signature check fails.
+  std::atomic<uint64_t> sequence_{0};
   // Set once a failure while data moved left the group unusable; worker thread only.
   std::string broken_;
   mutable std::mutex stats_mutex_;

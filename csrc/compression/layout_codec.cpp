@@ -30,6 +30,10 @@ LayoutCodec::LayoutCodec(std::vector<Segment> segments, int64_t total)
                                   std::to_string(s.offset + s.numel) + "), expected it to start at " +
                                   std::to_string(expected) + " with numel >= 0");
     if (!s.raw) validate(s.params);
+    // Checked before adding: a huge numel from Python must not wrap the running sum.
+    if (s.numel > total - expected)
+      throw std::invalid_argument("layout segment " + std::to_string(i) + " ends past the " +
+                                  std::to_string(total) + " elements of the tensor");
     expected += s.numel;
   }
   if (expected != total)
