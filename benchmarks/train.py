@@ -17,9 +17,13 @@ Tasks:
 
     python benchmarks/train.py --task gpt --steps 300 --world-size 2
     python benchmarks/train.py --task digits --out docs/convergence
+    python benchmarks/train.py --task gpt --link 1gbit --steps 60 --gpt-dim 256   # root
 
 Prints a table (final loss / accuracy, payload bytes per step per rank, ratio to
-float32) and writes <out>/<task>.json and <out>/<task>.png (loss curves).
+float32, seconds) and writes <out>/<task>.json and <out>/<task>.png (loss curves).
+With --link RATE every rank runs on its own emulated host (benchmarks/netemu.py) behind
+a link of that rate, and the table adds steps per second and the bytes that crossed the
+links per step.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import datetime
 import inspect
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -76,16 +81,17 @@ class GPT(torch.nn.Module):
 class GPTTask:
     name = "gpt"
     context = 64
-    batch = 16
     lr = 3e-3
 
-    def __init__(self):
+    def __init__(self, dim=128, batch=16):
+        self.dim = dim
+        self.batch = batch
         data = torch.tensor(list(stdlib_text()), dtype=torch.long)
         split = int(0.9 * data.numel())
         self.train, self.val = data[:split], data[split:]
 
     def model(self):
-        return GPT(context=self.context)
+        return GPT(dim=self.dim, context=self.context)
 
     def batch_for(self, rank, step, seed=0, source=None):
         source = self.train if source is None else source
@@ -171,13 +177,13 @@ def attach_method(method, ddp, model):
     return lambda step: state.compression_stats()["bytes_sent"]
 
 
-def run_method(rank, world, task_name, method, steps, seed, store, out_path):
+def run_method(rank, world, task_name, task_options, method, steps, seed, init_method, out_path):
     import cgx  # noqa: F401  (backend "cgx")
 
     torch.set_num_threads(1)
-    dist.init_process_group("cgx", init_method=f"file://{store}", rank=rank, world_size=world,
+    dist.init_process_group("cgx", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
-    task = TASKS[task_name]()
+    task = TASKS[task_name](**task_options)
     torch.manual_seed(seed)
     model = task.model()
     # One bucket for every method: torch's PowerSGD hook issues collectives from future
@@ -200,7 +206,7 @@ def run_method(rank, world, task_name, method, steps, seed, store, out_path):
         losses.append(avg.item())
     elapsed = time.perf_counter() - start
     if rank == 0:
-        result = {"method": method, "losses": losses, "seconds": elapsed,
+        result = {"method": method, "losses": losses, "seconds": elapsed, "steps": steps,
                   "bytes_per_step": bytes_so_far(steps) / steps,
                   "float32_bytes_per_step": sum(p.numel() * 4 for p in model.parameters()),
                   **task.evaluate(model)}
@@ -208,6 +214,33 @@ def run_method(rank, world, task_name, method, steps, seed, store, out_path):
             json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_on_emulated_hosts(call, world, rate, tmp, out):
+    """One method's run with every rank on its own emulated host (root only); adds the
+    bytes that crossed the links (all hosts, the whole run) to the result."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from launch import run_job
+    from netemu import EmulatedHosts
+
+    config = os.path.join(tmp, "rank-config.json")
+    with open(config, "w") as f:
+        json.dump({"call": call, "out": out}, f)
+    with EmulatedHosts(world, rate=rate) as hosts:
+        before = sum(hosts.bytes_sent())
+        run_job([sys.executable, "-P", os.path.abspath(__file__), "--rank", config], world,
+                hosts=hosts, timeout_s=3600)
+        wire = sum(hosts.bytes_sent()) - before
+    with open(out) as f:
+        return dict(json.load(f), wire_bytes=wire, link=rate)
+
+
+def rank_main(config_path):
+    """A rank started by launch.run_job (torch's env:// variables set)."""
+    with open(config_path) as f:
+        config = json.load(f)
+    run_method(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *config["call"], "env://",
+               config["out"])
 
 
 def plot(results, task, path):
@@ -237,29 +270,42 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
+    parser.add_argument("--gpt-dim", type=int, default=128, help="width of the GPT model")
+    parser.add_argument("--gpt-batch", type=int, default=16, help="GPT sequences per rank and step")
+    parser.add_argument("--link", metavar="RATE",
+                        help="run each rank on its own emulated host behind a link of this rate "
+                             "(e.g. 1gbit; needs root); default: all ranks local")
     parser.add_argument("--out", default="convergence-results")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    task_options = {"dim": args.gpt_dim, "batch": args.gpt_batch} if args.task == "gpt" else {}
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods:
             print(f"[{args.task}] {method} ...", flush=True)
             out = os.path.join(tmp, f"{method}.json")
-            mp.spawn(run_method, args=(args.world_size, args.task, method, args.steps, args.seed,
-                                       os.path.join(tmp, f"{method}.store"), out),
-                     nprocs=args.world_size)
-            with open(out) as f:
-                results.append(json.load(f))
+            call = (args.task, task_options, method, args.steps, args.seed)
+            if args.link:
+                results.append(run_on_emulated_hosts(call, args.world_size, args.link, tmp, out))
+            else:
+                mp.spawn(run_method, args=(args.world_size, *call,
+                                           f"file://{os.path.join(tmp, method + '.store')}", out),
+                         nprocs=args.world_size)
+                with open(out) as f:
+                    results.append(json.load(f))
     base = results[0]
     metric = "val_accuracy" if args.task == "digits" else "val_loss"
     print(f"\n{args.task}, {args.world_size} ranks, {args.steps} steps, seed {args.seed}, "
-          f"torch {torch.__version__}")
-    print(f"| method | {metric} | val_loss vs {base['method']} | payload bytes/step/rank | x fewer than float32 | s |")
-    print("|---|---:|---:|---:|---:|---:|")
+          f"link {args.link or 'local'}, torch {torch.__version__}")
+    print(f"| method | {metric} | val_loss vs {base['method']} | payload bytes/step/rank | "
+          f"x fewer than float32 | s | steps/s | x {base['method']} steps/s | wire MiB/step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         rel = r["val_loss"] / base["val_loss"] - 1
+        wire = f"{r['wire_bytes'] / r['steps'] / 2**20:.2f}" if "wire_bytes" in r else ""
         print(f"| {r['method']} | {r[metric]:.4f} | {rel:+.2%} | {r['bytes_per_step']:,.0f} | "
-              f"{r['float32_bytes_per_step'] / r['bytes_per_step']:.2f} | {r['seconds']:.1f} |")
+              f"{r['float32_bytes_per_step'] / r['bytes_per_step']:.2f} | {r['seconds']:.1f} | "
+              f"{r['steps'] / r['seconds']:.2f} | {base['seconds'] / r['seconds']:.2f} | {wire} |")
     stem = os.path.join(args.out, args.task + (f"-seed{args.seed}" if args.seed else ""))
     with open(stem + ".json", "w") as f:
         json.dump({"task": args.task, "world_size": args.world_size, "steps": args.steps,
@@ -269,4 +315,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--rank":
+        rank_main(sys.argv[2])
+    else:
+        main()
