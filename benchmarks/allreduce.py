@@ -30,6 +30,11 @@ import sys
 import tempfile
 import time
 
+import torch
+import torch.distributed as dist
+
+import cgx
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from launch import run_job  # noqa: E402
@@ -62,10 +67,6 @@ def parse_args(argv=None):
 
 
 def _groups(methods, bucket_size):
-    import torch.distributed as dist
-
-    import cgx
-
     env_config = cgx.from_env()  # CGX_HOSTNAME tells emulated hosts apart
     groups = {}
     for method in methods:
@@ -79,18 +80,17 @@ def _groups(methods, bucket_size):
     return groups
 
 
-def _tx_bytes(emulated):
-    """This host's bytes sent on its link (None on loopback, where there is no link)."""
-    if not emulated:
-        return None
-    with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
-        return int(f.read())
+def _bytes_sent(emulated, method, group):
+    """(bytes this host sent on its link, or None on loopback where there is no link;
+    payload bytes cgx counted on `group`, 0 for the Gloo methods)."""
+    wire = None
+    if emulated:
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            wire = int(f.read())
+    return wire, cgx.stats(group)["bytes_sent"] if method.startswith("cgx") else 0
 
 
 def _allreduce(method, group, x):
-    import torch
-    import torch.distributed as dist
-
     if method == "gloo-fp16":
         h = x.to(torch.float16)
         dist.all_reduce(h, group=group)
@@ -100,11 +100,6 @@ def _allreduce(method, group, x):
 
 
 def worker(config_path):
-    import torch
-    import torch.distributed as dist
-
-    import cgx
-
     with open(config_path) as f:
         cfg = json.load(f)
     torch.set_num_threads(1)
@@ -124,13 +119,13 @@ def worker(config_path):
                 group = groups[method]
                 x.copy_(source)
                 dist.barrier()
-                before = (_tx_bytes(cfg["emulated"]), cgx.stats(group)["bytes_sent"] if method.startswith("cgx") else 0)
+                before = _bytes_sent(cfg["emulated"], method, group)
                 start = time.perf_counter()
                 _allreduce(method, group, x)
                 elapsed = time.perf_counter() - start
                 if repeat < 0:
                     dist.barrier()  # every peer has received what this host sent
-                    after = (_tx_bytes(cfg["emulated"]), cgx.stats(group)["bytes_sent"] if method.startswith("cgx") else 0)
+                    after = _bytes_sent(cfg["emulated"], method, group)
                     wire[(size_mib, method)] = [
                         None if before[0] is None else after[0] - before[0], after[1] - before[1]]
                 else:
@@ -258,8 +253,6 @@ def main():
         worker(sys.argv[2])
         return
     args = parse_args()
-    import torch
-
     started = time.time()
     results = run_matrix(args)
     print(f"\nallreduce, median of {args.repeats}, {os.cpu_count()} cores, "

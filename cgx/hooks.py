@@ -170,10 +170,12 @@ class CGXState:
         self.bytes_uncompressed = int(state["bytes_uncompressed"])
         self.set_layer_settings({n: LayerSetting(*s) for n, s in state["layer_settings"].items()})
 
+    def group(self) -> dist.ProcessGroup:
+        """The process group the hook reduces on (the default group when None)."""
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
     def _rank(self) -> int | None:
-        if not dist.is_initialized():
-            return None
-        return dist.get_rank(self.process_group if self.process_group is not None else dist.group.WORLD)
+        return dist.get_rank(self.group()) if dist.is_initialized() else None
 
     def __getstate__(self) -> dict[str, Any]:
         # The process group and the parameter wiring do not survive pickling.
@@ -248,7 +250,7 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     ``ddp.register_comm_hook(state, cgx.cgx_hook)``."""
     if not state._settings_by_param:
         raise RuntimeError("cgx_hook: the state has no model attached (after unpickling, call state.attach(model))")
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    group = state.group()
     backend = get_backend(group)
     settings = backend.settings
     if state.error_feedback and settings.stochastic_rounding:
