@@ -6,6 +6,7 @@ Importing cgx registers the torch.distributed backend ``"cgx"``::
     dist.init_process_group(backend="cgx")      # torchrun, mp.spawn or env://
     dist.all_reduce(t)                          # compressed when CGX_COMPRESSION_QUANTIZATION_BITS < 32
 
+Launch with torchrun, mp.spawn or mpirun (cgx.mpi reads the MPI launcher's ranks).
 Configuration: the CGX_* variables in :mod:`cgx.config` (``python -m cgx.config``).
 """
 
@@ -13,6 +14,7 @@ import torch  # noqa: F401  (loads libtorch before the extension: the module has
 import torch.distributed  # noqa: F401  (registers the c10d base classes the module derives from)
 
 from cgx import _C  # noqa: F401  (cgx._C: the native module)
+from cgx import mpi
 from cgx._C import ProcessGroupCGX, compress, compressed_size, decompress
 from cgx.backend import create_backend, get_backend, stats
 from cgx.config import Config, from_env
@@ -38,6 +40,9 @@ __all__ = [
     "LayerSetting",
 ]
 __version__ = "0.1.0"
+
+# Under mpirun: torch's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the MPI launch.
+mpi.adopt_mpi_launch()
 
 torch.distributed.Backend.register_backend(
     "cgx", create_backend, extended_api=True, devices=["cpu"]

@@ -8,7 +8,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from cgx import _C
+from cgx import _C, mpi
 from cgx.config import VARIABLES, Config, from_env
 
 # Settings every rank of a group must share (the host name is each rank's own).
@@ -24,7 +24,11 @@ def to_settings(config: Config) -> _C.Settings:
     settings.stochastic_rounding = config.stochastic_rounding
     settings.seed = config.seed
     settings.inner_communicator = _C.InnerCommunicator.__members__[config.inner_communicator]
+    settings.cross_communicator = _C.CrossCommunicator.__members__[config.cross_communicator]
     settings.inner_reduction = _C.ReductionAlgorithm.__members__[config.inner_reduction]
+    settings.cross_reduction = _C.ReductionAlgorithm.__members__[config.cross_reduction]
+    settings.intra_broadcast = config.intra_broadcast
+    settings.intra_compress = config.intra_compress
     settings.hostname = config.hostname or socket.gethostname()
     settings.shm_ring_bytes = config.shm_ring_bytes
     return settings
@@ -35,9 +39,9 @@ def create_backend(dist_options, backend_options=None) -> _C.ProcessGroupCGX:
 
     Settings come from ``pg_options`` when it is a :class:`cgx.Config`
     (``dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4))``), else from the
-    CGX_* variables (ValueError on a bad one). Creates the Gloo backend that carries the
-    exact path on its own prefix of the group's store, and connects the compressed path
-    (shared memory between ranks of one host, Gloo across hosts).
+    CGX_* variables (ValueError on a bad one, or on MPI asked for where it cannot run).
+    Creates the Gloo backend that carries the exact path on its own prefix of the group's
+    store, and connects the compressed path (inner and cross communicators).
     """
     if backend_options is None:
         config = from_env()
@@ -47,6 +51,8 @@ def create_backend(dist_options, backend_options=None) -> _C.ProcessGroupCGX:
         raise TypeError(
             f"cgx: pg_options must be a cgx.Config, got {type(backend_options).__name__}"
         )
+    if config.uses_mpi:
+        mpi.require(config)
     store = dist_options.store
     rank, size, timeout = dist_options.group_rank, dist_options.group_size, dist_options.timeout
     # Every rank counts the groups it created on this store prefix, so the n-th one gets

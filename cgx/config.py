@@ -93,14 +93,32 @@ VARIABLES: tuple[Variable, ...] = (
              "Round stochastically (unbiased) instead of to the nearest level."),
     Variable("CGX_COMPRESSION_SEED", "seed", 0, "integer in 0..2^64-1", _int_in(0, 2**64 - 1),
              "Seed of the stochastic-rounding streams: the same seed gives the same results."),
-    Variable("CGX_INNER_COMMUNICATOR_TYPE", "inner_communicator", "SHM", "SHM | GLOO",
-             _choice("SHM", "GLOO"),
-             "How ranks on one host exchange compressed data: POSIX shared memory, or the "
-             "wrapped Gloo backend. Ranks on other hosts always use Gloo."),
+    Variable("CGX_INNER_COMMUNICATOR_TYPE", "inner_communicator", "SHM", "SHM | MPI | GLOO",
+             _choice("SHM", "MPI", "GLOO"),
+             "How ranks on one host exchange compressed data: POSIX shared memory, MPI "
+             "(needs an mpirun launch), or the wrapped Gloo backend."),
+    Variable("CGX_CROSS_COMMUNICATOR_TYPE", "cross_communicator", "GLOO", "MPI | GLOO",
+             _choice("MPI", "GLOO"),
+             "How ranks on different hosts exchange compressed data: MPI (needs an mpirun "
+             "launch) or the wrapped Gloo backend."),
     Variable("CGX_INNER_REDUCTION_TYPE", "inner_reduction", "SRA", "SRA | Ring",
              _choice("SRA", "Ring"),
-             "Allreduce algorithm: scatter-reduce-allgather (2 quantization stages) or "
-             "ring (size stages, neighbour traffic only)."),
+             "Allreduce algorithm among the ranks of one host: scatter-reduce-allgather "
+             "(2 quantization stages) or ring (size stages, neighbour traffic only)."),
+    Variable("CGX_CROSS_REDUCTION_TYPE", "cross_reduction", "SRA", "SRA | Ring",
+             _choice("SRA", "Ring"),
+             "Allreduce algorithm across hosts (also the flat one when every host has "
+             "one rank)."),
+    Variable("CGX_INTRA_BROADCAST", "intra_broadcast", False, "0/1, true/false, yes/no, on/off",
+             _bool,
+             "Hierarchical allreduce through one leader per host (reduce to it, it alone "
+             "talks across hosts, then broadcasts) instead of every local rank carrying "
+             "its slice across hosts."),
+    Variable("CGX_INTRA_COMPRESS", "intra_compress", True, "0/1, true/false, yes/no, on/off",
+             _bool,
+             "Hierarchical allreduce: compress inside a host too (off: float32 inside a "
+             "host, two fewer quantization stages; cross-host traffic is always "
+             "compressed)."),
     Variable("CGX_HOSTNAME", "hostname", None, "non-empty string (default: the hostname)",
              _nonempty,
              "Host identity: ranks with the same value share memory. Set it to different "
@@ -121,7 +139,11 @@ class Config:
     stochastic_rounding: bool = False
     seed: int = 0
     inner_communicator: str = "SHM"
+    cross_communicator: str = "GLOO"
     inner_reduction: str = "SRA"
+    cross_reduction: str = "SRA"
+    intra_broadcast: bool = False
+    intra_compress: bool = True
     hostname: str | None = None  # None: this machine's hostname
     shm_ring_bytes: int = 4 << 20
 
@@ -143,6 +165,10 @@ class Config:
     @property
     def compression_enabled(self) -> bool:
         return self.bits < 32
+
+    @property
+    def uses_mpi(self) -> bool:
+        return "MPI" in (self.inner_communicator, self.cross_communicator)
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> Config:

@@ -8,8 +8,12 @@
 
 #include "backend/process_group_cgx.h"
 #include "compression/quantizer.h"
+#ifdef CGX_WITH_MPI
+#include "transport/mpi_runtime.h"
+#endif
 
 namespace py = pybind11;
+using cgx::backend::CrossCommunicator;
 using cgx::backend::InnerCommunicator;
 using cgx::backend::Settings;
 using cgx::backend::ProcessGroupCGX;
@@ -90,7 +94,11 @@ PYBIND11_MODULE(_C, m) {
 
   py::enum_<InnerCommunicator>(m, "InnerCommunicator")
       .value("SHM", InnerCommunicator::SHM)
+      .value("MPI", InnerCommunicator::MPI)
       .value("GLOO", InnerCommunicator::GLOO);
+  py::enum_<CrossCommunicator>(m, "CrossCommunicator")
+      .value("MPI", CrossCommunicator::MPI)
+      .value("GLOO", CrossCommunicator::GLOO);
   py::enum_<ReductionAlgorithm>(m, "ReductionAlgorithm")
       .value("SRA", ReductionAlgorithm::SRA)
       .value("Ring", ReductionAlgorithm::Ring);
@@ -104,7 +112,11 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("stochastic_rounding", &Settings::stochastic_rounding)
       .def_readwrite("seed", &Settings::seed)
       .def_readwrite("inner_communicator", &Settings::inner_communicator)
+      .def_readwrite("cross_communicator", &Settings::cross_communicator)
       .def_readwrite("inner_reduction", &Settings::inner_reduction)
+      .def_readwrite("cross_reduction", &Settings::cross_reduction)
+      .def_readwrite("intra_broadcast", &Settings::intra_broadcast)
+      .def_readwrite("intra_compress", &Settings::intra_compress)
       .def_readwrite("hostname", &Settings::hostname)
       .def_readwrite("shm_ring_bytes", &Settings::shm_ring_bytes);
 
@@ -117,6 +129,8 @@ PYBIND11_MODULE(_C, m) {
       // A copy: the live settings are const, shared with the worker thread.
       .def_property_readonly("settings", [](const ProcessGroupCGX& pg) { return pg.settings(); })
       .def_property_readonly("num_hosts", &ProcessGroupCGX::num_hosts)
+      .def_property_readonly("hierarchical", &ProcessGroupCGX::hierarchical,
+                             "Whether compressed allreduces take the hierarchical path.")
       .def(
           "allreduce_layout",
           [](ProcessGroupCGX& pg, const at::Tensor& tensor,
@@ -149,10 +163,12 @@ PYBIND11_MODULE(_C, m) {
             d["calls"] = s.calls;
             d["bytes_sent"] = s.bytes_sent;
             d["uncompressed_bytes"] = s.uncompressed_bytes;
+            d["cross_host_bytes"] = s.cross_host_bytes;
             return d;
           },
           "Totals over this rank's compressed allreduces: calls, bytes_sent, "
-          "uncompressed_bytes (what the same algorithm sends uncompressed).");
+          "uncompressed_bytes (what the same algorithm sends uncompressed), and "
+          "cross_host_bytes (everything it sent to other hosts, call checks included).");
 
   m.def("compress", &compress, py::arg("input"), py::arg("bits"), py::arg("bucket_size"),
         py::kw_only(), py::arg("stochastic") = false, py::arg("seed") = 0,
@@ -171,4 +187,48 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("numel"), py::arg("bits"), py::arg("bucket_size"), py::kw_only(),
       py::arg("skip_incomplete_buckets") = false, "Bytes of the compressed form of numel values.");
+
+  // MPI runtime, for the mpirun launch (cgx/mpi.py). Absent functions: built without MPI.
+  m.attr("mpi_built") = cgx::backend::kWithMpi;
+#ifdef CGX_WITH_MPI
+  auto mpi = m.def_submodule("mpi", "The process's MPI library, as cgx uses it.");
+  mpi.def(
+      "init",
+      []() {
+        try {
+          cgx::transport::mpi::ensure_initialized();
+        } catch (const std::runtime_error& e) {
+          throw py::value_error(e.what());
+        }
+      },
+      "Initialises MPI with MPI_THREAD_MULTIPLE unless it already is (checks the level).");
+  mpi.def("world_rank", &cgx::transport::mpi::world_rank);
+  mpi.def("world_size", &cgx::transport::mpi::world_size);
+  mpi.def(
+      "allgather",
+      [](const std::string& mine) {
+        std::vector<std::string> all;
+        {
+          py::gil_scoped_release no_gil;
+          all = cgx::transport::mpi::allgather(mine);
+        }
+        py::list out;
+        for (const auto& s : all) out.append(py::bytes(s));
+        return out;
+      },
+      "Every rank's bytes, over MPI_COMM_WORLD.");
+  mpi.def(
+      "broadcast_from_root",
+      [](const std::string& value) {
+        std::string out;
+        {
+          py::gil_scoped_release no_gil;
+          out = cgx::transport::mpi::broadcast_from_root(value);
+        }
+        return py::bytes(out);
+      },
+      "Rank 0's bytes on every rank, over MPI_COMM_WORLD.");
+  mpi.def("finalize", &cgx::transport::mpi::finalize, py::call_guard<py::gil_scoped_release>(),
+          "Frees cgx's communicators; finalises MPI if cgx initialised it.");
+#endif
 }

@@ -6,15 +6,11 @@
 
 #include <cstdio>
 #include <optional>
-#include <random>
 
 #include "backend/cgx_work.h"
-#include "backend/store_adapter.h"
+#include "backend/connect.h"
 #include "collectives/call_signature.h"
-#include "topology/host_map.h"
-#include "transport/c10d_transport.h"
-#include "transport/routed_transport.h"
-#include "transport/shm_transport.h"
+#include "collectives/hierarchical_allreduce.h"
 
 namespace cgx::backend {
 
@@ -33,48 +29,6 @@ void validate(const Settings& o) {
                     "cgx: shm_ring_bytes must be in 4096..", kMaxShmRingBytes, ", got ",
                     o.shm_ring_bytes);
   TORCH_CHECK_VALUE(!o.hostname.empty(), "cgx: hostname must not be empty");
-}
-
-// 128 random bits as hex: shared-memory names nobody else can guess or collide with.
-std::string unguessable_name() {
-  std::random_device device;
-  char hex[33];
-  for (int i = 0; i < 4; ++i) std::snprintf(hex + 8 * i, 9, "%08x", device());
-  return std::string("cgx-") + hex;
-}
-
-std::unique_ptr<transport::Transport> connect(const c10::intrusive_ptr<c10d::Store>& store,
-                                              int rank, int size,
-                                              const c10::intrusive_ptr<c10d::Backend>& exact,
-                                              const Settings& settings, int& num_hosts) {
-  StoreAdapter kv(store);
-  const auto hosts = topology::HostMap::exchange(kv, rank, size, settings.hostname);
-  num_hosts = hosts.num_hosts();
-  const bool shm = settings.inner_communicator == InnerCommunicator::SHM;
-  const auto local_ranks = hosts.ranks_on_host_of(rank);
-
-  std::unique_ptr<transport::Transport> local;
-  if (shm && local_ranks.size() > 1) {
-    // The lowest rank of each host picks the segment names for its host.
-    const std::string key = "shm_name/" + std::to_string(hosts.host_of(rank));
-    if (rank == local_ranks.front()) {
-      const std::string name = unguessable_name();
-      kv.set(key, std::vector<uint8_t>(name.begin(), name.end()));
-    }
-    const auto name = kv.get(key);
-    local = std::make_unique<transport::ShmTransport>(
-        rank, local_ranks, std::string(name.begin(), name.end()),
-        static_cast<size_t>(settings.shm_ring_bytes), kv);
-  }
-  std::vector<bool> remote(size, false);
-  bool any_remote = false;
-  for (int p = 0; p < size; ++p) {
-    remote[p] = p != rank && !(local && local->reaches(p));
-    any_remote = any_remote || remote[p];
-  }
-  std::unique_ptr<transport::C10dTransport> wrapped;
-  if (any_remote) wrapped = std::make_unique<transport::C10dTransport>(exact, rank, remote);
-  return std::make_unique<transport::RoutedTransport>(std::move(local), std::move(wrapped));
 }
 
 const char* op_name(c10d::ReduceOp::RedOpType op) {
@@ -125,13 +79,18 @@ ProcessGroupCGX::ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, i
     : c10d::Backend(rank, size),
       settings_((validate(settings), std::move(settings))),
       timeout_(timeout),
-      exact_(std::move(exact)) {
+      exact_(std::move(exact)),
+      hosts_(std::vector<std::string>{}) {
   TORCH_CHECK(exact_, "cgx: the exact (Gloo) backend is missing");
   TORCH_CHECK(exact_->getRank() == rank && exact_->getSize() == size,
               "cgx: the exact backend has rank ", exact_->getRank(), " of ", exact_->getSize(),
               ", expected ", rank, " of ", size);
-  transport_ = connect(store, rank, size, exact_, settings_, num_hosts_);
+  Connection connection = connect(store, rank, size, exact_, settings_);
+  hosts_ = std::move(connection.hosts);
+  transport_ = std::move(connection.transport);
 }
+
+bool ProcessGroupCGX::hierarchical() const { return collectives::is_hierarchical(hosts_); }
 
 ProcessGroupCGX::~ProcessGroupCGX() { shutdown(); }
 
@@ -151,7 +110,9 @@ compression::LayoutCodec ProcessGroupCGX::uniform_codec(int64_t numel) const {
 
 ProcessGroupCGX::Stats ProcessGroupCGX::stats() const {
   std::lock_guard<std::mutex> lock(stats_mutex_);
-  return stats_;
+  Stats s = stats_;
+  s.cross_host_bytes = transport_->cross_host_bytes();
+  return s;
 }
 
 bool ProcessGroupCGX::compressible(const at::Tensor& t, const c10d::ReduceOp& op) const {
@@ -305,23 +266,40 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   signature.bucket_size = settings_.bucket_size;
   signature.bits = settings_.bits;
   signature.flags = static_cast<int32_t>(settings_.inner_reduction) |
-                    (settings_.skip_incomplete_buckets << 4) | (settings_.stochastic_rounding << 5);
+                    (static_cast<int32_t>(settings_.cross_reduction) << 2) |
+                    (settings_.skip_incomplete_buckets << 4) | (settings_.stochastic_rounding << 5) |
+                    (settings_.intra_broadcast << 6) | (settings_.intra_compress << 7);
   signature.layout = layout_hash(tensors, *codec);
   std::snprintf(signature.dtype, sizeof signature.dtype, "%s",
                 c10::toString(tensors.size() == 1 ? tensors[0].scalar_type() : at::kFloat));
   std::snprintf(signature.op, sizeof signature.op, "%s", op_name(op));
 
-  collectives::AllreduceOptions options;
-  options.algorithm = settings_.inner_reduction;
-  options.seed = collectives::stream_seed(settings_.seed, 0, 0, 0) ^ sequence;
-  options.deadline = deadline_after(timeout_);
+  const auto deadline = deadline_after(timeout_);
+  const uint64_t seed = collectives::stream_seed(settings_.seed, 0, 0, 0) ^ sequence;
+  float* data = flat.data_ptr<float>();
 
   collectives::Traffic traffic;
   try {
-    collectives::check_same_on_all_ranks(*transport_, getRank(), getSize(), signature,
-                                         options.deadline, scratch_);
-    traffic = collectives::allreduce(*transport_, getRank(), getSize(), flat.data_ptr<float>(),
-                                     *codec, options, scratch_);
+    collectives::check_same_on_all_ranks(*transport_, getRank(), getSize(), signature, deadline,
+                                         scratch_);
+    if (hierarchical()) {
+      collectives::HierarchicalOptions options;
+      options.inner = settings_.inner_reduction;
+      options.cross = settings_.cross_reduction;
+      options.intra_compress = settings_.intra_compress;
+      options.leader_form = settings_.intra_broadcast;
+      options.seed = seed;
+      options.deadline = deadline;
+      traffic = collectives::hierarchical_allreduce(*transport_, getRank(), hosts_, data, *codec,
+                                                    options, scratch_);
+    } else {
+      // One host (inner algorithm), or one rank per host (cross algorithm).
+      const collectives::Phase phase{hosts_.num_hosts() == 1 ? settings_.inner_reduction
+                                                             : settings_.cross_reduction,
+                                     seed, deadline};
+      traffic = collectives::allreduce(*transport_, getRank(), getSize(), data, *codec,
+                                       {0, codec->total()}, phase, scratch_);
+    }
   } catch (const collectives::CallMismatchError&) {
     throw;  // only signatures moved: the group stays usable
   } catch (const std::exception& e) {

@@ -2,7 +2,8 @@
 //
 // Compressed path: allreduce / allreduce_coalesced of float32, float16 and bfloat16 CPU
 // tensors with SUM or AVG and more than `minimal_size` elements, when bits < 32. It runs
-// on the group's worker thread (csrc/collectives over csrc/transport).
+// on the group's worker thread (csrc/collectives over csrc/transport): flat on one host
+// or with one rank per host, hierarchical otherwise.
 // Exact path: everything else goes to the wrapped Gloo backend, called from the caller's
 // thread so that Gloo sees its collectives in program order on every rank.
 #pragma once
@@ -14,31 +15,13 @@
 #include <mutex>
 #include <string>
 
+#include "backend/settings.h"
 #include "backend/worker.h"
 #include "collectives/allreduce.h"
-#include "transport/transport.h"
+#include "topology/host_map.h"
+#include "transport/routed_transport.h"
 
 namespace cgx::backend {
-
-enum class InnerCommunicator { SHM, GLOO };
-
-// Larger buckets buy nothing (metadata is already negligible) and would overflow sizes.
-constexpr int64_t kMaxBucketSize = int64_t{1} << 30;
-constexpr int64_t kMaxShmRingBytes = int64_t{1} << 36;
-
-// Validated settings (cgx/config.py parses CGX_* variables into this).
-struct Settings {
-  int bits = 32;  // 1..8, or 32 = no compression
-  int64_t bucket_size = 512;
-  int64_t minimal_size = 16;  // tensors with at most this many elements go exactly
-  bool skip_incomplete_buckets = false;
-  bool stochastic_rounding = false;
-  uint64_t seed = 0;
-  InnerCommunicator inner_communicator = InnerCommunicator::SHM;
-  collectives::ReductionAlgorithm inner_reduction = collectives::ReductionAlgorithm::SRA;
-  std::string hostname;  // ranks with the same name share a host (shared memory)
-  int64_t shm_ring_bytes = 4 << 20;
-};
 
 class ProcessGroupCGX final : public c10d::Backend {
  public:
@@ -50,7 +33,9 @@ class ProcessGroupCGX final : public c10d::Backend {
 
   const std::string getBackendName() const override { return "cgx"; }
   const Settings& settings() const { return settings_; }
-  int num_hosts() const { return num_hosts_; }
+  int num_hosts() const { return hosts_.num_hosts(); }
+  // Whether compressed allreduces take the hierarchical path.
+  bool hierarchical() const;
   void shutdown() override;
   // Gloo's: TORCH_DISTRIBUTED_DEBUG=DETAIL checks them to catch desynchronized ranks.
   void setSequenceNumberForGroup() override { exact_->setSequenceNumberForGroup(); }
@@ -61,6 +46,7 @@ class ProcessGroupCGX final : public c10d::Backend {
     uint64_t calls = 0;
     uint64_t bytes_sent = 0;          // payload this rank put on the wire
     uint64_t uncompressed_bytes = 0;  // what the same algorithm sends without compression
+    uint64_t cross_host_bytes = 0;    // all bytes this rank sent to other hosts
   };
   Stats stats() const;
 
@@ -142,8 +128,8 @@ class ProcessGroupCGX final : public c10d::Backend {
   const Settings settings_;
   const std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Backend> exact_;
-  int num_hosts_ = 1;
-  std::unique_ptr<transport::Transport> transport_;
+  topology::HostMap hosts_;
+  std::unique_ptr<transport::RoutedTransport> transport_;
   collectives::Scratch scratch_;  // used by the worker thread only
   // Collectives issued, exact ones included (callers' threads): a compressed call's
   // number differs between ranks whenever they took different paths before it (a size

@@ -22,10 +22,21 @@ std::vector<uint8_t*> Scratch::buffers(const std::vector<size_t>& sizes) {
   return out;
 }
 
-Chunking::Chunking(const compression::LayoutCodec& codec, int parts) : offsets_(parts + 1, 0) {
-  const int64_t n = codec.total();
+Chunking::Chunking(const compression::LayoutCodec& codec, Range range, int parts)
+    : offsets_(parts + 1, range.begin) {
+  const int64_t n = range.end - range.begin;
   for (int i = 1; i <= parts; ++i)
-    offsets_[i] = std::max(offsets_[i - 1], codec.align_up(n / parts * i + n % parts * i / parts));
+    offsets_[i] = std::min(
+        range.end,
+        std::max(offsets_[i - 1],
+                 codec.align_up(range.begin + n / parts * i + n % parts * i / parts)));
+  offsets_[parts] = range.end;
+}
+
+Chunking Chunking::to_one(Range range, int parts, int owner) {
+  std::vector<int64_t> offsets(parts + 1, range.begin);
+  for (int i = owner + 1; i <= parts; ++i) offsets[i] = range.end;
+  return Chunking(std::move(offsets));
 }
 
 uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk) {
@@ -38,17 +49,44 @@ uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk) {
   return z ^ (z >> 31);
 }
 
-Traffic allreduce(transport::Transport& transport, int rank, int size, float* data,
-                  const compression::LayoutCodec& codec, const AllreduceOptions& options,
-                  Scratch& scratch) {
-  if (size == 1 || codec.total() == 0) return {};
-  switch (options.algorithm) {
+void quantize_owned_chunk(const compression::LayoutCodec& codec, float* data, Range chunk,
+                          uint8_t* dst, uint64_t seed) {
+  codec.compress(data, chunk.begin, chunk.end, dst, seed);
+  codec.decompress(dst, chunk.begin, chunk.end, data);
+}
+
+Traffic reduce_scatter(transport::Transport& transport, int rank, float* data,
+                       const compression::LayoutCodec& codec, const Chunking& chunks,
+                       const Phase& phase, Scratch& scratch) {
+  switch (phase.algorithm) {
     case ReductionAlgorithm::SRA:
-      return sra_allreduce(transport, rank, size, data, codec, options, scratch);
+      return sra_reduce_scatter(transport, rank, data, codec, chunks, phase, scratch);
     case ReductionAlgorithm::Ring:
-      return ring_allreduce(transport, rank, size, data, codec, options, scratch);
+      return ring_reduce_scatter(transport, rank, data, codec, chunks, phase, scratch);
   }
   throw std::invalid_argument("unknown reduction algorithm");
+}
+
+Traffic allgather(transport::Transport& transport, int rank, float* data,
+                  const compression::LayoutCodec& codec, const Chunking& chunks,
+                  const Phase& phase, Scratch& scratch) {
+  switch (phase.algorithm) {
+    case ReductionAlgorithm::SRA:
+      return sra_allgather(transport, rank, data, codec, chunks, phase, scratch);
+    case ReductionAlgorithm::Ring:
+      return ring_allgather(transport, rank, data, codec, chunks, phase, scratch);
+  }
+  throw std::invalid_argument("unknown reduction algorithm");
+}
+
+Traffic allreduce(transport::Transport& transport, int rank, int size, float* data,
+                  const compression::LayoutCodec& codec, Range range, const Phase& phase,
+                  Scratch& scratch) {
+  if (size == 1 || range.end == range.begin) return {};
+  const Chunking chunks(codec, range, size);
+  Traffic traffic = reduce_scatter(transport, rank, data, codec, chunks, phase, scratch);
+  traffic += allgather(transport, rank, data, codec, chunks, phase, scratch);
+  return traffic;
 }
 
 }  // namespace cgx::collectives

@@ -1,4 +1,12 @@
 // Compressed allreduce of a float32 buffer, written against Transport and the codec only.
+//
+// An allreduce is two phases over `size` ranks, each rank owning one chunk:
+//   reduce_scatter: rank r ends holding chunk r summed over all ranks, at full precision
+//     (contributions are quantized on the way: once with SRA, at every hop with Ring);
+//   allgather: each owner quantizes its chunk once and keeps the decoded values, and
+//     every rank decodes every chunk from the same bytes: all end bit-identical.
+// The hierarchical allreduce (hierarchical_allreduce.h) combines phases over the ranks of
+// a host and across hosts.
 #pragma once
 
 #include <cstdint>
@@ -10,13 +18,6 @@
 namespace cgx::collectives {
 
 enum class ReductionAlgorithm { SRA, Ring };
-
-struct AllreduceOptions {
-  ReductionAlgorithm algorithm = ReductionAlgorithm::SRA;
-  // Stochastic-rounding stream of this call; identical on all ranks, different per call.
-  uint64_t seed = 0;
-  transport::Clock::time_point deadline;
-};
 
 // What one rank put on the wire: bytes, and the values they carried (the uncompressed
 // algorithm would send values * element size).
@@ -40,36 +41,74 @@ class Scratch {
   std::vector<uint8_t> arena_;
 };
 
-// data[0, codec.total()) on every rank becomes the sum over ranks, each segment quantized
-// as the codec's layout says (docs/algorithms.md); afterwards every rank holds
-// bit-identical values. `rank` and `size`
-// are the group's. Throws TimeoutError (transport) at the deadline.
-Traffic allreduce(transport::Transport& transport, int rank, int size, float* data,
-                  const compression::LayoutCodec& codec, const AllreduceOptions& options,
-                  Scratch& scratch);
+// A part [begin, end) of the flat buffer.
+struct Range {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
 
-// The two algorithms (one file each).
-Traffic sra_allreduce(transport::Transport& transport, int rank, int size, float* data,
-                      const compression::LayoutCodec& codec, const AllreduceOptions& options,
-                      Scratch& scratch);
-Traffic ring_allreduce(transport::Transport& transport, int rank, int size, float* data,
-                       const compression::LayoutCodec& codec, const AllreduceOptions& options,
-                       Scratch& scratch);
-
-// Splits the codec's buffer into `parts` chunks of about equal size, cut only where no
-// quantization bucket is split: a chunk quantizes each layer on the layer's own bucket
-// grid, whoever compresses it. Chunk i is [offset(i), offset(i+1)).
+// Splits `range` into `parts` chunks; chunk i is [offset(i), offset(i+1)).
 class Chunking {
  public:
-  Chunking(const compression::LayoutCodec& codec, int parts);
+  // About equal chunks, cut only where no quantization bucket is split: a chunk
+  // quantizes each layer on the layer's own bucket grid, whoever compresses it.
+  Chunking(const compression::LayoutCodec& codec, Range range, int parts);
+  // All of `range` in chunk `owner`, the others empty (a reduction to one rank).
+  static Chunking to_one(Range range, int parts, int owner);
+
+  int parts() const { return static_cast<int>(offsets_.size()) - 1; }
   int64_t offset(int i) const { return offsets_[i]; }
   int64_t length(int i) const { return offsets_[i + 1] - offsets_[i]; }
+  Range range(int i) const { return {offsets_[i], offsets_[i + 1]}; }
 
  private:
+  explicit Chunking(std::vector<int64_t> offsets) : offsets_(std::move(offsets)) {}
   std::vector<int64_t> offsets_;
 };
 
+// One phase of an allreduce among `chunks.parts()` ranks of `transport` (this one is
+// `rank`). `seed` picks the stochastic-rounding streams: allgather's must be the same
+// wherever the same chunk is to come out bit-identical.
+struct Phase {
+  ReductionAlgorithm algorithm = ReductionAlgorithm::SRA;
+  uint64_t seed = 0;
+  transport::Clock::time_point deadline;
+};
+
+Traffic reduce_scatter(transport::Transport& transport, int rank, float* data,
+                       const compression::LayoutCodec& codec, const Chunking& chunks,
+                       const Phase& phase, Scratch& scratch);
+Traffic allgather(transport::Transport& transport, int rank, float* data,
+                  const compression::LayoutCodec& codec, const Chunking& chunks,
+                  const Phase& phase, Scratch& scratch);
+
+// The phases of each algorithm (one file each).
+Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* data,
+                           const compression::LayoutCodec& codec, const Chunking& chunks,
+                           const Phase& phase, Scratch& scratch);
+Traffic sra_allgather(transport::Transport& transport, int rank, float* data,
+                      const compression::LayoutCodec& codec, const Chunking& chunks,
+                      const Phase& phase, Scratch& scratch);
+Traffic ring_reduce_scatter(transport::Transport& transport, int rank, float* data,
+                            const compression::LayoutCodec& codec, const Chunking& chunks,
+                            const Phase& phase, Scratch& scratch);
+Traffic ring_allgather(transport::Transport& transport, int rank, float* data,
+                       const compression::LayoutCodec& codec, const Chunking& chunks,
+                       const Phase& phase, Scratch& scratch);
+
+// data[range] on each of `size` ranks becomes the sum over ranks, each segment quantized
+// as the codec's layout says (docs/algorithms.md); afterwards every rank holds
+// bit-identical values. Throws TimeoutError (transport) at the deadline.
+Traffic allreduce(transport::Transport& transport, int rank, int size, float* data,
+                  const compression::LayoutCodec& codec, Range range, const Phase& phase,
+                  Scratch& scratch);
+
 // A distinct stochastic-rounding seed for each (call, compressing rank, stage, chunk).
 uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk);
+
+// The owner of a chunk quantizes it once and decodes it in place, so that it keeps exactly
+// what the others will decode from `dst` (the first step of both allgathers).
+void quantize_owned_chunk(const compression::LayoutCodec& codec, float* data, Range chunk,
+                          uint8_t* dst, uint64_t seed);
 
 }  // namespace cgx::collectives

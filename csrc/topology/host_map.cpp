@@ -25,11 +25,19 @@ HostMap HostMap::exchange(KeyValueStore& store, int rank, int size, const std::s
   return HostMap(std::move(names));
 }
 
-std::vector<int> HostMap::ranks_on_host_of(int rank) const {
+std::vector<int> HostMap::ranks_on_host_of(int rank) const { return ranks_on_host(host_of(rank)); }
+
+std::vector<int> HostMap::ranks_on_host(int host) const {
   std::vector<int> ranks;
   for (int r = 0; r < size(); ++r)
-    if (same_host(r, rank)) ranks.push_back(r);
+    if (host_of(r) == host) ranks.push_back(r);
   return ranks;
+}
+
+bool HostMap::balanced() const {
+  for (int h = 1; h < num_hosts_; ++h)
+    if (ranks_on_host(h).size() != ranks_on_host(0).size()) return false;
+  return true;
 }
 
 }  // namespace cgx::topology

@@ -23,6 +23,10 @@ class HostMap {
   bool same_host(int a, int b) const { return host_of(a) == host_of(b); }
   // Group ranks on the host of `rank`, increasing, `rank` included.
   std::vector<int> ranks_on_host_of(int rank) const;
+  // Group ranks on host `host` (0 .. num_hosts-1), increasing.
+  std::vector<int> ranks_on_host(int host) const;
+  // Whether every host has the same number of ranks.
+  bool balanced() const;
 
  private:
   std::vector<int> host_of_rank_;  // dense host index, numbered by first appearance

@@ -36,32 +36,39 @@ int C10dTransport::next_tag(std::vector<uint32_t>& counters, int peer) {
   return kTagBase + static_cast<int>(counters[peer]++ % kTagSpan);
 }
 
-C10dTransport::Posted C10dTransport::post(const std::vector<Send>& sends,
-                                          const std::vector<Recv>& recvs) {
-  Posted posted;
+namespace {
+struct PostedWorks final : Pending {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+};
+}  // namespace
+
+std::unique_ptr<Pending> C10dTransport::post(const std::vector<Send>& sends,
+                                             const std::vector<Recv>& recvs) {
+  auto posted = std::make_unique<PostedWorks>();
   try {
     // Zero-byte messages are skipped on both sides (both know the size).
     for (const auto& r : recvs) {
       if (r.bytes == 0) continue;
       std::vector<at::Tensor> t{as_bytes(r.data, r.bytes)};
-      posted.works.push_back(backend_->recv(t, r.peer, next_tag(received_, r.peer)));
+      posted->works.push_back(backend_->recv(t, r.peer, next_tag(received_, r.peer)));
     }
     for (const auto& s : sends) {
       if (s.bytes == 0) continue;
       std::vector<at::Tensor> t{as_bytes(s.data, s.bytes)};
-      posted.works.push_back(backend_->send(t, s.peer, next_tag(sent_, s.peer)));
+      posted->works.push_back(backend_->send(t, s.peer, next_tag(sent_, s.peer)));
     }
   } catch (const std::exception& e) {
     // Settle what was posted before its buffers go away.
-    abandon(posted, Clock::now());
+    abandon(*posted, Clock::now());
     throw TimeoutError(std::string("cgx transport over the wrapped backend failed: ") + e.what());
   }
   return posted;
 }
 
-void C10dTransport::wait(Posted& posted, Clock::time_point deadline) {
+void C10dTransport::wait(Pending& pending, Clock::time_point deadline) {
+  auto& works = static_cast<PostedWorks&>(pending).works;
   std::string first_error;
-  for (auto& work : posted.works) {
+  for (auto& work : works) {
     // Every op is waited for, also after one failed, so none outlives this call.
     try {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
@@ -71,23 +78,9 @@ void C10dTransport::wait(Posted& posted, Clock::time_point deadline) {
       if (first_error.empty()) first_error = e.what();
     }
   }
-  posted.works.clear();
+  works.clear();
   if (!first_error.empty())
     throw TimeoutError("cgx transport over the wrapped backend failed: " + first_error);
-}
-
-void C10dTransport::abandon(Posted& posted, Clock::time_point deadline) noexcept {
-  try {
-    wait(posted, deadline);
-  } catch (const std::exception&) {
-    // The caller is already failing with its own cause.
-  }
-}
-
-void C10dTransport::exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
-                             Clock::time_point deadline) {
-  Posted posted = post(sends, recvs);
-  wait(posted, deadline);
 }
 
 }  // namespace cgx::transport

@@ -1,6 +1,7 @@
 // Transport over a wrapped torch backend (Gloo on CPU): uint8 tensors through its
 // point-to-point send/recv. Used for peers on other hosts (or all peers with
-// CGX_INNER_COMMUNICATOR_TYPE=GLOO).
+// CGX_INNER_COMMUNICATOR_TYPE=GLOO), or across hosts with
+// CGX_CROSS_COMMUNICATOR_TYPE=GLOO.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -11,25 +12,14 @@
 
 namespace cgx::transport {
 
-class C10dTransport final : public Transport {
+class C10dTransport final : public AsyncTransport {
  public:
   // `reachable[p]`: whether this transport is used for group rank p.
   C10dTransport(c10::intrusive_ptr<c10d::Backend> backend, int rank, std::vector<bool> reachable);
 
-  // The operations of one exchange, posted and not yet waited for.
-  struct Posted {
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  };
-  // Posts every op without waiting, so that another transport can progress meanwhile.
-  Posted post(const std::vector<Send>& sends, const std::vector<Recv>& recvs);
-  // Waits for every posted op (all of them, even after one fails), then throws
-  // TimeoutError with the first failure.
-  void wait(Posted& posted, Clock::time_point deadline);
-  // wait() for a caller that is already failing: swallows the errors.
-  void abandon(Posted& posted, Clock::time_point deadline) noexcept;
-
-  void exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
-                Clock::time_point deadline) override;
+  std::unique_ptr<Pending> post(const std::vector<Send>& sends,
+                                const std::vector<Recv>& recvs) override;
+  void wait(Pending& pending, Clock::time_point deadline) override;
   bool reaches(int peer) const override;
 
  private:

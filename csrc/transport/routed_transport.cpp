@@ -6,7 +6,7 @@
 namespace cgx::transport {
 
 RoutedTransport::RoutedTransport(std::unique_ptr<Transport> local,
-                                 std::unique_ptr<C10dTransport> remote)
+                                 std::unique_ptr<AsyncTransport> remote)
     : local_(std::move(local)), remote_(std::move(remote)) {}
 
 bool RoutedTransport::reaches(int peer) const {
@@ -25,18 +25,21 @@ void RoutedTransport::exchange(const std::vector<Send>& sends, const std::vector
   for (const auto& s : sends) (is_local(s.peer) ? local_sends : remote_sends).push_back(s);
   for (const auto& r : recvs) (is_local(r.peer) ? local_recvs : remote_recvs).push_back(r);
 
-  C10dTransport::Posted posted;
-  if (remote_) posted = remote_->post(remote_sends, remote_recvs);
-  if (local_) {
+  std::unique_ptr<Pending> pending;
+  if (!remote_sends.empty() || !remote_recvs.empty()) {
+    pending = remote_->post(remote_sends, remote_recvs);
+    for (const auto& s : remote_sends) cross_host_bytes_ += s.bytes;
+  }
+  if (!local_sends.empty() || !local_recvs.empty()) {
     try {
       local_->exchange(local_sends, local_recvs, deadline);
     } catch (...) {
       // The posted ops point into the caller's buffers: settle them before unwinding.
-      if (remote_) remote_->abandon(posted, deadline);
+      if (pending) remote_->abandon(*pending, deadline);
       throw;
     }
   }
-  if (remote_) remote_->wait(posted, deadline);
+  if (pending) remote_->wait(*pending, deadline);
 }
 
 }  // namespace cgx::transport

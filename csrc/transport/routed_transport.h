@@ -1,25 +1,32 @@
-// Routes each peer to the transport that reaches it: shared memory for peers on this
-// host, the wrapped backend for the others. Both progress during one exchange.
+// Routes each peer to the transport that reaches it: the inner transport (shared memory,
+// MPI or Gloo) for peers on this host, the cross transport (MPI or Gloo) for the others.
+// Both progress during one exchange. Counts the bytes sent across hosts.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 
-#include "transport/c10d_transport.h"
+#include "transport/transport.h"
 
 namespace cgx::transport {
 
 class RoutedTransport final : public Transport {
  public:
   // `local` may be null (no local peers); `remote` may be null (no remote peers).
-  RoutedTransport(std::unique_ptr<Transport> local, std::unique_ptr<C10dTransport> remote);
+  RoutedTransport(std::unique_ptr<Transport> local, std::unique_ptr<AsyncTransport> remote);
 
   void exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
                 Clock::time_point deadline) override;
   bool reaches(int peer) const override;
 
+  // Bytes this rank has sent to peers on other hosts (any thread may read it).
+  uint64_t cross_host_bytes() const { return cross_host_bytes_.load(); }
+
  private:
   std::unique_ptr<Transport> local_;
-  std::unique_ptr<C10dTransport> remote_;
+  std::unique_ptr<AsyncTransport> remote_;
+  std::atomic<uint64_t> cross_host_bytes_{0};
 };
 
 }  // namespace cgx::transport

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -45,6 +46,36 @@ class Transport {
 
   // Whether exchange() can reach `peer` (group rank).
   virtual bool reaches(int peer) const = 0;
+};
+
+// The operations of one exchange, posted and not yet waited for (transport specific).
+class Pending {
+ public:
+  virtual ~Pending() = default;
+};
+
+// A transport whose operations progress in the background once posted, so that another
+// transport can run meanwhile (RoutedTransport posts the cross-host part first).
+class AsyncTransport : public Transport {
+ public:
+  virtual std::unique_ptr<Pending> post(const std::vector<Send>& sends,
+                                        const std::vector<Recv>& recvs) = 0;
+  // Waits for every posted op (all of them, even after one fails; none outlives this
+  // call), then throws TimeoutError with the first failure.
+  virtual void wait(Pending& pending, Clock::time_point deadline) = 0;
+  // wait() for a caller that is already failing: swallows the errors.
+  void abandon(Pending& pending, Clock::time_point deadline) noexcept {
+    try {
+      wait(pending, deadline);
+    } catch (const std::exception&) {
+      // The caller is already failing with its own cause.
+    }
+  }
+  void exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
+                Clock::time_point deadline) override {
+    auto pending = post(sends, recvs);
+    wait(*pending, deadline);
+  }
 };
 
 }  // namespace cgx::transport
