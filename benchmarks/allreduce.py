@@ -5,7 +5,11 @@ noisy machine slows them alike), for each size, world size and link rate:
 
 - `gloo`: torch's Gloo allreduce of the float32 tensor;
 - `gloo-fp16`: cast to float16, Gloo allreduce, cast back (the casts are timed);
-- `cgx-<bits>-<SRA|Ring>`: the cgx backend, compressed.
+- `cgx-<bits>-<SRA|Ring>`: the cgx backend, compressed; with several ranks per host
+  (`--ranks-per-host`) this is the hierarchical allreduce (shared memory inside a host,
+  the algorithm across hosts), `-leader` its leader form (CGX_INTRA_BROADCAST), and
+  `-flat` the same algorithm over all ranks with the topology ignored (every rank its own
+  host).
 
 Link rates: `loopback` (all ranks on this host: cgx over shared memory, Gloo over TCP on
 lo), `unshaped`, `10gbit`, `1gbit`, ... (one emulated host per rank, network namespaces
@@ -41,6 +45,8 @@ from launch import run_job  # noqa: E402
 from netemu import EmulatedHosts  # noqa: E402
 
 CGX_METHODS = [f"cgx-{bits}-{alg}" for alg in ("SRA", "Ring") for bits in (8, 4, 2)]
+TOPOLOGY_METHODS = [f"cgx-{bits}-{alg}-{form}" for form in ("flat", "leader")
+                    for alg in ("SRA", "Ring") for bits in (8, 4, 2)]
 METHODS = ["gloo", "gloo-fp16", *CGX_METHODS]
 
 
@@ -53,7 +59,8 @@ def parse_args(argv=None):
                         help="loopback, unshaped, or a tbf rate such as 10gbit / 1gbit")
     parser.add_argument("--ranks-per-host", type=int, default=1,
                         help="ranks in each emulated host (default 1: every rank its own host)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    parser.add_argument("--methods", nargs="+", choices=METHODS + TOPOLOGY_METHODS,
+                        default=METHODS)
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per method")
     parser.add_argument("--bucket-size", type=int, default=512)
     parser.add_argument("--json", metavar="PATH", default="allreduce.json")
@@ -73,21 +80,28 @@ def _groups(methods, bucket_size):
         if method.startswith("gloo"):
             groups[method] = dist.group.WORLD
         else:
-            _, bits, algorithm = method.split("-")
+            _, bits, algorithm, *form = method.split("-")
             config = dataclasses.replace(env_config, bits=int(bits), bucket_size=bucket_size,
-                                         inner_reduction=algorithm, minimal_size=0)
+                                         inner_reduction=algorithm, cross_reduction=algorithm,
+                                         minimal_size=0, intra_broadcast=form == ["leader"])
+            if form == ["flat"]:
+                config = dataclasses.replace(config, hostname=f"rank-{dist.get_rank()}")
             groups[method] = dist.new_group(backend="cgx", pg_options=config)
     return groups
 
 
 def _bytes_sent(emulated, method, group):
-    """(bytes this host sent on its link, or None on loopback where there is no link;
-    payload bytes cgx counted on `group`, 0 for the Gloo methods)."""
+    """(bytes this host sent on its link: counted by the host's first rank only, None on
+    the others and on loopback where there is no link; payload bytes cgx counted on
+    `group` and the part of them that went to other hosts, 0 for the Gloo methods)."""
     wire = None
-    if emulated:
+    if emulated and os.environ.get("LOCAL_RANK", "0") == "0":
         with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
             wire = int(f.read())
-    return wire, cgx.stats(group)["bytes_sent"] if method.startswith("cgx") else 0
+    if not method.startswith("cgx"):
+        return wire, 0, 0
+    stats = cgx.stats(group)
+    return wire, stats["bytes_sent"], stats["cross_host_bytes"]
 
 
 def _allreduce(method, group, x):
@@ -127,7 +141,8 @@ def worker(config_path):
                     dist.barrier()  # every peer has received what this host sent
                     after = _bytes_sent(cfg["emulated"], method, group)
                     wire[(size_mib, method)] = [
-                        None if before[0] is None else after[0] - before[0], after[1] - before[1]]
+                        None if before[0] is None else after[0] - before[0], after[1] - before[1],
+                        after[2] - before[2]]
                 else:
                     samples.setdefault((size_mib, method), []).append(elapsed)
     # Each sample's time is the slowest rank's; wire bytes are gathered per rank.
@@ -143,7 +158,8 @@ def worker(config_path):
             rows.append({"size_mib": size_mib, "method": method, "seconds": times[i].tolist(),
                          "median_s": statistics.median(times[i].tolist()),
                          "wire_bytes": [w[0] for w in per_rank],
-                         "payload_bytes": [w[1] for w in per_rank]})
+                         "payload_bytes": [w[1] for w in per_rank],
+                         "cross_host_payload_bytes": [w[2] for w in per_rank]})
         with open(cfg["out"], "w") as f:
             json.dump(rows, f)
     dist.barrier()
@@ -182,7 +198,7 @@ def run_matrix(args):
 def table(results) -> str:
     """Markdown: median ms per method, and its speed-up over Gloo float32."""
     lines = []
-    methods = [m for m in METHODS if any(r["method"] == m for r in results)]
+    methods = [m for m in METHODS + TOPOLOGY_METHODS if any(r["method"] == m for r in results)]
     by_key = {(r["world_size"], r["rate"], r["size_mib"], r["method"]): r for r in results}
     cases = sorted({(r["world_size"], r["rate"], r["size_mib"]) for r in results},
                    key=lambda c: (c[0], c[1], c[2]))
@@ -203,6 +219,11 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
+def link_bytes(row) -> int:
+    """Bytes that crossed the links, all hosts together."""
+    return sum(w for w in row["wire_bytes"] if w is not None)
+
+
 def wire_table(results) -> str:
     """Bytes that crossed the links (all hosts, headers included) against Gloo's."""
     rows = [r for r in results if r["wire_bytes"][0] is not None]
@@ -212,9 +233,9 @@ def wire_table(results) -> str:
     lines = ["| ranks | link | MiB | method | MiB on the wire | payload MiB (cgx) | x fewer than gloo |",
              "|---:|---|---:|---|---:|---:|---:|"]
     for r in rows:
-        wire = sum(r["wire_bytes"])
+        wire = link_bytes(r)
         gloo = by_key.get((r["world_size"], r["rate"], r["size_mib"], "gloo"))
-        ratio = f"{sum(gloo['wire_bytes']) / wire:.2f}" if gloo else ""
+        ratio = f"{link_bytes(gloo) / wire:.2f}" if gloo else ""
         payload = f"{sum(r['payload_bytes']) / 2**20:.2f}" if r["method"].startswith("cgx") else ""
         lines.append(f"| {r['world_size']} | {r['rate']} | {r['size_mib']:g} | {r['method']} | "
                      f"{wire / 2**20:.2f} | {payload} | {ratio} |")
@@ -234,7 +255,7 @@ def plot(results, path):
     for i, world in enumerate(worlds):
         for j, rate in enumerate(rates):
             ax = axes[i][j]
-            for method in METHODS:
+            for method in METHODS + TOPOLOGY_METHODS:
                 pts = sorted((r["size_mib"], r["median_s"] * 1e3) for r in results
                              if r["world_size"] == world and r["rate"] == rate and r["method"] == method)
                 if pts:

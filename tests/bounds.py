@@ -12,6 +12,11 @@ a noisy partial sum with error <= E has range <= S + 2E.
   Ring: size - 1 hops each re-quantize a noisy partial sum:
         E_k <= E_{k-1} + (S + 2 E_{k-1}) / (2L),
         then the owner quantizes the full sum:   E <= E_{n-1} + (R_sum + 2 E_{n-1}) / (2L).
+  Hierarchical (k ranks per host, H hosts): the inner reduce-scatter quantizes partial
+        sums (1 stage with SRA, k-1 with Ring; none without intra compression), the cross
+        allreduce adds its own (1 / H-1) partial stages and its final one, and the inner
+        allgather one more final stage (none without intra compression). Every partial
+        stage is bounded like the first, every final stage like the last.
 (Stochastic rounding: replace 2L by L.) Float32 arithmetic adds a few ulps of the
 magnitudes involved; float16 / bfloat16 outputs add half an ulp of the result.
 """
@@ -31,8 +36,11 @@ def allreduce_error_bound(
     stochastic: bool = False,
     average: bool = False,
     out_dtype: torch.dtype = torch.float32,
+    stages: tuple[int, int] | None = None,
 ) -> float:
-    """Max absolute error allowed for a compressed allreduce of `inputs` (one per rank)."""
+    """Max absolute error allowed for a compressed allreduce of `inputs` (one per rank).
+    `stages` = (partial, final) quantization stages, for the hierarchical forms
+    (:func:`hierarchical_stages`); by default those of the flat `algorithm`."""
     world = len(inputs)
     xs = [x.double().reshape(-1) for x in inputs]
     exact = torch.stack(xs).sum(0)
@@ -40,13 +48,30 @@ def allreduce_error_bound(
     per_stage = levels if stochastic else 2 * levels
     s = sum(float(x.max() - x.min()) for x in xs)
     r_sum = float(exact.max() - exact.min())
+    partial, final = stages or flat_stages(algorithm, world)
     err = 0.0
-    for _ in range(1 if algorithm == "SRA" else world - 1):
+    for _ in range(partial):
         err += (s + 2 * err) / per_stage
-    err += (r_sum + 2 * err) / per_stage
+    for _ in range(final):
+        err += (r_sum + 2 * err) / per_stage
     magnitude = sum(float(x.abs().max()) for x in xs)
     err += 64 * 2.0**-24 * magnitude  # float32 decode / add roundings
     if average:
         err /= world
         magnitude /= world
     return err + _UNIT_ROUNDOFF[out_dtype] * (magnitude + err)
+
+
+def flat_stages(algorithm: str, world: int) -> tuple[int, int]:
+    return (1 if algorithm == "SRA" else world - 1), 1
+
+
+def hierarchical_stages(hosts: int, per_host: int, inner: str, cross: str, *,
+                        intra_compress: bool = True) -> tuple[int, int]:
+    """(partial, final) stages of the hierarchical allreduce (either form: the leader
+    form's reduction to one rank has as many stages as the spread form's)."""
+    cross_partial, cross_final = flat_stages(cross, hosts)
+    if not intra_compress:
+        return cross_partial, cross_final
+    inner_partial = 1 if inner == "SRA" else per_host - 1
+    return inner_partial + cross_partial, cross_final + 1

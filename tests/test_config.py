@@ -34,6 +34,11 @@ def test_defaults_follow_torch_cgx():
         ("CGX_COMPRESSION_STOCHASTIC_ROUNDING", "On", "stochastic_rounding", True),
         ("CGX_COMPRESSION_SEED", "123", "seed", 123),
         ("CGX_INNER_COMMUNICATOR_TYPE", "gloo", "inner_communicator", "GLOO"),
+        ("CGX_INNER_COMMUNICATOR_TYPE", "mpi", "inner_communicator", "MPI"),
+        ("CGX_CROSS_COMMUNICATOR_TYPE", "Mpi", "cross_communicator", "MPI"),
+        ("CGX_CROSS_REDUCTION_TYPE", "ring", "cross_reduction", "Ring"),
+        ("CGX_INTRA_BROADCAST", "yes", "intra_broadcast", True),
+        ("CGX_INTRA_COMPRESS", "off", "intra_compress", False),
         ("CGX_INNER_REDUCTION_TYPE", "RING", "inner_reduction", "Ring"),
         ("CGX_HOSTNAME", "node7", "hostname", "node7"),
         ("CGX_SHM_RING_BYTES", "65536", "shm_ring_bytes", 65536),
@@ -53,8 +58,12 @@ def test_parses_each_variable(variable, text, field, value):
         ("CGX_COMPRESSION_BUCKET_SIZE", "9223372036854775807"),
         ("CGX_COMPRESSION_MINIMAL_SIZE", "-1"),
         ("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "2"),
-        ("CGX_INNER_COMMUNICATOR_TYPE", "MPI"),
+        ("CGX_INNER_COMMUNICATOR_TYPE", "NCCL"),
+        ("CGX_CROSS_COMMUNICATOR_TYPE", "SHM"),
         ("CGX_INNER_REDUCTION_TYPE", "tree"),
+        ("CGX_CROSS_REDUCTION_TYPE", "tree"),
+        ("CGX_INTRA_BROADCAST", "maybe"),
+        ("CGX_INTRA_COMPRESS", "2"),
         ("CGX_HOSTNAME", "  "),
         ("CGX_SHM_RING_BYTES", "1k"),
     ],
@@ -77,7 +86,8 @@ def test_config_in_python_is_checked_like_the_environment():
 def test_every_setting_reaches_the_backend():
     config = cgx.Config(bits=3, bucket_size=77, minimal_size=5, skip_incomplete_buckets=True,
                         stochastic_rounding=True, seed=99, inner_communicator="GLOO",
-                        inner_reduction="Ring", hostname="h1", shm_ring_bytes=8192)
+                        inner_reduction="Ring", cross_reduction="Ring", intra_broadcast=True,
+                        intra_compress=False, hostname="h1", shm_ring_bytes=8192)
     dist.init_process_group("cgx", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=10), pg_options=config)
     try:
@@ -87,6 +97,9 @@ def test_every_setting_reaches_the_backend():
         assert settings.seed == 99 and settings.hostname == "h1" and settings.shm_ring_bytes == 8192
         assert settings.inner_communicator == cgx._C.InnerCommunicator.GLOO
         assert settings.inner_reduction == cgx._C.ReductionAlgorithm.Ring
+        assert settings.cross_reduction == cgx._C.ReductionAlgorithm.Ring
+        assert settings.cross_communicator == cgx._C.CrossCommunicator.GLOO
+        assert settings.intra_broadcast and not settings.intra_compress
         t = torch.randn(1000)
         expected = t.clone()
         dist.all_reduce(t)  # one rank: nothing to exchange, the values stay as they are
@@ -99,7 +112,8 @@ def test_settings_round_trip_field_by_field():
     config = cgx.Config(bits=6, bucket_size=1000, minimal_size=0, seed=2**63, hostname="x")
     settings = to_settings(config)
     for field in ("bits", "bucket_size", "minimal_size", "skip_incomplete_buckets",
-                  "stochastic_rounding", "seed", "hostname", "shm_ring_bytes"):
+                  "stochastic_rounding", "seed", "hostname", "shm_ring_bytes",
+                  "intra_broadcast", "intra_compress"):
         assert getattr(settings, field) == getattr(config, field), field
 
 
@@ -124,3 +138,26 @@ def test_docs_show_every_variable():
     docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")).read()
     for var in VARIABLES:
         assert f"`{var.name}`" in docs, f"{var.name} missing from docs/configuration.md"
+
+
+def test_mpi_without_an_mpi_launch_is_a_value_error(monkeypatch):
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for kind in ("inner", "cross"):
+        config = cgx.Config(**{f"{kind}_communicator": "MPI"})
+        with pytest.raises(ValueError, match=f"CGX_{kind.upper()}_COMMUNICATOR_TYPE=MPI.*mpirun"):
+            cgx.mpi.require(config)
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+          "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+         {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "2"}),
+        ({"RANK": "0"}, None),
+    ],
+)
+def test_mpi_launcher_variables_map_to_torch_ones(environ, expected):
+    assert cgx.mpi.launch_variables(environ) == expected

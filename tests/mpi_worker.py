@@ -1,0 +1,156 @@
+"""One rank of an mpirun job started by tests/test_mpi.py (not a test module itself).
+
+    mpirun -np N python -P tests/mpi_worker.py SCENARIO OUT
+
+Every scenario joins with ``dist.init_process_group("cgx")`` and no arguments: the ranks
+and the rendezvous come from the MPI launch (cgx.mpi).
+
+- ``suite``: for each inner / cross communicator, reduction type and host layout that the
+  world size allows (hosts told apart by the group's hostname), the core correctness
+  checks: lossy float32 / float16 sums within the quantizer's bound, bit-identical ranks,
+  exact integer and small-tensor sums. Rank 0 writes {case: [failures]} to OUT as JSON.
+- ``kill``: compressed allreduces over MPI until rank 1 kills itself (SIGKILL).
+- ``plain`` / ``mpi4py-first`` / ``mpi4py-after``: one allreduce over MPI, with mpi4py
+  imported before cgx, after it, or not at all, and an MPI collective through mpi4py;
+  exits without destroying the group, so MPI is finalised with cgx's state alive.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+
+SCENARIO = sys.argv[1]
+if SCENARIO == "mpi4py-first":
+    from mpi4py import MPI  # noqa: F401  (initialises MPI before cgx)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import cgx  # noqa: E402
+
+if SCENARIO == "mpi4py-after":
+    from mpi4py import MPI  # noqa: F401,E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bounds import allreduce_error_bound, flat_stages, hierarchical_stages  # noqa: E402
+from mpi_cases import cases  # noqa: E402
+
+N = 30011  # odd: a partial last bucket, chunks of unequal size
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def inputs(world, seed, dtype=torch.float32):
+    return [(torch.randn(N, generator=torch.Generator().manual_seed(seed * 100 + r)) * (r + 1))
+            .to(dtype) for r in range(world)]
+
+
+def check_case(rank, world, per_host, fields, group):
+    """Failure messages of this rank (empty: all passed)."""
+    failures = []
+    hosts = world // per_host
+    config = cgx.get_backend(group).settings
+    if hosts > 1 and per_host > 1:
+        if not cgx.get_backend(group).hierarchical:
+            failures.append("the hierarchical path was not taken")
+        stages = hierarchical_stages(hosts, per_host, fields.get("inner_reduction", "SRA"),
+                                     fields.get("cross_reduction", "SRA"),
+                                     intra_compress=fields.get("intra_compress", True))
+    else:
+        alg = fields.get("inner_reduction" if hosts == 1 else "cross_reduction", "SRA")
+        stages = flat_stages(alg, world)
+    stochastic = config.stochastic_rounding
+
+    for dtype in (torch.float32, torch.float16):
+        xs = inputs(world, 1 if dtype == torch.float32 else 2, dtype)
+        t = xs[rank].clone()
+        dist.all_reduce(t, group=group)
+        exact = torch.stack([x.double() for x in xs]).sum(0)
+        bound = allreduce_error_bound(xs, 4, stochastic=stochastic, stages=stages, out_dtype=dtype)
+        err = float((t.double() - exact).abs().max())
+        if not err <= bound:
+            failures.append(f"{dtype}: error {err:.4g} over the bound {bound:.4g}")
+        gathered = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(gathered, t)  # the default group: exact
+        if not all(torch.equal(g, gathered[0]) for g in gathered):
+            failures.append(f"{dtype}: ranks differ")
+
+    ints = torch.arange(N, dtype=torch.int64) * (rank + 1)
+    dist.all_reduce(ints, group=group)
+    if not torch.equal(ints, torch.arange(N, dtype=torch.int64) * (world * (world + 1) // 2)):
+        failures.append("int64 sum is not exact")
+    small = inputs(world, 3)[rank][:16].clone()
+    expected = small.clone()
+    dist.all_reduce(small, group=group)
+    dist.all_reduce(expected)  # the default group (bits 32): Gloo
+    if not torch.equal(small, expected):
+        failures.append("a tensor at the minimal size is not Gloo's sum")
+    return failures
+
+
+def suite(out_path):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for name, per_host, fields in cases(world):
+        try:
+            group = dist.new_group(backend="cgx", timeout=TIMEOUT, pg_options=cgx.Config(
+                bits=4, bucket_size=512, hostname=f"host{rank // per_host}", **fields))
+            failures = check_case(rank, world, per_host, fields, group)
+            dist.destroy_process_group(group)
+        except Exception as e:  # reported per case; the job goes on
+            failures = [f"{type(e).__name__}: {e}"]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, failures)
+        results[name] = [f"rank {r}: {m}" for r, fs in enumerate(gathered) for m in fs]
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+
+
+def mpi_group(rank):
+    return dist.new_group(backend="cgx", timeout=datetime.timedelta(seconds=20),
+                          pg_options=cgx.Config(bits=4, hostname=f"host{rank}",
+                                                cross_communicator="MPI"))
+
+
+def kill():
+    rank = dist.get_rank()
+    group = mpi_group(rank)
+    t = torch.randn(1 << 20)
+    for step in range(1000):
+        if rank == 1 and step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(t, group=group)
+        t /= dist.get_world_size()
+
+
+def with_mpi4py_or_not():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = mpi_group(rank)
+    t = torch.full((10000,), float(rank + 1))
+    dist.all_reduce(t, group=group)
+    assert float(t.max() - t.min()) == 0.0, "ranks' values differ"
+    if SCENARIO != "plain":
+        from mpi4py import MPI
+
+        assert MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        assert MPI.COMM_WORLD.allreduce(rank) == world * (world - 1) // 2
+    print(f"rank {rank} ok: {float(t[0])}", flush=True)
+
+
+def main():
+    dist.init_process_group("cgx", timeout=TIMEOUT)
+    if SCENARIO == "suite":
+        suite(sys.argv[2])
+        dist.destroy_process_group()
+    elif SCENARIO == "kill":
+        kill()
+    else:
+        with_mpi4py_or_not()
+
+
+if __name__ == "__main__":
+    main()

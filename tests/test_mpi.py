@@ -1,0 +1,86 @@
+"""cgx under mpirun: the MPI transport, the launch, the hierarchical allreduce.
+
+Each job is a real ``mpirun`` of tests/mpi_worker.py; its ranks join with
+``init_process_group("cgx")`` and no arguments. The correctness suite runs once per world
+size (one job, every case a group of its own) and each case is reported as its own test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+import cgx
+from harness import cgx_shm_entries
+from mpi_cases import cases
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_worker.py")
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (apt-get install openmpi-bin)"),
+    pytest.mark.skipif(not cgx._C.mpi_built, reason="cgx was built without MPI"),
+]
+
+
+def mpirun(world: int, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    # Only the MPI launch tells ranks who they are: no torch variables from outside.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+           and not k.startswith("CGX_")}
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(world),
+           sys.executable, "-P", WORKER, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+
+
+_suites: dict[int, dict[str, list[str]]] = {}
+
+
+def suite(world: int, tmp_path_factory) -> dict[str, list[str]]:
+    if world not in _suites:
+        out = tmp_path_factory.mktemp(f"mpi{world}") / "suite.json"
+        shm_before = cgx_shm_entries()
+        done = mpirun(world, "suite", str(out))
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert cgx_shm_entries() == shm_before
+        _suites[world] = json.loads(out.read_text())
+    return _suites[world]
+
+
+@pytest.mark.parametrize("world, case", [(w, name) for w in (2, 4) for name, _, _ in cases(w)])
+def test_correctness_under_mpirun(world, case, tmp_path_factory):
+    """Lossy float32 / float16 sums within the bound, bit-identical ranks, exact integer
+    and small sums, for this communicator / reduction / host layout (see mpi_worker)."""
+    results = suite(world, tmp_path_factory)
+    assert case in results, sorted(results)
+    assert results[case] == [], results[case]
+
+
+@pytest.mark.parametrize("scenario", ["plain", "mpi4py-first", "mpi4py-after"])
+def test_mpi_initialised_once_and_finalised_cleanly(scenario):
+    """With or without mpi4py (imported before or after cgx): one MPI library, thread level
+    MULTIPLE, mpi4py usable beside cgx, and a clean exit while a group is still alive."""
+    done = mpirun(2, scenario, timeout_s=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # mpirun may interleave the ranks' lines.
+    assert sorted(re.findall(r"rank \d ok: [\d.]+", done.stdout)) == [
+        "rank 0 ok: 3.0", "rank 1 ok: 3.0"], done.stdout
+
+
+def test_a_killed_rank_ends_the_job_with_an_error_not_a_hang():
+    shm_before = cgx_shm_entries()
+    start = time.monotonic()
+    done = mpirun(2, "kill", timeout_s=120)
+    elapsed = time.monotonic() - start
+    assert done.returncode != 0
+    assert elapsed < 60, elapsed  # the group's timeout is 20 s
+    assert "signal 9" in done.stdout + done.stderr, done.stderr[-2000:]
+    assert cgx_shm_entries() == shm_before
+    left = subprocess.run(["pgrep", "-f", WORKER], capture_output=True, text=True).stdout
+    assert left == "", f"worker processes left: {left}"
