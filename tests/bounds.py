@@ -14,9 +14,9 @@ a noisy partial sum with error <= E has range <= S + 2E.
         then the owner quantizes the full sum:   E <= E_{n-1} + (R_sum + 2 E_{n-1}) / (2L).
   Hierarchical (k ranks per host, H hosts): the inner reduce-scatter quantizes partial
         sums (1 stage with SRA, k-1 with Ring; none without intra compression), the cross
-        allreduce adds its own (1 / H-1) partial stages and its final one, and the inner
-        allgather one more final stage (none without intra compression). Every partial
-        stage is bounded like the first, every final stage like the last.
+        allreduce adds its own (1 / H-1) partial stages and the final one; its bytes are
+        forwarded inside the host without a further stage. Every partial stage is
+        bounded like the first, the final one like the last.
 (Stochastic rounding: replace 2L by L.) Float32 arithmetic adds a few ulps of the
 magnitudes involved; float16 / bfloat16 outputs add half an ulp of the result.
 """
@@ -70,8 +70,6 @@ def hierarchical_stages(hosts: int, per_host: int, inner: str, cross: str, *,
                         intra_compress: bool = True) -> tuple[int, int]:
     """(partial, final) stages of the hierarchical allreduce (either form: the leader
     form's reduction to one rank has as many stages as the spread form's)."""
-    cross_partial, cross_final = flat_stages(cross, hosts)
-    if not intra_compress:
-        return cross_partial, cross_final
-    inner_partial = 1 if inner == "SRA" else per_host - 1
-    return inner_partial + cross_partial, cross_final + 1
+    cross_partial, final = flat_stages(cross, hosts)
+    inner_partial = (1 if inner == "SRA" else per_host - 1) if intra_compress else 0
+    return inner_partial + cross_partial, final

@@ -5,13 +5,15 @@
 
 namespace cgx::collectives {
 
-std::vector<uint8_t*> Scratch::buffers(const std::vector<size_t>& sizes) {
+std::vector<uint8_t*> Scratch::buffers(const std::vector<size_t>& sizes, int arena) {
   // 64-byte aligned slices of one arena.
   constexpr size_t kAlign = 64;
   size_t total = kAlign;
   for (size_t s : sizes) total += (s + kAlign - 1) / kAlign * kAlign;
-  if (arena_.size() < total) arena_.resize(total);
-  auto base = reinterpret_cast<uintptr_t>(arena_.data());
+  if (static_cast<int>(arenas_.size()) <= arena) arenas_.resize(arena + 1);
+  auto& bytes = arenas_[arena];
+  if (bytes.size() < total) bytes.resize(total);
+  auto base = reinterpret_cast<uintptr_t>(bytes.data());
   uintptr_t cursor = (base + kAlign - 1) / kAlign * kAlign;
   std::vector<uint8_t*> out;
   out.reserve(sizes.size());
@@ -67,14 +69,21 @@ Traffic reduce_scatter(transport::Transport& transport, int rank, float* data,
   throw std::invalid_argument("unknown reduction algorithm");
 }
 
+std::vector<size_t> compressed_sizes(const compression::LayoutCodec& codec, const Chunking& chunks) {
+  std::vector<size_t> sizes(chunks.parts());
+  for (int c = 0; c < chunks.parts(); ++c)
+    sizes[c] = codec.compressed_bytes(chunks.offset(c), chunks.offset(c + 1));
+  return sizes;
+}
+
 Traffic allgather(transport::Transport& transport, int rank, float* data,
                   const compression::LayoutCodec& codec, const Chunking& chunks,
-                  const Phase& phase, Scratch& scratch) {
+                  const Phase& phase, const std::vector<uint8_t*>& buffers) {
   switch (phase.algorithm) {
     case ReductionAlgorithm::SRA:
-      return sra_allgather(transport, rank, data, codec, chunks, phase, scratch);
+      return sra_allgather(transport, rank, data, codec, chunks, phase, buffers);
     case ReductionAlgorithm::Ring:
-      return ring_allgather(transport, rank, data, codec, chunks, phase, scratch);
+      return ring_allgather(transport, rank, data, codec, chunks, phase, buffers);
   }
   throw std::invalid_argument("unknown reduction algorithm");
 }
@@ -85,7 +94,8 @@ Traffic allreduce(transport::Transport& transport, int rank, int size, float* da
   if (size == 1 || range.end == range.begin) return {};
   const Chunking chunks(codec, range, size);
   Traffic traffic = reduce_scatter(transport, rank, data, codec, chunks, phase, scratch);
-  traffic += allgather(transport, rank, data, codec, chunks, phase, scratch);
+  traffic += allgather(transport, rank, data, codec, chunks, phase,
+                       scratch.buffers(compressed_sizes(codec, chunks)));
   return traffic;
 }
 

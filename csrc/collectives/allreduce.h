@@ -34,11 +34,12 @@ struct Traffic {
 // Buffers reused across calls so that the hot path does not allocate.
 class Scratch {
  public:
-  // Returns `count` byte buffers of the given sizes, valid until the next call.
-  std::vector<uint8_t*> buffers(const std::vector<size_t>& sizes);
+  // Byte buffers of the given sizes from arena `arena`, valid until the next call for the
+  // same arena (phases use arena 0; a caller keeping bytes across phases uses another).
+  std::vector<uint8_t*> buffers(const std::vector<size_t>& sizes, int arena = 0);
 
  private:
-  std::vector<uint8_t> arena_;
+  std::vector<std::vector<uint8_t>> arenas_;
 };
 
 // A part [begin, end) of the flat buffer.
@@ -78,9 +79,14 @@ struct Phase {
 Traffic reduce_scatter(transport::Transport& transport, int rank, float* data,
                        const compression::LayoutCodec& codec, const Chunking& chunks,
                        const Phase& phase, Scratch& scratch);
+// `buffers[c]` has room for chunk c compressed (compressed_sizes); afterwards it holds
+// the bytes every rank decoded chunk c from, for a caller that forwards them.
 Traffic allgather(transport::Transport& transport, int rank, float* data,
                   const compression::LayoutCodec& codec, const Chunking& chunks,
-                  const Phase& phase, Scratch& scratch);
+                  const Phase& phase, const std::vector<uint8_t*>& buffers);
+
+// Bytes of each chunk compressed.
+std::vector<size_t> compressed_sizes(const compression::LayoutCodec& codec, const Chunking& chunks);
 
 // The phases of each algorithm (one file each).
 Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* data,
@@ -88,13 +94,13 @@ Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* dat
                            const Phase& phase, Scratch& scratch);
 Traffic sra_allgather(transport::Transport& transport, int rank, float* data,
                       const compression::LayoutCodec& codec, const Chunking& chunks,
-                      const Phase& phase, Scratch& scratch);
+                      const Phase& phase, const std::vector<uint8_t*>& buffers);
 Traffic ring_reduce_scatter(transport::Transport& transport, int rank, float* data,
                             const compression::LayoutCodec& codec, const Chunking& chunks,
                             const Phase& phase, Scratch& scratch);
 Traffic ring_allgather(transport::Transport& transport, int rank, float* data,
                        const compression::LayoutCodec& codec, const Chunking& chunks,
-                       const Phase& phase, Scratch& scratch);
+                       const Phase& phase, const std::vector<uint8_t*>& buffers);
 
 // data[range] on each of `size` ranks becomes the sum over ranks, each segment quantized
 // as the codec's layout says (docs/algorithms.md); afterwards every rank holds

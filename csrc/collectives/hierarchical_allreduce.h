@@ -1,17 +1,19 @@
 // Hierarchical allreduce: inside each host, then across hosts, then inside again.
 //
 // Spread form (default): the buffer is cut into k chunks for the k ranks of a host.
-//   1. reduce_scatter inside the host: local rank i holds chunk i summed over the host;
-//   2. allreduce of chunk i across hosts among the local ranks i of every host (a
-//      "column"): every local rank carries 1/k of the cross-host traffic, at once;
-//   3. allgather inside the host.
+//   1. reduce_scatter inside the host (inner algorithm): local rank i holds chunk i
+//      summed over the host;
+//   2. allreduce of chunk i across hosts (cross algorithm) among the local ranks i of
+//      every host (a "column"): every local rank carries 1/k of the cross-host traffic,
+//      at once. It leaves every column member holding the compressed bytes that all of
+//      chunk i is decoded from;
+//   3. those bytes are forwarded to the host's other ranks, which decode them: nothing is
+//      quantized again, and all ranks decode the same bytes (bit-identical).
 // Leader form (CGX_INTRA_BROADCAST, or hosts with unequal rank counts): the host's lowest
 // rank reduces the whole buffer, allreduces it with the other hosts' leaders, and
-// broadcasts the result.
-// Inside a host, the phases are compressed with the call's layout (intra_compress) or
-// move float32 exactly. Across hosts they are always compressed. The last inside phase
-// quantizes (or copies) the same bit-identical chunk on every host the same way, so all
-// ranks end bit-identical.
+// forwards the bytes.
+// Phase 1 is compressed with the call's layout (intra_compress) or moves float32.
+// Across hosts, and in phase 3, only compressed bytes move.
 #pragma once
 
 #include "collectives/allreduce.h"

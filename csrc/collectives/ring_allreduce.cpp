@@ -16,13 +16,6 @@ namespace cgx::collectives {
 
 namespace {
 int mod(int a, int m) { return ((a % m) + m) % m; }
-
-std::vector<size_t> chunk_bytes(const compression::LayoutCodec& codec, const Chunking& chunks) {
-  std::vector<size_t> sizes(chunks.parts());
-  for (int c = 0; c < chunks.parts(); ++c)
-    sizes[c] = codec.compressed_bytes(chunks.offset(c), chunks.offset(c + 1));
-  return sizes;
-}
 }  // namespace
 
 Traffic ring_reduce_scatter(transport::Transport& transport, int rank, float* data,
@@ -31,7 +24,7 @@ Traffic ring_reduce_scatter(transport::Transport& transport, int rank, float* da
   const int size = chunks.parts();
   const int next = mod(rank + 1, size);
   const int prev = mod(rank - 1, size);
-  const std::vector<size_t> sizes = chunk_bytes(codec, chunks);
+  const std::vector<size_t> sizes = compressed_sizes(codec, chunks);
   const size_t largest = *std::max_element(sizes.begin(), sizes.end());
   const std::vector<uint8_t*> buf = scratch.buffers({largest, largest});
   uint8_t* outgoing = buf[0];
@@ -52,12 +45,11 @@ Traffic ring_reduce_scatter(transport::Transport& transport, int rank, float* da
 
 Traffic ring_allgather(transport::Transport& transport, int rank, float* data,
                        const compression::LayoutCodec& codec, const Chunking& chunks,
-                       const Phase& phase, Scratch& scratch) {
+                       const Phase& phase, const std::vector<uint8_t*>& buf) {
   const int size = chunks.parts();
   const int next = mod(rank + 1, size);
   const int prev = mod(rank - 1, size);
-  const std::vector<size_t> sizes = chunk_bytes(codec, chunks);
-  const std::vector<uint8_t*> buf = scratch.buffers(sizes);
+  const std::vector<size_t> sizes = compressed_sizes(codec, chunks);
   quantize_owned_chunk(codec, data, chunks.range(rank), buf[rank],
                        stream_seed(phase.seed, rank, size, rank));
   Traffic traffic;

@@ -27,8 +27,8 @@ Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* dat
   const size_t mine = codec.compressed_bytes(own.begin, own.end);
   // [0, size): outgoing chunk for each peer; [size, 2 size): each rank's contribution to
   // our chunk, ours included.
-  std::vector<size_t> sizes(2 * size, mine);
-  for (int p = 0; p < size; ++p) sizes[p] = codec.compressed_bytes(chunks.offset(p), chunks.offset(p + 1));
+  std::vector<size_t> sizes = compressed_sizes(codec, chunks);
+  sizes.resize(2 * size, mine);
   const std::vector<uint8_t*> buf = scratch.buffers(sizes);
 
   Traffic traffic;
@@ -51,12 +51,10 @@ Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* dat
 
 Traffic sra_allgather(transport::Transport& transport, int rank, float* data,
                       const compression::LayoutCodec& codec, const Chunking& chunks,
-                      const Phase& phase, Scratch& scratch) {
+                      const Phase& phase, const std::vector<uint8_t*>& buf) {
   const int size = chunks.parts();
-  // [p]: chunk p compressed (ours by us, the others as received).
-  std::vector<size_t> sizes(size);
-  for (int p = 0; p < size; ++p) sizes[p] = codec.compressed_bytes(chunks.offset(p), chunks.offset(p + 1));
-  const std::vector<uint8_t*> buf = scratch.buffers(sizes);
+  // buf[p]: chunk p compressed (ours by us, the others as received).
+  const std::vector<size_t> sizes = compressed_sizes(codec, chunks);
   quantize_owned_chunk(codec, data, chunks.range(rank), buf[rank],
                        stream_seed(phase.seed, rank, kGatherStage, rank));
 

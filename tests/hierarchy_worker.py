@@ -1,0 +1,68 @@
+"""One rank of the emulated 2 hosts x 2 ranks job of tests/test_network.py (started by
+benchmarks/launch.py with torch's env:// variables, CGX_HOSTNAME naming its host).
+
+Runs the same compressed allreduce on a hierarchical group (hosts from CGX_HOSTNAME) and
+on a single-host group (every rank told it shares one host: shared memory, which the
+namespaces share), counting the bytes this host puts on its link around each. Rank 0
+writes the results of all ranks and the counts to the JSON path in argv[1].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import cgx
+
+N = 1 << 20  # tests/test_network.py: N_HIERARCHY
+
+
+def link_tx_bytes() -> int:
+    with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def measured_allreduce(group, x):
+    """(result, bytes this host sent on its link, cgx's count of bytes to other hosts)."""
+    t = x.clone()
+    dist.barrier()
+    wire, cross = link_tx_bytes(), cgx.stats(group)["cross_host_bytes"]
+    dist.all_reduce(t, group=group)
+    dist.barrier()  # every peer holds what this host sent
+    return t, link_tx_bytes() - wire, cgx.stats(group)["cross_host_bytes"] - cross
+
+
+def main(out_path):
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = cgx.from_env()
+    config = dataclasses.replace(env, bits=4, bucket_size=512)
+    hierarchical = dist.new_group(backend="cgx", pg_options=config)
+    one_host = dist.new_group(backend="cgx",
+                              pg_options=dataclasses.replace(config, hostname="one-host"))
+    x = torch.randn(N, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+    report = {"hierarchical": cgx.get_backend(hierarchical).hierarchical,
+              "num_hosts": cgx.get_backend(hierarchical).num_hosts,
+              "local_rank": int(os.environ["LOCAL_RANK"])}
+    for name, group in (("hierarchical", hierarchical), ("one_host", one_host)):
+        t, wire, cross = measured_allreduce(group, x)
+        report[name + "_result"] = t.tolist()
+        report[name + "_wire"] = wire
+        report[name + "_cross"] = cross
+    gathered = [None] * world
+    dist.all_gather_object(gathered, report)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
