@@ -116,9 +116,9 @@ VARIABLES: tuple[Variable, ...] = (
              "its slice across hosts."),
     Variable("CGX_INTRA_COMPRESS", "intra_compress", True, "0/1, true/false, yes/no, on/off",
              _bool,
-             "Hierarchical allreduce: compress inside a host too (off: float32 inside a "
-             "host, two fewer quantization stages; cross-host traffic is always "
-             "compressed)."),
+             "Hierarchical allreduce: compress the reduction inside a host too (off: it "
+             "moves float32, one quantization stage fewer with SRA; what crosses hosts, "
+             "and the result shared inside a host, is always compressed)."),
     Variable("CGX_HOSTNAME", "hostname", None, "non-empty string (default: the hostname)",
              _nonempty,
              "Host identity: ranks with the same value share memory. Set it to different "
