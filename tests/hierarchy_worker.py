@@ -4,13 +4,16 @@ benchmarks/launch.py with torch's env:// variables, CGX_HOSTNAME naming its host
 Runs the same compressed allreduce on a hierarchical group (hosts from CGX_HOSTNAME) and
 on a single-host group (every rank told it shares one host: shared memory, which the
 namespaces share), counting the bytes this host puts on its link around each. Rank 0
-writes the results of all ranks and the counts to the JSON path in argv[1].
+writes, for every rank, the error of each result against the exact sum, the largest
+difference between the two results, a digest of each result (bit-identity) and the
+byte counts to the JSON path in argv[1].
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import sys
@@ -20,7 +23,12 @@ import torch.distributed as dist
 
 import cgx
 
-N = 1 << 20  # tests/test_network.py: N_HIERARCHY
+N = 4 << 20  # tests/test_network.py: N_HIERARCHY (4 pipelined pieces)
+
+
+def inputs(world):
+    return [torch.randn(N, generator=torch.Generator().manual_seed(r)) * (r + 1)
+            for r in range(world)]
 
 
 def link_tx_bytes() -> int:
@@ -46,15 +54,21 @@ def main(out_path):
     hierarchical = dist.new_group(backend="cgx", pg_options=config)
     one_host = dist.new_group(backend="cgx",
                               pg_options=dataclasses.replace(config, hostname="one-host"))
-    x = torch.randn(N, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+    xs = inputs(world)
+    exact = torch.stack([x.double() for x in xs]).sum(0)
+    x = xs[rank]
+    results = {}
     report = {"hierarchical": cgx.get_backend(hierarchical).hierarchical,
               "num_hosts": cgx.get_backend(hierarchical).num_hosts,
               "local_rank": int(os.environ["LOCAL_RANK"])}
     for name, group in (("hierarchical", hierarchical), ("one_host", one_host)):
         t, wire, cross = measured_allreduce(group, x)
-        report[name + "_result"] = t.tolist()
+        results[name] = t
+        report[name + "_error"] = float((t.double() - exact).abs().max())
+        report[name + "_digest"] = hashlib.sha256(t.numpy().tobytes()).hexdigest()
         report[name + "_wire"] = wire
         report[name + "_cross"] = cross
+    report["difference"] = float((results["hierarchical"] - results["one_host"]).abs().max())
     gathered = [None] * world
     dist.all_gather_object(gathered, report)
     if rank == 0:

@@ -7,8 +7,9 @@ and the rendezvous come from the MPI launch (cgx.mpi).
 
 - ``suite``: for each inner / cross communicator, reduction type and host layout that the
   world size allows (hosts told apart by the group's hostname), the core correctness
-  checks: lossy float32 / float16 sums within the quantizer's bound, bit-identical ranks,
-  exact integer and small-tensor sums. Rank 0 writes {case: [failures]} to OUT as JSON.
+  checks: lossy float32 / float16 sums within the quantizer's bound, bit-identical ranks
+  (also for a buffer large enough to be pipelined, where hierarchical), exact integer and
+  small-tensor sums. Rank 0 writes {case: [failures]} to OUT as JSON.
 - ``kill``: compressed allreduces over MPI until rank 1 kills itself (SIGKILL).
 - ``plain`` / ``mpi4py-first`` / ``mpi4py-after``: one allreduce over MPI, with mpi4py
   imported before cgx, after it, or not at all, and an MPI collective through mpi4py;
@@ -77,6 +78,21 @@ def check_case(rank, world, per_host, fields, group):
         dist.all_gather(gathered, t)  # the default group: exact
         if not all(torch.equal(g, gathered[0]) for g in gathered):
             failures.append(f"{dtype}: ranks differ")
+
+    if hosts > 1 and per_host > 1:
+        # Large enough for the pipelined pieces of the hierarchical allreduce.
+        xs = [x.repeat(80) for x in inputs(world, 4)]
+        t = xs[rank].clone()
+        dist.all_reduce(t, group=group)
+        exact = torch.stack([x.double() for x in xs]).sum(0)
+        bound = allreduce_error_bound(xs, 4, stochastic=stochastic, stages=stages)
+        err = float((t.double() - exact).abs().max())
+        if not err <= bound:
+            failures.append(f"pipelined: error {err:.4g} over the bound {bound:.4g}")
+        gathered = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(gathered, t)
+        if not all(torch.equal(g, gathered[0]) for g in gathered):
+            failures.append("pipelined: ranks differ")
 
     ints = torch.arange(N, dtype=torch.int64) * (rank + 1)
     dist.all_reduce(ints, group=group)

@@ -22,7 +22,7 @@ sys.path.insert(0, BENCHMARKS)
 import netemu  # noqa: E402
 from launch import run_job  # noqa: E402
 
-N_HIERARCHY = 1 << 20  # hierarchy_worker.N
+N_HIERARCHY = 4 << 20  # hierarchy_worker.N
 
 
 def run_benchmark(tmp_path, *args):
@@ -77,14 +77,15 @@ def test_two_hosts_by_two_ranks_take_the_hierarchical_path(tmp_path):
     ranks = json.loads(out.read_text())
     assert all(r["hierarchical"] and r["num_hosts"] == 2 for r in ranks)
 
-    # Each rank's cross phase: SRA between 2 hosts on its half of the buffer sends one
-    # compressed quarter in the scatter and one in the gather.
-    quarter = cgx.compressed_size(N_HIERARCHY // 4, 4, 512)
+    # Each rank's cross phase, for each of the 4 pipelined pieces: SRA between 2 hosts on
+    # its half of the piece sends one compressed quarter in the scatter, one in the gather.
+    pieces = 4
+    quarter = cgx.compressed_size(N_HIERARCHY // pieces // 4, 4, 512)
     signatures = 2 * 64  # the per-call check, to each rank of the other host
     for host in (0, 1):
         on_host = ranks[2 * host:2 * host + 2]
         payload = sum(r["hierarchical_cross"] for r in on_host)
-        assert payload == 2 * (2 * quarter + signatures), (payload, quarter)
+        assert payload == 2 * (pieces * 2 * quarter + signatures), (payload, quarter)
         wire = next(r["hierarchical_wire"] for r in on_host if r["local_rank"] == 0)
         assert payload <= wire < payload * 1.05, (wire, payload)  # compressed bytes only
         one_host_wire = next(r["one_host_wire"] for r in on_host if r["local_rank"] == 0)
@@ -92,16 +93,13 @@ def test_two_hosts_by_two_ranks_take_the_hierarchical_path(tmp_path):
 
     xs = [torch.randn(N_HIERARCHY, generator=torch.Generator().manual_seed(r)) * (r + 1)
           for r in range(4)]
-    exact = torch.stack([x.double() for x in xs]).sum(0)
     hier_bound = allreduce_error_bound(xs, 4, stages=hierarchical_stages(2, 2, "SRA", "SRA"))
     flat_bound = allreduce_error_bound(xs, 4, stages=flat_stages("SRA", 4))
-    hier = torch.tensor(ranks[0]["hierarchical_result"])
-    one = torch.tensor(ranks[0]["one_host_result"])
     for r in ranks:
-        assert r["hierarchical_result"] == ranks[0]["hierarchical_result"]
-        assert r["one_host_result"] == ranks[0]["one_host_result"]
-    assert float((hier.double() - exact).abs().max()) <= hier_bound
-    assert float((one.double() - exact).abs().max()) <= flat_bound
-    assert float((hier - one).abs().max()) <= hier_bound + flat_bound
+        assert r["hierarchical_digest"] == ranks[0]["hierarchical_digest"]
+        assert r["one_host_digest"] == ranks[0]["one_host_digest"]
+        assert r["hierarchical_error"] <= hier_bound, (r["hierarchical_error"], hier_bound)
+        assert r["one_host_error"] <= flat_bound, (r["one_host_error"], flat_bound)
+        assert r["difference"] <= hier_bound + flat_bound
     assert netemu._run("ip", "netns", "list").stdout.count("cgxemu-") == 0
 

@@ -291,7 +291,7 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
       options.seed = seed;
       options.deadline = deadline;
       traffic = collectives::hierarchical_allreduce(*transport_, getRank(), hosts_, data, *codec,
-                                                    options, scratch_);
+                                                    options, scratch_, cross_scratch_);
     } else {
       // One host (inner algorithm), or one rank per host (cross algorithm).
       const collectives::Phase phase{hosts_.num_hosts() == 1 ? settings_.inner_reduction

@@ -130,7 +130,8 @@ class ProcessGroupCGX final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> exact_;
   topology::HostMap hosts_;
   std::unique_ptr<transport::RoutedTransport> transport_;
-  collectives::Scratch scratch_;  // used by the worker thread only
+  collectives::Scratch scratch_;        // used by the worker thread only
+  collectives::Scratch cross_scratch_;  // the hierarchical cross phases (their own thread)
   // Collectives issued, exact ones included (callers' threads): a compressed call's
   // number differs between ranks whenever they took different paths before it (a size
   // on either side of minimal_size, a dtype mismatch), and its signature check fails.

@@ -1,6 +1,10 @@
 #include "collectives/hierarchical_allreduce.h"
 
 #include <algorithm>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
 
 #include "transport/subset_transport.h"
 
@@ -9,10 +13,53 @@ namespace cgx::collectives {
 namespace {
 constexpr int kIntraScatterStage = 100;
 constexpr int kCrossStage = 101;
+// Pieces of the pipeline: at least this many values each (smaller ones cost more in
+// per-exchange latency than they overlap), at most kMaxPieces.
+constexpr int64_t kMinPieceValues = int64_t{1} << 20;
+constexpr int kMaxPieces = 4;
 
 int index_of(const std::vector<int>& ranks, int rank) {
   return static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
 }
+
+// Progress shared by the two threads of one call: pieces whose host reduction (A) and
+// whose cross phase (B) are done, and the first failure of either thread.
+class Pipeline {
+ public:
+  void finished_host_reduction(int piece) { advance(reduced_, piece); }
+  void finished_cross_phase(int piece) { advance(crossed_, piece); }
+  void wait_host_reduction(int piece) { wait(reduced_, piece); }
+  void wait_cross_phase(int piece) { wait(crossed_, piece); }
+  void fail(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!error_) error_ = error;
+    changed_.notify_all();
+  }
+  std::exception_ptr error() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return error_;
+  }
+
+ private:
+  void advance(int& counter, int piece) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    counter = piece + 1;
+    changed_.notify_all();
+  }
+  // Throws the other thread's error instead of waiting for a piece that will not come.
+  void wait(const int& counter, int piece) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return counter > piece || error_; });
+    if (counter <= piece) std::rethrow_exception(error_);
+  }
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  int reduced_ = 0;
+  int crossed_ = 0;
+  std::exception_ptr error_;
+};
+
 }  // namespace
 
 bool is_hierarchical(const topology::HostMap& hosts) {
@@ -22,7 +69,8 @@ bool is_hierarchical(const topology::HostMap& hosts) {
 Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
                                const topology::HostMap& hosts, float* data,
                                const compression::LayoutCodec& codec,
-                               const HierarchicalOptions& options, Scratch& scratch) {
+                               const HierarchicalOptions& options, Scratch& scratch,
+                               Scratch& cross_scratch) {
   const int64_t total = codec.total();
   if (total == 0) return {};
   const std::vector<int> local = hosts.ranks_on_host_of(rank);
@@ -31,6 +79,7 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
   const int num_hosts = hosts.num_hosts();
   const int host = hosts.host_of(rank);
   const bool leader_form = options.leader_form || !hosts.balanced();
+  const bool crosses = !leader_form || i == 0;
 
   // Inside a host: the call's codec, or float32 throughout.
   compression::Segment raw_segment;
@@ -39,61 +88,118 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
   const compression::LayoutCodec raw({raw_segment}, total);
   const compression::LayoutCodec& intra_codec = options.intra_compress ? codec : raw;
 
-  // Chunk j of the host is reduced by local rank j, and cut into one part per host for
-  // the cross phase; every cut is on the call's bucket grid.
-  const Chunking chunks =
-      leader_form ? Chunking::to_one({0, total}, k, 0) : Chunking(codec, {0, total}, k);
-  std::vector<Chunking> parts;
-  std::vector<size_t> part_bytes;
-  for (int j = 0; j < k; ++j) {
-    parts.emplace_back(codec, chunks.range(j), num_hosts);
-    for (size_t bytes : compressed_sizes(codec, parts.back())) part_bytes.push_back(bytes);
+  // The buffer is cut into pieces; chunk j of a piece is reduced by local rank j, and cut
+  // into one part per host for the cross phase. Every cut is on the call's bucket grid.
+  const int num_pieces =
+      static_cast<int>(std::clamp<int64_t>(total / kMinPieceValues, 1, kMaxPieces));
+  const Chunking pieces(codec, {0, total}, num_pieces);
+  std::vector<Chunking> chunks;           // [piece]
+  std::vector<std::vector<Chunking>> parts;  // [piece][j]
+  std::vector<size_t> part_bytes;         // [(piece * k + j) * num_hosts + h]
+  for (int p = 0; p < num_pieces; ++p) {
+    chunks.push_back(leader_form ? Chunking::to_one(pieces.range(p), k, 0)
+                                 : Chunking(codec, pieces.range(p), k));
+    parts.emplace_back();
+    for (int j = 0; j < k; ++j) {
+      parts[p].emplace_back(codec, chunks[p].range(j), num_hosts);
+      for (size_t bytes : compressed_sizes(codec, parts[p][j])) part_bytes.push_back(bytes);
+    }
   }
   // The compressed parts as the cross phase leaves them, kept to be forwarded (arena 1:
   // the phases use arena 0).
   const std::vector<uint8_t*> kept = scratch.buffers(part_bytes, 1);
-  auto kept_of = [&](int j) {
-    return std::vector<uint8_t*>(kept.begin() + j * num_hosts, kept.begin() + (j + 1) * num_hosts);
-  };
+  auto slot = [&](int p, int j, int h) { return (p * k + j) * num_hosts + h; };
 
   std::vector<int> cross_members;
   for (int h = 0; h < num_hosts; ++h) cross_members.push_back(hosts.ranks_on_host(h)[leader_form ? 0 : i]);
   transport::SubsetTransport intra(transport, local);
   transport::SubsetTransport cross(transport, cross_members);
 
-  Traffic traffic;
-  if (k > 1) {
-    const Phase phase{options.inner, stream_seed(options.seed, host, kIntraScatterStage, 0),
+  // A: reduce piece p inside the host (inner algorithm).
+  auto reduce_on_host = [&](int p) {
+    if (k == 1) return Traffic{};
+    const Phase phase{options.inner, stream_seed(options.seed, host, kIntraScatterStage, p),
                       options.deadline};
-    traffic += reduce_scatter(intra, i, data, intra_codec, chunks, phase, scratch);
-  }
-  if (!leader_form || i == 0) {
-    const Phase phase{options.cross, stream_seed(options.seed, i, kCrossStage, 0),
+    return reduce_scatter(intra, i, data, intra_codec, chunks[p], phase, scratch);
+  };
+  // B: allreduce our chunk of piece p across hosts, keeping the final bytes.
+  auto allreduce_across_hosts = [&](int p) {
+    const Phase phase{options.cross, stream_seed(options.seed, i, kCrossStage, p),
                       options.deadline};
-    traffic += reduce_scatter(cross, host, data, codec, parts[i], phase, scratch);
-    traffic += allgather(cross, host, data, codec, parts[i], phase, kept_of(i));
-  }
-  if (k > 1) {
-    // Forward the bytes of our chunk's parts to the host's other ranks and decode theirs:
-    // every rank decodes every part from the bytes its owner made, so all are identical.
+    Traffic t = reduce_scatter(cross, host, data, codec, parts[p][i], phase, cross_scratch);
+    std::vector<uint8_t*> ours(kept.begin() + slot(p, i, 0), kept.begin() + slot(p, i, num_hosts));
+    t += allgather(cross, host, data, codec, parts[p][i], phase, ours);
+    return t;
+  };
+  // C: forward the bytes of our chunk's parts to the host's other ranks and decode
+  // theirs: every rank decodes every part from the bytes its owner made (bit-identical).
+  auto share_on_host = [&](int p) {
+    Traffic t;
+    if (k == 1) return t;
     std::vector<transport::Send> sends;
     std::vector<transport::Recv> recvs;
     for (int j = 0; j < k; ++j) {
       if (j == i) continue;
       for (int h = 0; h < num_hosts; ++h) {
-        const size_t ours = part_bytes[i * num_hosts + h];
-        sends.push_back({j, kept[i * num_hosts + h], ours});
-        recvs.push_back({j, kept[j * num_hosts + h], part_bytes[j * num_hosts + h]});
-        traffic += {ours, static_cast<uint64_t>(parts[i].length(h))};
+        sends.push_back({j, kept[slot(p, i, h)], part_bytes[slot(p, i, h)]});
+        recvs.push_back({j, kept[slot(p, j, h)], part_bytes[slot(p, j, h)]});
+        t += {part_bytes[slot(p, i, h)], static_cast<uint64_t>(parts[p][i].length(h))};
       }
     }
     intra.exchange(sends, recvs, options.deadline);
     for (int j = 0; j < k; ++j)
       if (j != i)
         for (int h = 0; h < num_hosts; ++h)
-          codec.decompress(kept[j * num_hosts + h], parts[j].offset(h), parts[j].offset(h + 1),
-                           data);
+          codec.decompress(kept[slot(p, j, h)], parts[p][j].offset(h),
+                           parts[p][j].offset(h + 1), data);
+    return t;
+  };
+
+  if (num_pieces == 1 || !crosses) {
+    Traffic traffic = reduce_on_host(0);
+    for (int p = 0; p < num_pieces; ++p) {
+      if (p + 1 < num_pieces) traffic += reduce_on_host(p + 1);
+      if (crosses) traffic += allreduce_across_hosts(p);
+      traffic += share_on_host(p);
+    }
+    return traffic;
   }
+
+  // Pipelined: this thread reduces and shares on the host (A0, A1, C0, A2, C1, ...: the
+  // same order on every local rank), a second one runs the cross phases (B0, B1, ...) as
+  // soon as their piece is reduced, so that the link is busy while the host computes.
+  // The two use disjoint peers, transports and scratch.
+  Pipeline pipeline;
+  Traffic cross_traffic;
+  std::thread cross_thread([&] {
+    try {
+      for (int p = 0; p < num_pieces; ++p) {
+        pipeline.wait_host_reduction(p);
+        cross_traffic += allreduce_across_hosts(p);
+        pipeline.finished_cross_phase(p);
+      }
+    } catch (...) {
+      pipeline.fail(std::current_exception());
+    }
+  });
+  Traffic traffic;
+  try {
+    traffic += reduce_on_host(0);
+    pipeline.finished_host_reduction(0);
+    for (int p = 0; p < num_pieces; ++p) {
+      if (p + 1 < num_pieces) {
+        traffic += reduce_on_host(p + 1);
+        pipeline.finished_host_reduction(p + 1);
+      }
+      pipeline.wait_cross_phase(p);
+      traffic += share_on_host(p);
+    }
+  } catch (...) {
+    pipeline.fail(std::current_exception());
+  }
+  cross_thread.join();  // bounded: its waits end at the deadline or on our failure
+  if (auto error = pipeline.error()) std::rethrow_exception(error);
+  traffic += cross_traffic;
   return traffic;
 }
 

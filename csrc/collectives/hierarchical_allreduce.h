@@ -14,6 +14,8 @@
 // forwards the bytes.
 // Phase 1 is compressed with the call's layout (intra_compress) or moves float32.
 // Across hosts, and in phase 3, only compressed bytes move.
+// Large buffers go in up to 4 pieces, pipelined: a second thread runs the cross phase of
+// piece p while this one reduces piece p+1 and shares piece p-1 inside the host.
 #pragma once
 
 #include "collectives/allreduce.h"
@@ -34,10 +36,13 @@ struct HierarchicalOptions {
 bool is_hierarchical(const topology::HostMap& hosts);
 
 // data[0, codec.total()) becomes the sum over the group (`transport` reaches every rank
-// of `hosts`); every rank ends bit-identical.
+// of `hosts`); every rank ends bit-identical. `cross_scratch` serves the cross phases,
+// which may run on a second thread. The inner and cross transports must allow one
+// thread each at the same time (they reach disjoint peers).
 Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
                                const topology::HostMap& hosts, float* data,
                                const compression::LayoutCodec& codec,
-                               const HierarchicalOptions& options, Scratch& scratch);
+                               const HierarchicalOptions& options, Scratch& scratch,
+                               Scratch& cross_scratch);
 
 }  // namespace cgx::collectives
