@@ -1,4 +1,4 @@
-"""The configurations the mpirun correctness suite runs (tests/mpi_worker.py), named so
+"""The configurations the mpirun correctness suite runs (tests/launch_worker.py), named so
 that tests/test_mpi.py reports each as its own test."""
 
 from __future__ import annotations

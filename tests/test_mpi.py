@@ -1,6 +1,6 @@
 """cgx under mpirun: the MPI transport, the launch, the hierarchical allreduce.
 
-Each job is a real ``mpirun`` of tests/mpi_worker.py; its ranks join with
+Each job is a real ``mpirun`` of tests/launch_worker.py; its ranks join with
 ``init_process_group("cgx")`` and no arguments. The correctness suite runs once per world
 size (one job, every case a group of its own) and each case is reported as its own test.
 """
@@ -21,7 +21,7 @@ import cgx
 from harness import cgx_shm_entries
 from mpi_cases import cases
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_worker.py")
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (apt-get install openmpi-bin)"),
@@ -56,7 +56,7 @@ def suite(world: int, tmp_path_factory) -> dict[str, list[str]]:
 @pytest.mark.parametrize("world, case", [(w, name) for w in (2, 4) for name, _, _ in cases(w)])
 def test_correctness_under_mpirun(world, case, tmp_path_factory):
     """Lossy float32 / float16 sums within the bound, bit-identical ranks, exact integer
-    and small sums, for this communicator / reduction / host layout (see mpi_worker)."""
+    and small sums, for this communicator / reduction / host layout (see launch_worker)."""
     results = suite(world, tmp_path_factory)
     assert case in results, sorted(results)
     assert results[case] == [], results[case]

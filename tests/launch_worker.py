@@ -1,9 +1,11 @@
-"""One rank of an mpirun job started by tests/test_mpi.py (not a test module itself).
+"""One rank of a job started by tests/test_mpi.py or tests/test_launch.py (not a test
+module itself).
 
-    mpirun -np N python -P tests/mpi_worker.py SCENARIO OUT
+    mpirun -np N python -P tests/launch_worker.py SCENARIO OUT
+    torchrun --standalone --nproc-per-node N tests/launch_worker.py SCENARIO
 
 Every scenario joins with ``dist.init_process_group("cgx")`` and no arguments: the ranks
-and the rendezvous come from the MPI launch (cgx.mpi).
+and the rendezvous come from the launcher (under mpirun through cgx.mpi).
 
 - ``suite``: for each inner / cross communicator, reduction type and host layout that the
   world size allows (hosts told apart by the group's hostname), the core correctness
@@ -14,6 +16,7 @@ and the rendezvous come from the MPI launch (cgx.mpi).
 - ``plain`` / ``mpi4py-first`` / ``mpi4py-after``: one allreduce over MPI, with mpi4py
   imported before cgx, after it, or not at all, and an MPI collective through mpi4py;
   exits without destroying the group, so MPI is finalised with cgx's state alive.
+- ``gloo``: the same allreduce with the cross communicator Gloo (any launcher).
 """
 
 from __future__ import annotations
@@ -126,15 +129,15 @@ def suite(out_path):
             json.dump(results, f)
 
 
-def mpi_group(rank):
+def one_rank_per_host_group(rank, cross="MPI"):
     return dist.new_group(backend="cgx", timeout=datetime.timedelta(seconds=20),
                           pg_options=cgx.Config(bits=4, hostname=f"host{rank}",
-                                                cross_communicator="MPI"))
+                                                cross_communicator=cross))
 
 
 def kill():
     rank = dist.get_rank()
-    group = mpi_group(rank)
+    group = one_rank_per_host_group(rank)
     t = torch.randn(1 << 20)
     for step in range(1000):
         if rank == 1 and step == 5:
@@ -145,11 +148,11 @@ def kill():
 
 def with_mpi4py_or_not():
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = mpi_group(rank)
+    group = one_rank_per_host_group(rank, "GLOO" if SCENARIO == "gloo" else "MPI")
     t = torch.full((10000,), float(rank + 1))
     dist.all_reduce(t, group=group)
     assert float(t.max() - t.min()) == 0.0, "ranks' values differ"
-    if SCENARIO != "plain":
+    if SCENARIO.startswith("mpi4py"):
         from mpi4py import MPI
 
         assert MPI.Query_thread() == MPI.THREAD_MULTIPLE
