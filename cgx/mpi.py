@@ -76,18 +76,21 @@ def _rendezvous_address() -> str:
     hostnames = [h.decode() for h in _C.mpi.allgather(socket.gethostname().encode())]
     if _C.mpi.world_rank() != 0:
         return _C.mpi.broadcast_from_root(b"").decode()
-    address = "127.0.0.1" if len(set(hostnames)) == 1 else _routable_address()
-    if address is None:
-        chosen = b""  # every rank raises below
-    else:
-        with socket.socket() as s:
-            s.bind((address, 0))
-            chosen = f"{address}:{s.getsockname()[1]}".encode()
+    chosen = b""  # on failure: every rank raises below, none waits in the broadcast
+    try:
+        address = "127.0.0.1" if len(set(hostnames)) == 1 else _routable_address()
+        if address is not None:
+            with socket.socket() as s:
+                s.bind((address, 0))
+                chosen = f"{address}:{s.getsockname()[1]}".encode()
+    except OSError as e:
+        warnings.warn(f"cgx: rank 0 could not pick a rendezvous address: {e}", stacklevel=2)
     chosen = _C.mpi.broadcast_from_root(chosen).decode()
     if not chosen:
         raise RuntimeError(
-            "cgx: rank 0's hostname resolves only to loopback addresses; export MASTER_ADDR "
-            "(an address of rank 0 that the other hosts reach) and MASTER_PORT"
+            "cgx: rank 0 found no address for the rendezvous (its hostname resolves only to "
+            "loopback, or does not resolve); export MASTER_ADDR (an address of rank 0 that "
+            "the other hosts reach) and MASTER_PORT"
         )
     return chosen
 

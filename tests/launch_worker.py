@@ -15,7 +15,9 @@ and the rendezvous come from the launcher (under mpirun through cgx.mpi).
 - ``kill``: compressed allreduces over MPI until rank 1 kills itself (SIGKILL).
 - ``plain`` / ``mpi4py-first`` / ``mpi4py-after``: one allreduce over MPI, with mpi4py
   imported before cgx, after it, or not at all, and an MPI collective through mpi4py;
-  exits without destroying the group, so MPI is finalised with cgx's state alive.
+  then MPI is finalised at exit by whoever initialised it. (The groups are destroyed
+  first: torch 2.13 itself sometimes aborts at exit with Gloo groups left alive, cgx or
+  not.)
 - ``gloo``: the same allreduce with the cross communicator Gloo (any launcher).
 """
 
@@ -158,6 +160,7 @@ def with_mpi4py_or_not():
         assert MPI.Query_thread() == MPI.THREAD_MULTIPLE
         assert MPI.COMM_WORLD.allreduce(rank) == world * (world - 1) // 2
     print(f"rank {rank} ok: {float(t[0])}", flush=True)
+    dist.destroy_process_group()
 
 
 def main():

@@ -65,7 +65,7 @@ def test_correctness_under_mpirun(world, case, tmp_path_factory):
 @pytest.mark.parametrize("scenario", ["plain", "mpi4py-first", "mpi4py-after"])
 def test_mpi_initialised_once_and_finalised_cleanly(scenario):
     """With or without mpi4py (imported before or after cgx): one MPI library, thread level
-    MULTIPLE, mpi4py usable beside cgx, and a clean exit while a group is still alive."""
+    MULTIPLE, mpi4py usable beside cgx, and a clean exit (MPI finalised once)."""
     done = mpirun(2, scenario, timeout_s=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # mpirun may interleave the ranks' lines.

@@ -106,8 +106,8 @@ void Communicator::release() {
 }
 
 void Communicator::release_locked() {
-  if (comm_ != MPI_COMM_NULL && !finalized()) MPI_Comm_free(&comm_);
-  comm_ = MPI_COMM_NULL;
+  MPI_Comm comm = comm_.exchange(MPI_COMM_NULL);
+  if (comm != MPI_COMM_NULL && !finalized()) MPI_Comm_free(&comm);
 }
 
 std::shared_ptr<Communicator> create_communicator(const std::vector<int>& world_ranks) {

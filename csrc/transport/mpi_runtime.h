@@ -9,6 +9,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,15 +34,15 @@ class Communicator {
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  // MPI_COMM_NULL once MPI was finalised.
-  MPI_Comm get() const { return comm_; }
+  // MPI_COMM_NULL once MPI was finalised (read by worker threads, cleared at exit).
+  MPI_Comm get() const { return comm_.load(); }
   void release();  // frees it (idempotent)
 
  private:
   friend void finalize();
   void release_locked();
 
-  MPI_Comm comm_;
+  std::atomic<MPI_Comm> comm_;
 };
 
 // A communicator of the given MPI_COMM_WORLD ranks; rank i in it is world_ranks[i].

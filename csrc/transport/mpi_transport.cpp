@@ -68,17 +68,18 @@ std::unique_ptr<Pending> MpiTransport::post(const std::vector<Send>& sends,
 void MpiTransport::wait(Pending& pending, Clock::time_point deadline) {
   auto& posted = static_cast<PostedRequests&>(pending);
   auto& requests = posted.requests;
+  std::vector<int> indices(requests.size());
   std::string error;
   auto backoff = std::chrono::microseconds(0);
   while (!requests.empty()) {
-    int done = 0;
-    const int code = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
-                                 MPI_STATUSES_IGNORE);
+    int completed = 0;
+    const int code = MPI_Testsome(static_cast<int>(requests.size()), requests.data(), &completed,
+                                  indices.data(), MPI_STATUSES_IGNORE);
     if (code != MPI_SUCCESS) {
       error = mpi::error_string(code);
       break;
     }
-    if (done) {
+    if (completed == MPI_UNDEFINED) {  // every request is done (MPI_REQUEST_NULL)
       requests.clear();
       return;
     }
@@ -86,8 +87,11 @@ void MpiTransport::wait(Pending& pending, Clock::time_point deadline) {
       error = "timed out waiting for peers (dead, stuck, or out of step)";
       break;
     }
-    // Spin briefly (latency), then sleep in growing steps up to 1 ms (oversubscription).
-    if (backoff.count() == 0) {
+    // Progress: poll again at once. None: yield, then sleep in growing steps up to 1 ms
+    // (oversubscribed ranks leave the cores to their peers).
+    if (completed > 0) {
+      backoff = std::chrono::microseconds(0);
+    } else if (backoff.count() == 0) {
       std::this_thread::yield();
       backoff = std::chrono::microseconds(1);
     } else {
@@ -95,15 +99,23 @@ void MpiTransport::wait(Pending& pending, Clock::time_point deadline) {
       backoff = std::min(backoff * 2, std::chrono::microseconds(1000));
     }
   }
-  // Failure: receives that never matched are cancelled; sends are left to MPI (a send to
-  // a dead peer cannot be recalled). The group is unusable afterwards either way.
-  for (size_t i = 0; i < requests.size(); ++i) {
-    if (requests[i] == MPI_REQUEST_NULL) continue;
-    if (posted.is_recv[i]) MPI_Cancel(&requests[i]);
-    MPI_Request_free(&requests[i]);
+  // Failure: receives that never matched are cancelled and given a moment to settle, so
+  // that MPI does not write into buffers after this call. A receive already under way
+  // from a stuck peer, or a send to a dead one, cannot be recalled: those are released
+  // to MPI. The group is unusable afterwards either way.
+  for (size_t i = 0; i < requests.size(); ++i)
+    if (requests[i] != MPI_REQUEST_NULL && posted.is_recv[i]) MPI_Cancel(&requests[i]);
+  const auto settle_until = Clock::now() + std::chrono::seconds(1);
+  for (auto& request : requests) {
+    int done = 0;
+    while (request != MPI_REQUEST_NULL && !done && Clock::now() < settle_until) {
+      MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+      if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (request != MPI_REQUEST_NULL && !done) MPI_Request_free(&request);
   }
   requests.clear();
-  if (!error.empty()) throw TimeoutError("cgx transport over MPI failed: " + error);
+  throw TimeoutError("cgx transport over MPI failed: " + error);
 }
 
 }  // namespace cgx::transport

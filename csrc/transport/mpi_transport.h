@@ -1,8 +1,9 @@
 // Transport over MPI point-to-point (MPI_Isend / MPI_Irecv) on a communicator of the
 // group's ranks that only cgx uses; rank p of the communicator is group rank p. MPI keeps
 // messages between two ranks in order, so one tag serves every call. Waits poll with
-// MPI_Testall, backing off to short sleeps, so that oversubscribed ranks leave the cores
-// to their peers, and give up at the deadline (pending receives are cancelled).
+// MPI_Testsome, backing off to short sleeps while nothing progresses, so that
+// oversubscribed ranks leave the cores to their peers, and give up at the deadline
+// (pending receives are cancelled).
 #pragma once
 
 #include <memory>
