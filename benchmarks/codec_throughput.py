@@ -1,4 +1,4 @@
-"""Single-core throughput of the CPU codec, beside a memcpy of the same buffer.
+"""Throughput of the codec (one CPU core, or a GPU), beside a copy of the same buffer.
 
 Measures cgx.compress and cgx.decompress(..., add=True) in GB/s of float32 input, and
 dst.copy_(src) of the same float32 buffer in the same run, so the ratio to memcpy is
@@ -7,6 +7,10 @@ that a noisy machine slows them alike; the table shows medians.
 
     python benchmarks/codec_throughput.py
     python benchmarks/codec_throughput.py --sizes-mib 64 --bits 4 --json codec.json
+    python benchmarks/codec_throughput.py --device cuda      # CUDA kernels vs a D2D copy
+
+On the GPU each sample is bracketed by torch.cuda.synchronize(), and "memcpy" is a
+device-to-device copy_ of the float32 buffer.
 """
 
 import argparse
@@ -35,38 +39,45 @@ def parse_args():
                         help="each sample repeats the operation until it lasts about this long")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return parser.parse_args()
 
 
-def calls_per_sample(fn, min_seconds):
+def calls_per_sample(fn, min_seconds, sync):
     """How many back-to-back calls make one sample of at least min_seconds."""
     fn()  # warm up: page in buffers, load code
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     once = max(time.perf_counter() - start, 1e-7)
     return max(1, int(min_seconds / once + 0.5))
 
 
-def median_seconds_per_call(ops, repeats, min_seconds):
-    """Times each op in `ops` (name -> callable) `repeats` times, interleaved."""
-    calls = {name: calls_per_sample(fn, min_seconds) for name, fn in ops.items()}
+def median_seconds_per_call(ops, repeats, min_seconds, sync=lambda: None):
+    """Times each op in `ops` (name -> callable) `repeats` times, interleaved; `sync`
+    waits for queued device work."""
+    calls = {name: calls_per_sample(fn, min_seconds, sync) for name, fn in ops.items()}
     samples = {name: [] for name in ops}
     for _ in range(repeats):
         for name, fn in ops.items():
+            sync()
             start = time.perf_counter()
             for _ in range(calls[name]):
                 fn()
+            sync()
             samples[name].append((time.perf_counter() - start) / calls[name])
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def measure(numel, bits, args):
-    src = torch.randn(numel, dtype=torch.float32)
+    src = torch.randn(numel, dtype=torch.float32).to(args.device)
     copy_dst = torch.empty_like(src)
     accumulator = torch.zeros_like(src)
     compressed = torch.empty(
-        cgx.compressed_size(numel, bits, args.bucket_size), dtype=torch.uint8)
+        cgx.compressed_size(numel, bits, args.bucket_size), dtype=torch.uint8, device=args.device)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     def compress():
         cgx.compress(src, bits, args.bucket_size, stochastic=args.stochastic, seed=args.seed,
@@ -79,7 +90,7 @@ def measure(numel, bits, args):
     seconds = median_seconds_per_call(
         {"memcpy": lambda: copy_dst.copy_(src), "compress": compress,
          "decompress_add": decompress_add},
-        args.repeats, args.min_sample_s)
+        args.repeats, args.min_sample_s, sync)
     input_bytes = numel * src.element_size()
     gbps = {name: input_bytes / s / 1e9 for name, s in seconds.items()}
     return {
@@ -120,7 +131,9 @@ def main():
         for bits in args.bits:
             rows.append(measure(numel, bits, args))
     rounding = "stochastic" if args.stochastic else "round-to-nearest"
-    print(f"cgx codec, {args.threads} thread(s), bucket {args.bucket_size}, {rounding}, "
+    where = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+             else f"{args.threads} thread(s)")
+    print(f"cgx codec, {where}, bucket {args.bucket_size}, {rounding}, "
           f"median of {args.repeats}; GB/s of float32 input\n")
     print(markdown_table(rows))
     if args.json:
@@ -129,6 +142,7 @@ def main():
             "machine": platform.machine(),
             "processor": platform.processor(),
             "threads": args.threads,
+            "device": args.device,
             "repeats": args.repeats,
             "results": rows,
         }

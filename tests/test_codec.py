@@ -131,3 +131,10 @@ def test_bad_tensors_raise():
     buf = cgx.compress(torch.randn(100), 4, 64)
     with pytest.raises(ValueError, match="at least"):
         cgx.decompress(buf[:10], 100, 4, 64)
+
+
+def test_tensors_on_other_devices_are_refused_with_the_reason():
+    with pytest.raises(RuntimeError, match="out must be on cpu"):
+        cgx.compress(torch.randn(100), 4, 512, out=torch.empty(100, dtype=torch.uint8, device="meta"))
+    with pytest.raises(RuntimeError, match="must be a CPU or CUDA tensor"):
+        cgx.compress(torch.randn(100, device="meta"), 4, 512)

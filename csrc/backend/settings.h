@@ -33,6 +33,14 @@ struct Settings {
   int64_t shm_ring_bytes = 4 << 20;
 };
 
+// Whether this build has the CUDA codec (a CUDA torch and nvcc at build time).
+constexpr bool kWithCuda =
+#ifdef CGX_WITH_CUDA
+    true;
+#else
+    false;
+#endif
+
 // Whether this build has the MPI transport.
 constexpr bool kWithMpi =
 #ifdef CGX_WITH_MPI

@@ -9,6 +9,7 @@
 // packed into the bit stream by a per-width routine. Decoding unpacks a chunk to one byte
 // per level, then dequantizes it bucket by bucket.
 #include "quantizer.h"
+#include "stream_hash.h"
 
 #include <algorithm>
 #include <cfloat>
@@ -46,50 +47,10 @@ static_assert(kChunk % 8 == 0, "chunks must start on a byte boundary of the leve
 
 constexpr size_t round_up16(size_t x) { return (x + 15) & ~size_t{15}; }
 
-struct Layout {
-  int64_t quantized;   // q: values carried as levels; the rest travel raw
-  int64_t buckets;
-  size_t levels_offset;
-  size_t levels_bytes;
-  size_t raw_offset;
-  size_t total_bytes;
-};
-
-Layout layout_of(const QuantizerParams& params, int64_t n) {
-  Layout layout{};
-  if (n == 0) return layout;
-  const int64_t bucket = params.bucket_size;
-  layout.quantized = params.skip_incomplete_buckets ? n / bucket * bucket : n;
-  layout.buckets = layout.quantized / bucket + (layout.quantized % bucket != 0);
-  layout.levels_offset = round_up16(static_cast<size_t>(layout.buckets) * 2 * sizeof(float));
-  layout.levels_bytes =
-      static_cast<size_t>((layout.quantized + 7) / 8) * static_cast<size_t>(params.bits);
-  layout.raw_offset = round_up16(layout.levels_offset + layout.levels_bytes);
-  layout.total_bytes =
-      layout.raw_offset + static_cast<size_t>(n - layout.quantized) * sizeof(float);
-  return layout;
-}
+using Layout = WireLayout;
 
 void check_count(int64_t n) {
   if (n < 0) throw std::invalid_argument("n must be >= 0, got " + std::to_string(n));
-}
-
-// Stochastic rounding draws u = (h >> 8) * 2^-24 in [0, 1) for the value at index i of the
-// buffer, from a counter-based hash (Chris Wellons' "lowbias32"), so that u depends only on
-// (i, seed) and any split of the work gives the same bytes:
-//   key = lowbias32(uint32(seed) ^ lowbias32(uint32(seed >> 32)))
-//   h   = lowbias32(uint32(i) ^ key)           (i wraps modulo 2^32)
-CGX_INLINE uint32_t lowbias32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
-
-CGX_INLINE uint32_t stream_key(uint64_t seed) {
-  return lowbias32(static_cast<uint32_t>(seed) ^ lowbias32(static_cast<uint32_t>(seed >> 32)));
 }
 
 struct BucketCode {
@@ -170,7 +131,7 @@ CGX_INLINE void quantize_nearest(const float* __restrict x, int64_t len,
   }
 }
 
-// As quantize_nearest with u (see lowbias32) in place of 0.5.
+// As quantize_nearest with u (stream_hash.h) in place of 0.5.
 CGX_INLINE void quantize_stochastic(const float* __restrict x, int64_t len,
                                     const BucketCode& code, float max_level,
                                     uint32_t first_index, uint32_t key,
@@ -341,7 +302,7 @@ CGX_AVX2_CLONE void decode_levels(const QuantizerParams& params, const Layout& l
 void decode(const QuantizerParams& params, const uint8_t* src, int64_t n, bool add, float* dst) {
   validate(params);
   check_count(n);
-  const Layout layout = layout_of(params, n);
+  const Layout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
   decode_levels(params, layout, src, add, dst);
 
@@ -361,6 +322,21 @@ void decode(const QuantizerParams& params, const uint8_t* src, int64_t n, bool a
 
 }  // namespace
 
+WireLayout wire_layout(const QuantizerParams& params, int64_t n) {
+  WireLayout layout;
+  if (n == 0) return layout;
+  const int64_t bucket = params.bucket_size;
+  layout.quantized = params.skip_incomplete_buckets ? n / bucket * bucket : n;
+  layout.buckets = layout.quantized / bucket + (layout.quantized % bucket != 0);
+  layout.levels_offset = round_up16(static_cast<size_t>(layout.buckets) * 2 * sizeof(float));
+  layout.levels_bytes =
+      static_cast<size_t>((layout.quantized + 7) / 8) * static_cast<size_t>(params.bits);
+  layout.raw_offset = round_up16(layout.levels_offset + layout.levels_bytes);
+  layout.total_bytes =
+      layout.raw_offset + static_cast<size_t>(n - layout.quantized) * sizeof(float);
+  return layout;
+}
+
 void validate(const QuantizerParams& params) {
   if (params.bits < 1 || params.bits > 8)
     throw std::invalid_argument("bits must be in 1..8, got " + std::to_string(params.bits));
@@ -372,14 +348,14 @@ void validate(const QuantizerParams& params) {
 size_t compressed_bytes(const QuantizerParams& params, int64_t n) {
   validate(params);
   check_count(n);
-  return layout_of(params, n).total_bytes;
+  return wire_layout(params, n).total_bytes;
 }
 
 void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_t* dst,
               uint64_t seed) {
   validate(params);
   check_count(n);
-  const Layout layout = layout_of(params, n);
+  const Layout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
   encode_levels(params, layout, src, seed, dst);
 

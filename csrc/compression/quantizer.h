@@ -29,6 +29,18 @@ struct QuantizerParams {
 // Throws std::invalid_argument for bits outside 1..8 or bucket_size < 1.
 void validate(const QuantizerParams& params);
 
+// Where the sections of a compressed buffer of n values lie (docs/wire-format.md); shared
+// by the CPU and CUDA codecs.
+struct WireLayout {
+  int64_t quantized = 0;  // q: values carried as levels; the rest travel raw
+  int64_t buckets = 0;
+  size_t levels_offset = 0;
+  size_t levels_bytes = 0;
+  size_t raw_offset = 0;
+  size_t total_bytes = 0;
+};
+WireLayout wire_layout(const QuantizerParams& params, int64_t n);
+
 // Exact size in bytes of the compressed form of n values.
 size_t compressed_bytes(const QuantizerParams& params, int64_t n);
 

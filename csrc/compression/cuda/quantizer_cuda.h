@@ -1,0 +1,29 @@
+// Max-min bucket quantizer on the GPU: the same wire format and the same floating-point
+// operations as the CPU codec (compression/quantizer.h, docs/wire-format.md), so a buffer
+// compressed here decodes on the CPU to the same values, and with round-to-nearest both
+// codecs write the same bytes.
+//
+// Pure device work on a caller's stream: pointers are device memory, nothing synchronises.
+// Inputs may be float32, float16 or bfloat16 (converted exactly to float32 on load, as the
+// CPU path converts before compressing); decoded values are written in the same dtypes.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "compression/quantizer.h"
+
+namespace cgx::compression::cuda {
+
+enum class DType { Float32, Float16, BFloat16 };
+
+// dst: compressed_bytes(params, n) bytes.
+void compress(const QuantizerParams& params, const void* src, DType dtype, int64_t n,
+              uint8_t* dst, uint64_t seed, cudaStream_t stream);
+
+// dst[i] = decoded value i, or dst[i] + decoded value i with `add` (one fused pass).
+void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, void* dst,
+                DType dtype, bool add, cudaStream_t stream);
+
+}  // namespace cgx::compression::cuda

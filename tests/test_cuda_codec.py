@@ -1,0 +1,78 @@
+"""The CUDA codec against the CPU codec: the same wire format, the same bits.
+
+Needs a GPU and a CUDA build of cgx (a CUDA torch and nvcc at build time); skipped
+otherwise. Where no GPU is present the CUDA sources are still compiled by the build
+(CMakeLists.txt: the sm_90 compile check), so a kernel that does not compile fails there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cgx
+
+pytestmark = pytest.mark.skipif(
+    not (cgx._C.cuda_built and torch.cuda.is_available()),
+    reason="needs a GPU and cgx built against a CUDA torch with nvcc",
+)
+
+SIZES = [1, 7, 8, 511, 512, 513, 4096 + 3, 100_000]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def inputs(n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 3 + 1
+    if n > 10:
+        x[5] = -0.0  # the -0 / +0 extremes must not depend on the scan order
+        x[: n // 10] = 0.25  # a constant bucket
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("bucket_size, skip", [(512, False), (100, False), (7, True), (512, True)])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_gpu_bytes_equal_cpu_bytes(dtype, bits, bucket_size, skip, stochastic):
+    for n in SIZES:
+        x = inputs(n, dtype)
+        cpu = cgx.compress(x, bits, bucket_size, stochastic=stochastic, seed=123,
+                           skip_incomplete_buckets=skip)
+        gpu = cgx.compress(x.cuda(), bits, bucket_size, stochastic=stochastic, seed=123,
+                           skip_incomplete_buckets=skip)
+        assert torch.equal(gpu.cpu(), cpu), (n, dtype, bits, bucket_size, skip, stochastic)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("add", [False, True])
+def test_gpu_decode_equals_cpu_decode(bits, add):
+    for n in SIZES:
+        buf = cgx.compress(inputs(n, torch.float32), bits, 512)
+        base = inputs(n, torch.float32, seed=1)
+        cpu = base.clone()
+        cgx.decompress(buf, n, bits, 512, out=cpu, add=add)
+        gpu = base.cuda()
+        cgx.decompress(buf.cuda(), n, bits, 512, out=gpu, add=add)
+        assert torch.equal(gpu.cpu(), cpu), (n, bits, add)
+
+
+def test_gpu_decode_into_half_types_rounds_once():
+    n = 10_000
+    buf = cgx.compress(inputs(n, torch.float32), 4, 512)
+    exact = cgx.decompress(buf, n, 4, 512)
+    for dtype in (torch.float16, torch.bfloat16):
+        out = torch.empty(n, dtype=dtype, device="cuda")
+        cgx.decompress(buf.cuda(), n, 4, 512, out=out)
+        assert torch.equal(out.cpu(), exact.to(dtype))
+
+
+def test_non_finite_buckets_decode_to_nan_on_both():
+    x = inputs(2048, torch.float32)
+    x[10] = float("nan")
+    x[700] = float("inf")
+    cpu = cgx.compress(x, 4, 512)
+    gpu = cgx.compress(x.cuda(), 4, 512)
+    assert torch.equal(gpu.cpu(), cpu)
+    decoded = cgx.decompress(gpu, 2048, 4, 512, out=torch.empty(2048, device="cuda")).cpu()
+    assert decoded[:1024].isnan().all() and not decoded[1024:].isnan().any()
