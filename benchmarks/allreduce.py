@@ -42,7 +42,7 @@ import cgx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from launch import run_job  # noqa: E402
-from netemu import EmulatedHosts  # noqa: E402
+from netemu import EmulatedHosts, link_counters  # noqa: E402
 
 CGX_METHODS = [f"cgx-{bits}-{alg}" for alg in ("SRA", "Ring") for bits in (8, 4, 2)]
 TOPOLOGY_METHODS = [f"cgx-{bits}-{alg}-{form}" for form in ("flat", "leader")
@@ -91,17 +91,17 @@ def _groups(methods, bucket_size):
 
 
 def _bytes_sent(emulated, method, group):
-    """(bytes this host sent on its link: counted by the host's first rank only, None on
-    the others and on loopback where there is no link; payload bytes cgx counted on
-    `group` and the part of them that went to other hosts, 0 for the Gloo methods)."""
-    wire = None
+    """(bytes this host sent on its link and TCP segments it retransmitted: counted by the
+    host's first rank only, None on the others and on loopback where there is no link;
+    payload bytes cgx counted on `group` and the part of them that went to other hosts, 0
+    for the Gloo methods)."""
+    wire = retransmitted = None
     if emulated and os.environ.get("LOCAL_RANK", "0") == "0":
-        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
-            wire = int(f.read())
+        wire, retransmitted = link_counters()
     if not method.startswith("cgx"):
-        return wire, 0, 0
+        return wire, retransmitted, 0, 0
     stats = cgx.stats(group)
-    return wire, stats["bytes_sent"], stats["cross_host_bytes"]
+    return wire, retransmitted, stats["bytes_sent"], stats["cross_host_bytes"]
 
 
 def _allreduce(method, group, x):
@@ -141,8 +141,7 @@ def worker(config_path):
                     dist.barrier()  # every peer has received what this host sent
                     after = _bytes_sent(cfg["emulated"], method, group)
                     wire[(size_mib, method)] = [
-                        None if before[0] is None else after[0] - before[0], after[1] - before[1],
-                        after[2] - before[2]]
+                        None if b is None else a - b for a, b in zip(after, before)]
                 else:
                     samples.setdefault((size_mib, method), []).append(elapsed)
     # Each sample's time is the slowest rank's; wire bytes are gathered per rank.
@@ -158,8 +157,9 @@ def worker(config_path):
             rows.append({"size_mib": size_mib, "method": method, "seconds": times[i].tolist(),
                          "median_s": statistics.median(times[i].tolist()),
                          "wire_bytes": [w[0] for w in per_rank],
-                         "payload_bytes": [w[1] for w in per_rank],
-                         "cross_host_payload_bytes": [w[2] for w in per_rank]})
+                         "retransmitted_segments": [w[1] for w in per_rank],
+                         "payload_bytes": [w[2] for w in per_rank],
+                         "cross_host_payload_bytes": [w[3] for w in per_rank]})
         with open(cfg["out"], "w") as f:
             json.dump(rows, f)
     dist.barrier()

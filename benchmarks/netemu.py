@@ -47,6 +47,23 @@ def parse_rate(rate: str | None) -> int | None:
     return int(float(match.group(1)) * scale)
 
 
+# Bytes a retransmitted TCP segment can add on the wire (MSS 1448 + headers), for checks
+# that bound what crossed a link by payload + headers + retransmissions.
+RETRANSMIT_BYTES = 1600
+
+
+def link_counters(link: str = "eth0") -> tuple[int, int]:
+    """(bytes sent on `link`, TCP segments retransmitted) in the calling process's network
+    namespace (read from inside an emulated host). Under load a veth can drop packets, and
+    TCP's retransmissions then add to what the link carries."""
+    with open(f"/sys/class/net/{link}/statistics/tx_bytes") as f:
+        tx = int(f.read())
+    with open("/proc/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Tcp:")]
+    retransmitted = int(rows[1][rows[0].index("RetransSegs")])
+    return tx, retransmitted
+
+
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, check=check, capture_output=True, text=True)
 

@@ -23,6 +23,10 @@ import torch.distributed as dist
 
 import cgx
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+from netemu import link_counters  # noqa: E402
+
 N = 4 << 20  # tests/test_network.py: N_HIERARCHY (4 pipelined pieces)
 
 
@@ -31,19 +35,16 @@ def inputs(world):
             for r in range(world)]
 
 
-def link_tx_bytes() -> int:
-    with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
-        return int(f.read())
-
-
 def measured_allreduce(group, x):
-    """(result, bytes this host sent on its link, cgx's count of bytes to other hosts)."""
+    """(result, bytes this host sent on its link, TCP segments it retransmitted, cgx's
+    count of bytes to other hosts)."""
     t = x.clone()
     dist.barrier()
-    wire, cross = link_tx_bytes(), cgx.stats(group)["cross_host_bytes"]
+    (wire, resent), cross = link_counters(), cgx.stats(group)["cross_host_bytes"]
     dist.all_reduce(t, group=group)
     dist.barrier()  # every peer holds what this host sent
-    return t, link_tx_bytes() - wire, cgx.stats(group)["cross_host_bytes"] - cross
+    wire_after, resent_after = link_counters()
+    return t, wire_after - wire, resent_after - resent, cgx.stats(group)["cross_host_bytes"] - cross
 
 
 def main(out_path):
@@ -62,11 +63,12 @@ def main(out_path):
               "num_hosts": cgx.get_backend(hierarchical).num_hosts,
               "local_rank": int(os.environ["LOCAL_RANK"])}
     for name, group in (("hierarchical", hierarchical), ("one_host", one_host)):
-        t, wire, cross = measured_allreduce(group, x)
+        t, wire, resent, cross = measured_allreduce(group, x)
         results[name] = t
         report[name + "_error"] = float((t.double() - exact).abs().max())
         report[name + "_digest"] = hashlib.sha256(t.numpy().tobytes()).hexdigest()
         report[name + "_wire"] = wire
+        report[name + "_resent"] = resent
         report[name + "_cross"] = cross
     report["difference"] = float((results["hierarchical"] - results["one_host"]).abs().max())
     gathered = [None] * world

@@ -48,7 +48,7 @@ def test_benchmark_smoke_on_loopback(tmp_path):
 def test_cross_host_bytes_on_the_wire_shrink(tmp_path):
     """Two emulated hosts: what crosses the links is the compressed payload (plus
     headers), 4 bits + one min/scale pair per 512 values: 32 / 4.125 = 7.76x fewer
-    bytes than Gloo's float32 allreduce."""
+    bytes than Gloo's float32 allreduce (within what headers add on either side)."""
     size_mib, world = 4, 2
     _, results = run_benchmark(tmp_path, "--sizes-mib", str(size_mib), "--world-sizes", str(world),
                                "--rates", "unshaped", "--methods", "gloo", "cgx-4-SRA")
@@ -57,11 +57,22 @@ def test_cross_host_bytes_on_the_wire_shrink(tmp_path):
     n = int(size_mib * 2**20) // 4
     # SRA: each rank sends (W-1)/W of the buffer compressed, twice.
     predicted = 2 * (world - 1) / world * cgx.compressed_size(n, 4, 512)
-    for wire, payload in zip(ours["wire_bytes"], ours["payload_bytes"]):
+    for wire, payload, resent in zip(ours["wire_bytes"], ours["payload_bytes"],
+                                     ours["retransmitted_segments"]):
         assert abs(payload - predicted) / predicted < 0.01, (payload, predicted)
-        assert payload <= wire < payload * 1.05, (wire, payload)  # headers only on top
-    ratio = sum(gloo["wire_bytes"]) / sum(ours["wire_bytes"])
-    assert 7.3 < ratio < 7.9, ratio
+        # On top of the payload only headers, and TCP's retransmissions (a loaded veth
+        # drops packets now and then).
+        assert payload <= wire < payload * 1.05 + resent * netemu.RETRANSMIT_BYTES, (
+            wire, payload, resent)
+    # Gloo's float32 payload: 2 (W-1)/W of the buffer per rank. Its wire carries at least
+    # that; on top, TCP overhead that varies between runs (up to +18% on one host seen),
+    # so the ratio is taken against Gloo's payload, not its noisy wire count.
+    gloo_payload = world * 2 * (world - 1) / world * n * 4
+    assert sum(gloo["wire_bytes"]) >= gloo_payload
+    ratio = gloo_payload / (sum(ours["wire_bytes"]) -
+                            sum(ours["retransmitted_segments"]) * netemu.RETRANSMIT_BYTES)
+    expected = gloo_payload / (world * predicted)  # 32 / 4.125 = 7.76
+    assert expected / 1.05 < ratio <= expected * 1.05, (ratio, expected)
     assert netemu._run("ip", "netns", "list").stdout.count("cgxemu-") == 0
 
 
@@ -86,8 +97,11 @@ def test_two_hosts_by_two_ranks_take_the_hierarchical_path(tmp_path):
         on_host = ranks[2 * host:2 * host + 2]
         payload = sum(r["hierarchical_cross"] for r in on_host)
         assert payload == 2 * (pieces * 2 * quarter + signatures), (payload, quarter)
-        wire = next(r["hierarchical_wire"] for r in on_host if r["local_rank"] == 0)
-        assert payload <= wire < payload * 1.05, (wire, payload)  # compressed bytes only
+        first = next(r for r in on_host if r["local_rank"] == 0)
+        wire, resent = first["hierarchical_wire"], first["hierarchical_resent"]
+        # Compressed bytes only: headers and TCP retransmissions on top.
+        assert payload <= wire < payload * 1.05 + resent * netemu.RETRANSMIT_BYTES, (
+            wire, payload, resent)
         one_host_wire = next(r["one_host_wire"] for r in on_host if r["local_rank"] == 0)
         assert all(r["one_host_cross"] == 0 for r in on_host) and one_host_wire < 64 << 10
 
