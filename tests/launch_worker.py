@@ -13,6 +13,8 @@ and the rendezvous come from the launcher (under mpirun through cgx.mpi).
   (also for a buffer large enough to be pipelined, where hierarchical), exact integer and
   small-tensor sums. Rank 0 writes {case: [failures]} to OUT as JSON.
 - ``kill``: compressed allreduces over MPI until rank 1 kills itself (SIGKILL).
+- ``dead-peer``: the same, with a group timeout of 10 s; rank 0 prints what it raised and
+  after how long (for a launcher that leaves it running), then exits.
 - ``plain`` / ``mpi4py-first`` / ``mpi4py-after``: one allreduce over MPI, with mpi4py
   imported before cgx, after it, or not at all, and an MPI collective through mpi4py;
   then MPI is finalised at exit by whoever initialised it. (The groups are destroyed
@@ -28,6 +30,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 SCENARIO = sys.argv[1]
 if SCENARIO == "mpi4py-first":
@@ -132,7 +135,7 @@ def suite(out_path):
 
 
 def one_rank_per_host_group(rank, cross="MPI"):
-    return dist.new_group(backend="cgx", timeout=datetime.timedelta(seconds=20),
+    return dist.new_group(backend="cgx", timeout=datetime.timedelta(seconds=10),
                           pg_options=cgx.Config(bits=4, hostname=f"host{rank}",
                                                 cross_communicator=cross))
 
@@ -141,11 +144,17 @@ def kill():
     rank = dist.get_rank()
     group = one_rank_per_host_group(rank)
     t = torch.randn(1 << 20)
-    for step in range(1000):
-        if rank == 1 and step == 5:
-            os.kill(os.getpid(), signal.SIGKILL)
-        dist.all_reduce(t, group=group)
-        t /= dist.get_world_size()
+    start = time.monotonic()
+    try:
+        for step in range(1000):
+            if rank == 1 and step == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            dist.all_reduce(t, group=group)
+            t /= dist.get_world_size()
+    except Exception as e:
+        print(f"rank {rank} raised after {time.monotonic() - start:.1f} s: "
+              f"{type(e).__name__}: {e}", flush=True)
+        os._exit(3)
 
 
 def with_mpi4py_or_not():
@@ -168,7 +177,7 @@ def main():
     if SCENARIO == "suite":
         suite(sys.argv[2])
         dist.destroy_process_group()
-    elif SCENARIO == "kill":
+    elif SCENARIO in ("kill", "dead-peer"):
         kill()
     else:
         with_mpi4py_or_not()

@@ -11,8 +11,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -29,13 +31,18 @@ pytestmark = [
 ]
 
 
-def mpirun(world: int, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+def mpirun_command(world: int, *args: str, mpirun_options=()) -> tuple[list[str], dict]:
     # Only the MPI launch tells ranks who they are: no torch variables from outside.
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
            and not k.startswith("CGX_")}
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(world),
-           sys.executable, "-P", WORKER, *args]
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", *mpirun_options, "-np",
+           str(world), sys.executable, "-P", WORKER, *args]
+    return cmd, env
+
+
+def mpirun(world: int, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    cmd, env = mpirun_command(world, *args)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
 
 
@@ -79,8 +86,36 @@ def test_a_killed_rank_ends_the_job_with_an_error_not_a_hang():
     done = mpirun(2, "kill", timeout_s=120)
     elapsed = time.monotonic() - start
     assert done.returncode != 0
-    assert elapsed < 60, elapsed  # the group's timeout is 20 s
+    assert elapsed < 60, elapsed  # the group's timeout is 10 s
     assert "signal 9" in done.stdout + done.stderr, done.stderr[-2000:]
     assert cgx_shm_entries() == shm_before
     left = subprocess.run(["pgrep", "-f", WORKER], capture_output=True, text=True).stdout
     assert left == "", f"worker processes left: {left}"
+
+
+def test_a_dead_peer_makes_the_survivor_raise_within_the_timeout():
+    """With a launcher that leaves the survivors running (Open MPI told not to abort the
+    job), the MPI transport's own deadline ends the wait: rank 0 raises after the group's
+    10 s timeout, not later, and says why."""
+    cmd, env = mpirun_command(2, "dead-peer",
+                              mpirun_options=("--mca", "orte_abort_on_non_zero_status", "0"))
+    shm_before = cgx_shm_entries()
+    with tempfile.TemporaryFile("w+") as out:
+        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                               start_new_session=True)
+        try:
+            deadline = time.monotonic() + 90
+            report = None
+            while report is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+                out.seek(0)
+                report = re.search(r"rank 0 raised after ([\d.]+) s: (.*)", out.read())
+        finally:
+            # Without the abort, mpirun may wait on its dead rank: end the job ourselves.
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        out.seek(0)
+        assert report is not None, out.read()[-3000:]
+    assert 9.5 <= float(report.group(1)) < 20, report.group(0)
+    assert "timed out waiting for peers" in report.group(2), report.group(0)
+    assert cgx_shm_entries() == shm_before
