@@ -21,6 +21,8 @@ and the rendezvous come from the launcher (under mpirun through cgx.mpi).
   first: torch 2.13 itself sometimes aborts at exit with Gloo groups left alive, cgx or
   not.)
 - ``gloo``: the same allreduce with the cross communicator Gloo (any launcher).
+- ``exit-in-flight``: rank 0 starts an allreduce over MPI that rank 1 never joins and
+  exits at once: MPI is finalised while cgx's worker is inside an MPI wait.
 """
 
 from __future__ import annotations
@@ -172,6 +174,18 @@ def with_mpi4py_or_not():
     dist.destroy_process_group()
 
 
+def exit_in_flight():
+    rank = dist.get_rank()
+    group = one_rank_per_host_group(rank)
+    t = torch.randn(1 << 22)
+    if rank == 0:
+        dist.all_reduce(t, group=group, async_op=True)
+        time.sleep(0.5)  # the worker is polling MPI by now
+    else:
+        time.sleep(3)
+    print(f"rank {rank} ok: exiting", flush=True)
+
+
 def main():
     dist.init_process_group("cgx", timeout=TIMEOUT)
     if SCENARIO == "suite":
@@ -179,6 +193,8 @@ def main():
         dist.destroy_process_group()
     elif SCENARIO in ("kill", "dead-peer"):
         kill()
+    elif SCENARIO == "exit-in-flight":
+        exit_in_flight()
     else:
         with_mpi4py_or_not()
 

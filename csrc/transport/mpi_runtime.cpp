@@ -1,5 +1,8 @@
 #include "transport/mpi_runtime.h"
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
 #include <set>
 #include <stdexcept>
@@ -21,6 +24,17 @@ std::set<Communicator*>& live() {
   static std::set<Communicator*> set;
   return set;
 }
+
+// Running transport calls, and whether finalize() has begun (guarded by runtime_mutex).
+int& uses() {
+  static int count = 0;
+  return count;
+}
+std::condition_variable& uses_ended() {
+  static std::condition_variable cv;
+  return cv;
+}
+std::atomic<bool> finalize_begun{false};
 
 bool finalized() {
   int done = 0;
@@ -130,11 +144,29 @@ std::shared_ptr<Communicator> create_communicator(const std::vector<int>& world_
   return communicator;
 }
 
-void finalize() {
+Use::Use() {
   std::lock_guard<std::mutex> lock(runtime_mutex());
+  ok_ = !finalize_begun;
+  if (ok_) ++uses();
+}
+
+Use::~Use() {
+  if (!ok_) return;
+  std::lock_guard<std::mutex> lock(runtime_mutex());
+  if (--uses() == 0) uses_ended().notify_all();
+}
+
+bool finalizing() { return finalize_begun; }
+
+void finalize() {
+  std::unique_lock<std::mutex> lock(runtime_mutex());
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized || finalized()) return;
+  finalize_begun = true;
+  // Running calls notice within one poll (at most 1 ms of sleep). One stuck inside MPI
+  // itself for longer leaves MPI as it is: finalising under it would be worse.
+  if (!uses_ended().wait_for(lock, std::chrono::seconds(5), [] { return uses() == 0; })) return;
   for (auto* c : live()) c->release_locked();
   live().clear();
   if (initialized_by_cgx()) MPI_Finalize();

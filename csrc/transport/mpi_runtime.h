@@ -49,8 +49,25 @@ class Communicator {
 // Collective over those ranks only.
 std::shared_ptr<Communicator> create_communicator(const std::vector<int>& world_ranks);
 
-// Frees every live cgx communicator and finalises MPI if cgx initialised it. Safe to call
-// when MPI was never initialised, or already finalised by someone else.
+// Transports bracket their MPI calls with a Use, so that finalize() never frees a
+// communicator or finalises MPI under a running call. A Use taken once finalize() has
+// begun is refused (`ok()` false); long waits poll `finalizing()` and give up.
+class Use {
+ public:
+  Use();
+  ~Use();
+  Use(const Use&) = delete;
+  Use& operator=(const Use&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  bool ok_;
+};
+bool finalizing();
+
+// Frees every live cgx communicator and finalises MPI if cgx initialised it, after the
+// transports' running calls have ended (they see finalizing() and stop within a poll).
+// Safe to call when MPI was never initialised, or already finalised by someone else.
 void finalize();
 
 // MPI's message for an error code.

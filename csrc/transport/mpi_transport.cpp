@@ -32,6 +32,8 @@ bool MpiTransport::reaches(int peer) const {
 std::unique_ptr<Pending> MpiTransport::post(const std::vector<Send>& sends,
                                             const std::vector<Recv>& recvs) {
   auto posted = std::make_unique<PostedRequests>();
+  const mpi::Use use;
+  if (!use.ok()) throw TimeoutError("cgx transport over MPI failed: MPI is being finalized");
   const MPI_Comm comm = comm_->get();
   auto fail = [&](const std::string& why) {
     abandon(*posted, Clock::now());
@@ -68,6 +70,11 @@ std::unique_ptr<Pending> MpiTransport::post(const std::vector<Send>& sends,
 void MpiTransport::wait(Pending& pending, Clock::time_point deadline) {
   auto& posted = static_cast<PostedRequests&>(pending);
   auto& requests = posted.requests;
+  const mpi::Use use;
+  if (!use.ok()) {
+    requests.clear();  // MPI finalises with them: nothing may touch them any more
+    throw TimeoutError("cgx transport over MPI failed: MPI is being finalized");
+  }
   std::vector<int> indices(requests.size());
   std::string error;
   auto backoff = std::chrono::microseconds(0);
@@ -85,6 +92,10 @@ void MpiTransport::wait(Pending& pending, Clock::time_point deadline) {
     }
     if (Clock::now() >= deadline) {
       error = "timed out waiting for peers (dead, stuck, or out of step)";
+      break;
+    }
+    if (mpi::finalizing()) {
+      error = "MPI is being finalized (interpreter exit)";
       break;
     }
     // Progress: poll again at once. None: yield, then sleep in growing steps up to 1 ms
