@@ -71,6 +71,13 @@ void check_tag(int tag) {
                     kMaxUserTag, " (higher tags are cgx's own), got ", tag);
 }
 
+void check_exact(const c10::intrusive_ptr<c10d::Backend>& exact, int rank, int size) {
+  TORCH_CHECK(exact, "cgx: the exact (Gloo) backend is missing");
+  TORCH_CHECK(exact->getRank() == rank && exact->getSize() == size,
+              "cgx: the exact backend has rank ", exact->getRank(), " of ", exact->getSize(),
+              ", expected ", rank, " of ", size);
+}
+
 }  // namespace
 
 ProcessGroupCGX::ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, int rank,
@@ -79,18 +86,12 @@ ProcessGroupCGX::ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, i
     : c10d::Backend(rank, size),
       settings_((validate(settings), std::move(settings))),
       timeout_(timeout),
-      exact_(std::move(exact)),
-      hosts_(std::vector<std::string>{}) {
-  TORCH_CHECK(exact_, "cgx: the exact (Gloo) backend is missing");
-  TORCH_CHECK(exact_->getRank() == rank && exact_->getSize() == size,
-              "cgx: the exact backend has rank ", exact_->getRank(), " of ", exact_->getSize(),
-              ", expected ", rank, " of ", size);
-  Connection connection = connect(store, rank, size, exact_, settings_);
-  hosts_ = std::move(connection.hosts);
-  transport_ = std::move(connection.transport);
-}
+      exact_((check_exact(exact, rank, size), std::move(exact))),
+      connection_(connect(store, rank, size, exact_, settings_)) {}
 
-bool ProcessGroupCGX::hierarchical() const { return collectives::is_hierarchical(hosts_); }
+bool ProcessGroupCGX::hierarchical() const {
+  return collectives::is_hierarchical(connection_.hosts);
+}
 
 ProcessGroupCGX::~ProcessGroupCGX() { shutdown(); }
 
@@ -111,7 +112,7 @@ compression::LayoutCodec ProcessGroupCGX::uniform_codec(int64_t numel) const {
 ProcessGroupCGX::Stats ProcessGroupCGX::stats() const {
   std::lock_guard<std::mutex> lock(stats_mutex_);
   Stats s = stats_;
-  s.cross_host_bytes = transport_->cross_host_bytes();
+  s.cross_host_bytes = connection_.transport->cross_host_bytes();
   return s;
 }
 
@@ -275,12 +276,14 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   std::snprintf(signature.op, sizeof signature.op, "%s", op_name(op));
 
   const auto deadline = deadline_after(timeout_);
+  transport::RoutedTransport& transport = *connection_.transport;
+  const topology::HostMap& hosts = connection_.hosts;
   const uint64_t seed = collectives::stream_seed(settings_.seed, 0, 0, 0) ^ sequence;
   float* data = flat.data_ptr<float>();
 
   collectives::Traffic traffic;
   try {
-    collectives::check_same_on_all_ranks(*transport_, getRank(), getSize(), signature, deadline,
+    collectives::check_same_on_all_ranks(transport, getRank(), getSize(), signature, deadline,
                                          scratch_);
     if (hierarchical()) {
       collectives::HierarchicalOptions options;
@@ -290,14 +293,14 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
       options.leader_form = settings_.intra_broadcast;
       options.seed = seed;
       options.deadline = deadline;
-      traffic = collectives::hierarchical_allreduce(*transport_, getRank(), hosts_, data, *codec,
+      traffic = collectives::hierarchical_allreduce(transport, getRank(), hosts, data, *codec,
                                                     options, scratch_, cross_scratch_);
     } else {
       // One host (inner algorithm), or one rank per host (cross algorithm).
-      const collectives::Phase phase{hosts_.num_hosts() == 1 ? settings_.inner_reduction
+      const collectives::Phase phase{hosts.num_hosts() == 1 ? settings_.inner_reduction
                                                              : settings_.cross_reduction,
                                      seed, deadline};
-      traffic = collectives::allreduce(*transport_, getRank(), getSize(), data, *codec,
+      traffic = collectives::allreduce(transport, getRank(), getSize(), data, *codec,
                                        {0, codec->total()}, phase, scratch_);
     }
   } catch (const collectives::CallMismatchError&) {

@@ -15,11 +15,10 @@
 #include <mutex>
 #include <string>
 
+#include "backend/connect.h"
 #include "backend/settings.h"
 #include "backend/worker.h"
 #include "collectives/allreduce.h"
-#include "topology/host_map.h"
-#include "transport/routed_transport.h"
 
 namespace cgx::backend {
 
@@ -33,7 +32,7 @@ class ProcessGroupCGX final : public c10d::Backend {
 
   const std::string getBackendName() const override { return "cgx"; }
   const Settings& settings() const { return settings_; }
-  int num_hosts() const { return hosts_.num_hosts(); }
+  int num_hosts() const { return connection_.hosts.num_hosts(); }
   // Whether compressed allreduces take the hierarchical path.
   bool hierarchical() const;
   void shutdown() override;
@@ -128,8 +127,7 @@ class ProcessGroupCGX final : public c10d::Backend {
   const Settings settings_;
   const std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Backend> exact_;
-  topology::HostMap hosts_;
-  std::unique_ptr<transport::RoutedTransport> transport_;
+  Connection connection_;  // which ranks share a host, and the transports to reach them
   collectives::Scratch scratch_;        // used by the worker thread only
   collectives::Scratch cross_scratch_;  // the hierarchical cross phases (their own thread)
   // Collectives issued, exact ones included (callers' threads): a compressed call's

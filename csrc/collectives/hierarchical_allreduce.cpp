@@ -73,7 +73,7 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
                                Scratch& cross_scratch) {
   const int64_t total = codec.total();
   if (total == 0) return {};
-  const std::vector<int> local = hosts.ranks_on_host_of(rank);
+  const std::vector<int>& local = hosts.ranks_on_host_of(rank);
   const int k = static_cast<int>(local.size());
   const int i = index_of(local, rank);
   const int num_hosts = hosts.num_hosts();
@@ -111,7 +111,8 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
   auto slot = [&](int p, int j, int h) { return (p * k + j) * num_hosts + h; };
 
   std::vector<int> cross_members;
-  for (int h = 0; h < num_hosts; ++h) cross_members.push_back(hosts.ranks_on_host(h)[leader_form ? 0 : i]);
+  for (int h = 0; h < num_hosts; ++h)
+    cross_members.push_back(hosts.ranks_on_host(h)[leader_form ? 0 : i]);
   transport::SubsetTransport intra(transport, local);
   transport::SubsetTransport cross(transport, cross_members);
 

@@ -12,6 +12,10 @@ HostMap::HostMap(std::vector<std::string> host_names) {
     if (inserted) ++num_hosts_;
     host_of_rank_.push_back(it->second);
   }
+  ranks_by_host_.resize(num_hosts_);
+  for (int r = 0; r < size(); ++r) ranks_by_host_[host_of_rank_[r]].push_back(r);
+  for (const auto& ranks : ranks_by_host_)
+    balanced_ = balanced_ && ranks.size() == ranks_by_host_.front().size();
 }
 
 HostMap HostMap::exchange(KeyValueStore& store, int rank, int size, const std::string& my_host) {
@@ -23,21 +27,6 @@ HostMap HostMap::exchange(KeyValueStore& store, int rank, int size, const std::s
     names.emplace_back(bytes.begin(), bytes.end());
   }
   return HostMap(std::move(names));
-}
-
-std::vector<int> HostMap::ranks_on_host_of(int rank) const { return ranks_on_host(host_of(rank)); }
-
-std::vector<int> HostMap::ranks_on_host(int host) const {
-  std::vector<int> ranks;
-  for (int r = 0; r < size(); ++r)
-    if (host_of(r) == host) ranks.push_back(r);
-  return ranks;
-}
-
-bool HostMap::balanced() const {
-  for (int h = 1; h < num_hosts_; ++h)
-    if (ranks_on_host(h).size() != ranks_on_host(0).size()) return false;
-  return true;
 }
 
 }  // namespace cgx::topology

@@ -22,15 +22,18 @@ class HostMap {
   int host_of(int rank) const { return host_of_rank_.at(rank); }
   bool same_host(int a, int b) const { return host_of(a) == host_of(b); }
   // Group ranks on the host of `rank`, increasing, `rank` included.
-  std::vector<int> ranks_on_host_of(int rank) const;
+  const std::vector<int>& ranks_on_host_of(int rank) const { return ranks_on_host(host_of(rank)); }
   // Group ranks on host `host` (0 .. num_hosts-1), increasing.
-  std::vector<int> ranks_on_host(int host) const;
+  const std::vector<int>& ranks_on_host(int host) const { return ranks_by_host_.at(host); }
   // Whether every host has the same number of ranks.
-  bool balanced() const;
+  bool balanced() const { return balanced_; }
 
  private:
   std::vector<int> host_of_rank_;  // dense host index, numbered by first appearance
   int num_hosts_ = 0;
+  // Derived once: the collectives ask on every call.
+  std::vector<std::vector<int>> ranks_by_host_;
+  bool balanced_ = true;
 };
 
 }  // namespace cgx::topology
