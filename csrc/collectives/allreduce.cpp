@@ -51,10 +51,10 @@ uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk) {
   return z ^ (z >> 31);
 }
 
-void quantize_owned_chunk(const compression::LayoutCodec& codec, float* data, Range chunk,
-                          uint8_t* dst, uint64_t seed) {
-  codec.compress(data, chunk.begin, chunk.end, dst, seed);
-  codec.decompress(dst, chunk.begin, chunk.end, data);
+void quantize_owned_chunk(compression::Executor& executor, const compression::LayoutCodec& codec,
+                          float* data, Range chunk, uint8_t* dst, uint64_t seed) {
+  executor.compress(codec, data, chunk.begin, chunk.end, dst, seed);
+  executor.decompress(codec, dst, chunk.begin, chunk.end, data);
 }
 
 Traffic reduce_scatter(transport::Transport& transport, int rank, float* data,

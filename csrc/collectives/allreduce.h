@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "compression/executor.h"
 #include "compression/layout_codec.h"
 #include "transport/transport.h"
 
@@ -69,11 +70,13 @@ class Chunking {
 
 // One phase of an allreduce among `chunks.parts()` ranks of `transport` (this one is
 // `rank`). `seed` picks the stochastic-rounding streams: allgather's must be the same
-// wherever the same chunk is to come out bit-identical.
+// wherever the same chunk is to come out bit-identical. `executor` holds the values
+// (`data` points into its memory); a phase returns with its work on them complete.
 struct Phase {
   ReductionAlgorithm algorithm = ReductionAlgorithm::SRA;
   uint64_t seed = 0;
   transport::Clock::time_point deadline;
+  compression::Executor* executor = &compression::host_executor();
 };
 
 Traffic reduce_scatter(transport::Transport& transport, int rank, float* data,
@@ -114,7 +117,7 @@ uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk);
 
 // The owner of a chunk quantizes it once and decodes it in place, so that it keeps exactly
 // what the others will decode from `dst` (the first step of both allgathers).
-void quantize_owned_chunk(const compression::LayoutCodec& codec, float* data, Range chunk,
-                          uint8_t* dst, uint64_t seed);
+void quantize_owned_chunk(compression::Executor& executor, const compression::LayoutCodec& codec,
+                          float* data, Range chunk, uint8_t* dst, uint64_t seed);
 
 }  // namespace cgx::collectives

@@ -30,6 +30,10 @@ struct HierarchicalOptions {
   bool leader_form = false;
   uint64_t seed = 0;
   transport::Clock::time_point deadline;
+  // Where the values are: the caller's thread works through `executor`, the cross phases
+  // (a second thread when pipelined) through `cross_executor`.
+  compression::Executor* executor = &compression::host_executor();
+  compression::Executor* cross_executor = &compression::host_executor();
 };
 
 // Whether a group is hierarchical: several hosts, and some host with several ranks.

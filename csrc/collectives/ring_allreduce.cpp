@@ -29,17 +29,20 @@ Traffic ring_reduce_scatter(transport::Transport& transport, int rank, float* da
   const std::vector<uint8_t*> buf = scratch.buffers({largest, largest});
   uint8_t* outgoing = buf[0];
   uint8_t* incoming = buf[1];
+  compression::Executor& executor = *phase.executor;
   Traffic traffic;
   for (int s = 0; s + 1 < size; ++s) {
     const int out = mod(rank - s - 1, size);
     const int in = mod(rank - s - 2, size);
-    codec.compress(data, chunks.offset(out), chunks.offset(out + 1), outgoing,
-                   stream_seed(phase.seed, rank, s, out));
+    executor.compress(codec, data, chunks.offset(out), chunks.offset(out + 1), outgoing,
+                      stream_seed(phase.seed, rank, s, out));
+    executor.sync();
     transport.exchange({{next, outgoing, sizes[out]}}, {{prev, incoming, sizes[in]}},
                        phase.deadline);
-    codec.decompress_add(incoming, chunks.offset(in), chunks.offset(in + 1), data);
+    executor.decompress_add(codec, incoming, chunks.offset(in), chunks.offset(in + 1), data);
     traffic += {sizes[out], static_cast<uint64_t>(chunks.length(out))};
   }
+  executor.sync();
   return traffic;
 }
 
@@ -50,17 +53,20 @@ Traffic ring_allgather(transport::Transport& transport, int rank, float* data,
   const int next = mod(rank + 1, size);
   const int prev = mod(rank - 1, size);
   const std::vector<size_t> sizes = compressed_sizes(codec, chunks);
-  quantize_owned_chunk(codec, data, chunks.range(rank), buf[rank],
+  compression::Executor& executor = *phase.executor;
+  quantize_owned_chunk(executor, codec, data, chunks.range(rank), buf[rank],
                        stream_seed(phase.seed, rank, size, rank));
   Traffic traffic;
   for (int s = 0; s + 1 < size; ++s) {
     const int out = mod(rank - s, size);
     const int in = mod(rank - s - 1, size);
+    executor.sync();
     transport.exchange({{next, buf[out], sizes[out]}}, {{prev, buf[in], sizes[in]}},
                        phase.deadline);
-    codec.decompress(buf[in], chunks.offset(in), chunks.offset(in + 1), data);
+    executor.decompress(codec, buf[in], chunks.offset(in), chunks.offset(in + 1), data);
     traffic += {sizes[out], static_cast<uint64_t>(chunks.length(out))};
   }
+  executor.sync();
   return traffic;
 }
 

@@ -8,8 +8,6 @@
 // bucket grid, and summed in rank order: with round-to-nearest the result depends on the
 // values and the layout only, not on which rank owns which chunk (so not on how DDP lays
 // out its buckets). Every rank decodes the same bytes: all ranks end bit-identical.
-#include <algorithm>
-
 #include "collectives/allreduce.h"
 
 namespace cgx::collectives {
@@ -31,21 +29,25 @@ Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* dat
   sizes.resize(2 * size, mine);
   const std::vector<uint8_t*> buf = scratch.buffers(sizes);
 
+  compression::Executor& executor = *phase.executor;
   Traffic traffic;
   std::vector<transport::Send> sends;
   std::vector<transport::Recv> recvs;
   for (int p = 0; p < size; ++p) {
     uint8_t* dst = p == rank ? buf[size + rank] : buf[p];
-    codec.compress(data, chunks.offset(p), chunks.offset(p + 1), dst,
-                   stream_seed(phase.seed, rank, kScatterStage, p));
+    executor.compress(codec, data, chunks.offset(p), chunks.offset(p + 1), dst,
+                      stream_seed(phase.seed, rank, kScatterStage, p));
     if (p == rank) continue;
     sends.push_back({p, buf[p], sizes[p]});
     recvs.push_back({p, buf[size + p], mine});
     traffic += {sizes[p], static_cast<uint64_t>(chunks.length(p))};
   }
+  executor.sync();
   transport.exchange(sends, recvs, phase.deadline);
-  std::fill(data + own.begin, data + own.end, 0.0f);
-  for (int p = 0; p < size; ++p) codec.decompress_add(buf[size + p], own.begin, own.end, data);
+  executor.zero(data, own.begin, own.end);
+  for (int p = 0; p < size; ++p)
+    executor.decompress_add(codec, buf[size + p], own.begin, own.end, data);
+  executor.sync();
   return traffic;
 }
 
@@ -55,7 +57,8 @@ Traffic sra_allgather(transport::Transport& transport, int rank, float* data,
   const int size = chunks.parts();
   // buf[p]: chunk p compressed (ours by us, the others as received).
   const std::vector<size_t> sizes = compressed_sizes(codec, chunks);
-  quantize_owned_chunk(codec, data, chunks.range(rank), buf[rank],
+  compression::Executor& executor = *phase.executor;
+  quantize_owned_chunk(executor, codec, data, chunks.range(rank), buf[rank],
                        stream_seed(phase.seed, rank, kGatherStage, rank));
 
   Traffic traffic;
@@ -67,9 +70,11 @@ Traffic sra_allgather(transport::Transport& transport, int rank, float* data,
     recvs.push_back({p, buf[p], sizes[p]});
     traffic += {sizes[rank], static_cast<uint64_t>(chunks.length(rank))};
   }
+  executor.sync();
   transport.exchange(sends, recvs, phase.deadline);
   for (int p = 0; p < size; ++p)
-    if (p != rank) codec.decompress(buf[p], chunks.offset(p), chunks.offset(p + 1), data);
+    if (p != rank) executor.decompress(codec, buf[p], chunks.offset(p), chunks.offset(p + 1), data);
+  executor.sync();
   return traffic;
 }
 

@@ -9,15 +9,15 @@ namespace cgx::compression {
 
 namespace {
 constexpr size_t round_up16(size_t x) { return (x + 15) & ~size_t{15}; }
+}  // namespace
 
-// A distinct stochastic-rounding stream per segment (splitmix64 finalizer).
-uint64_t segment_seed(uint64_t seed, size_t segment) {
+uint64_t LayoutCodec::segment_seed(uint64_t seed, size_t segment) {
+  // A distinct stream per segment (splitmix64 finalizer).
   uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (segment + 1);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
   return z ^ (z >> 31);
 }
-}  // namespace
 
 LayoutCodec::LayoutCodec(std::vector<Segment> segments, int64_t total)
     : segments_(std::move(segments)), total_(total) {
@@ -82,6 +82,14 @@ size_t LayoutCodec::compressed_bytes(int64_t begin, int64_t end) const {
   size_t bytes = 0;
   for_each_piece(begin, end, [&](size_t i, int64_t, int64_t n) { bytes += piece_bytes(segments_[i], n); });
   return bytes;
+}
+
+std::vector<LayoutCodec::Piece> LayoutCodec::pieces(int64_t begin, int64_t end) const {
+  std::vector<Piece> out;
+  for_each_piece(begin, end, [&](size_t i, int64_t from, int64_t n) {
+    out.push_back({i, from, n, piece_bytes(segments_[i], n)});
+  });
+  return out;
 }
 
 void LayoutCodec::compress(const float* data, int64_t begin, int64_t end, uint8_t* dst,

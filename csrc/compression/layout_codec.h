@@ -37,6 +37,19 @@ class LayoutCodec {
   int64_t align_up(int64_t pos) const;
 
   size_t compressed_bytes(int64_t begin, int64_t end) const;
+
+  // The intersection of [begin, end) with one segment, and its compressed size (padded).
+  struct Piece {
+    size_t segment = 0;
+    int64_t begin = 0;
+    int64_t numel = 0;
+    size_t bytes = 0;
+  };
+  // In buffer order: [begin, end) compresses to their bytes, concatenated.
+  std::vector<Piece> pieces(int64_t begin, int64_t end) const;
+  // The stochastic-rounding seed of segment `segment` in a call seeded `seed`.
+  static uint64_t segment_seed(uint64_t seed, size_t segment);
+
   // `data` is the whole buffer; only [begin, end) is read or written.
   void compress(const float* data, int64_t begin, int64_t end, uint8_t* dst, uint64_t seed) const;
   void decompress(const uint8_t* src, int64_t begin, int64_t end, float* data) const;

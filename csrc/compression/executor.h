@@ -1,0 +1,55 @@
+// Where the values of a collective live, and the codec operations on them. Compressed
+// bytes are always in host memory, the transports' side; the values are in host memory
+// (HostExecutor) or on a GPU (cuda/cuda_executor.h).
+//
+// Operations may run asynchronously, in issue order: the bytes a compress writes are
+// ready, the bytes a decompress reads may be overwritten, and the values may be read by
+// another executor, only after sync().
+#pragma once
+
+#include <cstdint>
+
+#include "compression/layout_codec.h"
+
+namespace cgx::compression {
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+
+  // The LayoutCodec operations on [begin, end) of `data` (the whole buffer).
+  virtual void compress(const LayoutCodec& codec, const float* data, int64_t begin, int64_t end,
+                        uint8_t* dst, uint64_t seed) = 0;
+  virtual void decompress(const LayoutCodec& codec, const uint8_t* src, int64_t begin,
+                          int64_t end, float* data) = 0;
+  virtual void decompress_add(const LayoutCodec& codec, const uint8_t* src, int64_t begin,
+                              int64_t end, float* data) = 0;
+  // data[begin, end) = 0.
+  virtual void zero(float* data, int64_t begin, int64_t end) = 0;
+  // Returns once every operation issued so far is complete.
+  virtual void sync() = 0;
+};
+
+// Values in host memory: every operation completes before it returns. Stateless, so one
+// instance serves every thread.
+class HostExecutor final : public Executor {
+ public:
+  void compress(const LayoutCodec& codec, const float* data, int64_t begin, int64_t end,
+                uint8_t* dst, uint64_t seed) override {
+    codec.compress(data, begin, end, dst, seed);
+  }
+  void decompress(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
+                  float* data) override {
+    codec.decompress(src, begin, end, data);
+  }
+  void decompress_add(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
+                      float* data) override {
+    codec.decompress_add(src, begin, end, data);
+  }
+  void zero(float* data, int64_t begin, int64_t end) override;
+  void sync() override {}
+};
+
+HostExecutor& host_executor();
+
+}  // namespace cgx::compression
