@@ -44,6 +44,8 @@ __version__ = "0.1.0"
 # Under mpirun: torch's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the MPI launch.
 mpi.adopt_mpi_launch()
 
+# One backend object serves both devices (CUDA tensors are refused with the reason in a
+# build without CUDA).
 torch.distributed.Backend.register_backend(
-    "cgx", create_backend, extended_api=True, devices=["cpu"]
+    "cgx", create_backend, extended_api=True, devices=["cpu", "cuda"]
 )

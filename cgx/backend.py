@@ -40,8 +40,9 @@ def create_backend(dist_options, backend_options=None) -> _C.ProcessGroupCGX:
     Settings come from ``pg_options`` when it is a :class:`cgx.Config`
     (``dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4))``), else from the
     CGX_* variables (ValueError on a bad one, or on MPI asked for where it cannot run).
-    Creates the Gloo backend that carries the exact path on its own prefix of the group's
-    store, and connects the compressed path (inner and cross communicators).
+    Creates the backends that carry the exact path on their own prefixes of the group's
+    store (Gloo; NCCL too for CUDA tensors where every rank has a GPU of its own), and
+    connects the compressed path (inner and cross communicators).
     """
     if backend_options is None:
         config = from_env()
@@ -61,14 +62,44 @@ def create_backend(dist_options, backend_options=None) -> _C.ProcessGroupCGX:
     cgx_store = dist.PrefixStore(f"cgx/{incarnation}/", store)
     _check_same_config(cgx_store, rank, size, config)
     exact = dist.ProcessGroupGloo(dist.PrefixStore(f"gloo/{incarnation}/", store), rank, size, timeout)
-    return _C.ProcessGroupCGX(cgx_store, rank, size, timeout, exact, to_settings(config))
+    exact_cuda = None
+    if cuda_exact_backend(_gather(cgx_store, "gpu", rank, size, _this_gpu())) == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        nccl_store = dist.PrefixStore(f"nccl/{incarnation}/", store)
+        exact_cuda = dist.ProcessGroupNCCL(nccl_store, rank, size, options)
+    return _C.ProcessGroupCGX(
+        cgx_store, rank, size, timeout, exact, exact_cuda, to_settings(config)
+    )
+
+
+def _this_gpu() -> str:
+    """The identity of this rank's current GPU (its UUID: two ranks that see one GPU
+    under different indices still match), or "" without CUDA or NCCL."""
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return ""
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+def cuda_exact_backend(gpus: list[str]) -> str:
+    """The exact path's backend for CUDA tensors, given each rank's GPU ("" for none):
+    NCCL when every rank has a GPU of its own, else Gloo, which stages CUDA tensors
+    through host memory (NCCL refuses two ranks on one GPU)."""
+    if all(gpus) and len(set(gpus)) == len(gpus):
+        return "nccl"
+    return "gloo"
+
+
+def _gather(store: dist.Store, key: str, rank: int, size: int, value: str) -> list[str]:
+    store.set(f"{key}/{rank}", value)
+    return [store.get(f"{key}/{r}").decode() for r in range(size)]
 
 
 def _check_same_config(store: dist.Store, rank: int, size: int, config: Config) -> None:
     """Ranks with different settings would take different paths and meet only at the
     timeout: compare them at creation instead, and fail on every rank alike."""
-    store.set(f"config/{rank}", json.dumps([getattr(config, f) for f in _SHARED_FIELDS]))
-    configs = [json.loads(store.get(f"config/{r}")) for r in range(size)]
+    mine = json.dumps([getattr(config, f) for f in _SHARED_FIELDS])
+    configs = [json.loads(c) for c in _gather(store, "config", rank, size, mine)]
     for r in range(1, size):
         for field, a, b in zip(_SHARED_FIELDS, configs[0], configs[r]):
             if a != b:

@@ -171,10 +171,22 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<ProcessGroupCGX, c10d::Backend, c10::intrusive_ptr<ProcessGroupCGX>>(
       m, "ProcessGroupCGX")
-      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds,
-                    c10::intrusive_ptr<c10d::Backend>, Settings>(),
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> exact,
+                       const py::object& exact_cuda, Settings settings) {
+             c10::intrusive_ptr<c10d::Backend> cuda;
+             if (!exact_cuda.is_none()) cuda = exact_cuda.cast<c10::intrusive_ptr<c10d::Backend>>();
+             py::gil_scoped_release no_gil;
+             return c10::make_intrusive<ProcessGroupCGX>(store, rank, size, timeout,
+                                                         std::move(exact), std::move(cuda),
+                                                         std::move(settings));
+           }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("exact"), py::arg("settings"), py::call_guard<py::gil_scoped_release>())
+           py::arg("exact"), py::arg("exact_cuda"), py::arg("settings"),
+           "exact: the Gloo backend of the exact path; exact_cuda: the backend for CUDA tensors "
+           "on the exact path (NCCL), or None for Gloo.")
+      .def_property_readonly("cuda_exact_backend", &ProcessGroupCGX::cuda_exact_backend,
+                             "The backend CUDA tensors take on the exact path: gloo or nccl.")
       // A copy: the live settings are const, shared with the worker thread.
       .def_property_readonly("settings", [](const ProcessGroupCGX& pg) { return pg.settings(); })
       .def_property_readonly("num_hosts", &ProcessGroupCGX::num_hosts)

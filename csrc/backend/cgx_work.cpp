@@ -2,14 +2,17 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/StreamGuard.h>
 
 namespace cgx::backend {
 
-CGXWork::CGXWork(int rank, c10d::OpType op_type, std::vector<at::Tensor> outputs)
+CGXWork::CGXWork(int rank, c10d::OpType op_type, std::vector<at::Tensor> outputs,
+                 std::vector<c10::Device> devices)
     : c10d::Work(rank, op_type),
       outputs_(std::move(outputs)),
+      on_device_(!devices.empty()),
       future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()))) {}
+          c10::ListType::create(c10::TensorType::get()), std::move(devices))) {}
 
 void CGXWork::settle(std::exception_ptr error) {
   try {
@@ -24,8 +27,18 @@ void CGXWork::settle(std::exception_ptr error) {
   finish(error);
 }
 
-void CGXWork::settle_async(c10::intrusive_ptr<CGXWork> work, std::exception_ptr error) {
-  at::launch([work = std::move(work), error] { work->settle(error); });
+void CGXWork::settle_async(c10::intrusive_ptr<CGXWork> work, std::exception_ptr error,
+                           std::optional<c10::Stream> stream) {
+  at::launch([work = std::move(work), error, stream] {
+    const c10::OptionalStreamGuard guard(stream);
+    work->settle(error);
+  });
+}
+
+bool CGXWork::wait(std::chrono::milliseconds timeout) {
+  const bool done = c10d::Work::wait(timeout);  // throws the collective's error
+  if (on_device_) future_->wait();  // the caller's stream waits for the recorded one
+  return done;
 }
 
 }  // namespace cgx::backend

@@ -2,26 +2,39 @@
 // with the output tensors (DDP and comm hooks read it) or with the error.
 #pragma once
 
+#include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <optional>
 
 namespace cgx::backend {
 
 class CGXWork final : public c10d::Work {
  public:
-  CGXWork(int rank, c10d::OpType op_type, std::vector<at::Tensor> outputs);
+  // `devices`: the GPU the outputs are on, if any. The future then records the stream
+  // current where it is settled, and whoever waits for it (Work::wait, the future's wait
+  // or value) has its current stream wait for that one.
+  CGXWork(int rank, c10d::OpType op_type, std::vector<at::Tensor> outputs,
+          std::vector<c10::Device> devices = {});
 
   // Completes the future first (running its callbacks), then the Work, so that once
   // wait() returns the future is done too. `error` null means success.
   void settle(std::exception_ptr error);
   // The same on torch's inter-op thread pool: future callbacks may then start, or wait
-  // for, collectives of the group without blocking the group's worker thread.
-  static void settle_async(c10::intrusive_ptr<CGXWork> work, std::exception_ptr error);
+  // for, collectives of the group without blocking the group's worker thread. `stream`:
+  // the stream the results are complete on (current while the future is settled).
+  static void settle_async(c10::intrusive_ptr<CGXWork> work, std::exception_ptr error,
+                           std::optional<c10::Stream> stream = std::nullopt);
 
+  // Blocks until the collective is done; on a GPU, also makes the caller's current
+  // stream wait for it.
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
  private:
   std::vector<at::Tensor> outputs_;
+  bool on_device_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 

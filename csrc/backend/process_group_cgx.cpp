@@ -71,22 +71,32 @@ void check_tag(int tag) {
                     kMaxUserTag, " (higher tags are cgx's own), got ", tag);
 }
 
-void check_exact(const c10::intrusive_ptr<c10d::Backend>& exact, int rank, int size) {
+c10::intrusive_ptr<c10d::Backend> checked_exact(c10::intrusive_ptr<c10d::Backend> exact, int rank,
+                                                int size) {
   TORCH_CHECK(exact, "cgx: the exact (Gloo) backend is missing");
   TORCH_CHECK(exact->getRank() == rank && exact->getSize() == size,
               "cgx: the exact backend has rank ", exact->getRank(), " of ", exact->getSize(),
               ", expected ", rank, " of ", size);
+  return exact;
+}
+
+// The GPU of a call's tensors, for a Work whose future must order streams.
+std::vector<c10::Device> gpu_of(const std::vector<at::Tensor>& tensors) {
+  if (!tensors.empty() && tensors[0].is_cuda()) return {tensors[0].device()};
+  return {};
 }
 
 }  // namespace
 
 ProcessGroupCGX::ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                  int size, std::chrono::milliseconds timeout,
-                                 c10::intrusive_ptr<c10d::Backend> exact, Settings settings)
+                                 c10::intrusive_ptr<c10d::Backend> exact,
+                                 c10::intrusive_ptr<c10d::Backend> exact_cuda, Settings settings)
     : c10d::Backend(rank, size),
       settings_((validate(settings), std::move(settings))),
       timeout_(timeout),
-      exact_((check_exact(exact, rank, size), std::move(exact))),
+      exact_(checked_exact(std::move(exact), rank, size)),
+      exact_cuda_(exact_cuda ? checked_exact(std::move(exact_cuda), rank, size) : exact_),
       connection_(connect(store, rank, size, exact_, settings_)) {}
 
 bool ProcessGroupCGX::hierarchical() const {
@@ -123,20 +133,29 @@ bool ProcessGroupCGX::compressible(const at::Tensor& t, const c10d::ReduceOp& op
          (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG);
 }
 
+c10d::Backend& ProcessGroupCGX::exact_for(const at::Tensor& tensor) const {
+  return tensor.is_cuda() ? *exact_cuda_ : *exact_;
+}
+
+c10d::Backend& ProcessGroupCGX::exact_for(const std::vector<at::Tensor>& tensors) const {
+  return tensors.empty() ? *exact_ : exact_for(tensors[0]);
+}
+
 namespace {
-void check_dense_cpu(const std::vector<at::Tensor>& tensors, const char* what) {
+void check_dense(const std::vector<at::Tensor>& tensors, const char* what) {
   for (const auto& t : tensors) {
     TORCH_CHECK(!t.is_sparse(), "cgx ", what,
                 ": sparse tensors are not supported; reduce t.to_dense() or its values instead");
     TORCH_CHECK(t.layout() == at::kStrided, "cgx ", what, ": only strided tensors are supported");
-    TORCH_CHECK(t.device().is_cpu(), "cgx ", what, ": expected CPU tensors, got ", t.device());
+    TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "cgx ", what,
+                ": expected CPU or CUDA tensors, got ", t.device());
   }
 }
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
-  check_dense_cpu(tensors, "allreduce");
+  check_dense(tensors, "allreduce");
   if (tensors.size() == 1 && compressible(tensors[0], opts.reduceOp))
     return compressed_allreduce(tensors, tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, {},
                                 nullptr);
@@ -145,7 +164,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  check_dense_cpu(tensors, "allreduce_coalesced");
+  check_dense(tensors, "allreduce_coalesced");
   std::vector<at::Tensor> compressed, exact;
   for (const auto& t : tensors) (compressible(t, opts.reduceOp) ? compressed : exact).push_back(t);
   c10::intrusive_ptr<c10d::Work> exact_work;
@@ -158,7 +177,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
     at::Tensor tensor, std::vector<compression::Segment> layout, bool average) {
   std::vector<at::Tensor> tensors{tensor};
-  check_dense_cpu(tensors, "allreduce_layout");
+  check_dense(tensors, "allreduce_layout");
   const auto dtype = tensor.scalar_type();
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
                    "cgx allreduce_layout: expected float32, float16 or bfloat16, got ", dtype);
@@ -178,26 +197,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::
                                                                 const c10d::ReduceOp& op,
                                                                 bool coalesced) {
   count_call();
+  c10d::Backend& exact = exact_for(tensors);
   auto run = [&](const c10d::ReduceOp& reduce_op) {
     if (coalesced) {
       c10d::AllreduceCoalescedOptions o;
       o.reduceOp = reduce_op;
       o.timeout = timeout_;
-      return exact_->allreduce_coalesced(tensors, o);
+      return exact.allreduce_coalesced(tensors, o);
     }
     c10d::AllreduceOptions o;
     o.reduceOp = reduce_op;
     o.timeout = timeout_;
-    return exact_->allreduce(tensors, o);
+    return exact.allreduce(tensors, o);
   };
-  if (op != c10d::ReduceOp::AVG) return run(op);
+  // NCCL averages itself; Gloo has no AVG.
+  if (op != c10d::ReduceOp::AVG || exact.getBackendName() == "nccl") return run(op);
   for (const auto& t : tensors)
     TORCH_CHECK(at::isFloatingType(t.scalar_type()),
                 "cgx allreduce: ReduceOp.AVG needs floating-point tensors, got ", t.scalar_type());
   auto sum = run(c10d::ReduceOp::SUM);
-  auto work = c10::make_intrusive<CGXWork>(getRank(), c10d::OpType::ALLREDUCE, tensors);
+  auto work =
+      c10::make_intrusive<CGXWork>(getRank(), c10d::OpType::ALLREDUCE, tensors, gpu_of(tensors));
   const int size = getSize();
-  // Runs where Gloo completes its future; divides only a sum that really completed.
+  // Runs where Gloo completes its future (on a GPU, with streams current that follow the
+  // sum); divides only a sum that really completed.
   sum->getFuture()->addCallback([work, tensors, size](c10::ivalue::Future& done) {
     std::exception_ptr error = done.hasError() ? done.exception_ptr() : nullptr;
     if (!error) {
@@ -216,27 +239,38 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     std::vector<at::Tensor> tensors, std::vector<at::Tensor> outputs,
     c10d::ReduceOp::RedOpType op, c10d::OpType op_type, c10::intrusive_ptr<c10d::Work> also,
     std::shared_ptr<const compression::LayoutCodec> codec) {
-  auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, std::move(outputs));
+  std::shared_ptr<CudaTicket> ticket;
+  std::optional<c10::Stream> stream;
+  if (tensors[0].is_cuda()) {
+    ticket = cuda_.admit(tensors);
+    stream = cuda_.stream();
+  }
+  auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, std::move(outputs), gpu_of(tensors));
   const uint64_t sequence = count_call();
-  worker_.enqueue([this, work, tensors, op, sequence, also, codec]() mutable {
+  worker_.enqueue([this, work, tensors, op, sequence, also, codec, ticket, stream]() mutable {
     std::exception_ptr error;
     try {
       TORCH_CHECK(!shut_down_, "cgx: the process group was shut down before this collective ran");
       TORCH_CHECK(broken_.empty(), "cgx: the process group is unusable after an earlier failure: ",
                   broken_);
-      run_compressed(tensors, op, sequence, codec.get());
+      auto run = [&](const Lane& lane) { run_compressed(tensors, op, sequence, codec.get(), lane); };
+      if (ticket)
+        cuda_.run(*ticket, run);
+      else
+        run(Lane{&compression::host_executor(), &compression::host_executor(), &scratch_,
+                 &cross_scratch_});
       if (also) also->wait();
     } catch (...) {
       error = std::current_exception();
     }
-    CGXWork::settle_async(std::move(work), error);
+    CGXWork::settle_async(std::move(work), error, stream);
   });
   return work;
 }
 
 void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
                                      c10d::ReduceOp::RedOpType op, uint64_t sequence,
-                                     const compression::LayoutCodec* codec) {
+                                     const compression::LayoutCodec* codec, const Lane& lane) {
   // Communication, not a differentiable op: write through detached views.
   at::NoGradGuard no_grad;
   // One contiguous float32 buffer holding every tensor; in place when the single tensor
@@ -293,15 +327,20 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
       options.leader_form = settings_.intra_broadcast;
       options.seed = seed;
       options.deadline = deadline;
+      options.executor = lane.executor;
+      options.cross_executor = lane.cross_executor;
+      // The cross executor may start first (a host with one rank): it must see the values
+      // as the caller's executor has them now.
+      lane.executor->sync();
       traffic = collectives::hierarchical_allreduce(transport, getRank(), hosts, data, *codec,
-                                                    options, scratch_, cross_scratch_);
+                                                    options, *lane.scratch, *lane.cross_scratch);
     } else {
       // One host (inner algorithm), or one rank per host (cross algorithm).
       const collectives::Phase phase{hosts.num_hosts() == 1 ? settings_.inner_reduction
                                                              : settings_.cross_reduction,
-                                     seed, deadline};
+                                     seed, deadline, lane.executor};
       traffic = collectives::allreduce(transport, getRank(), getSize(), data, *codec,
-                                       {0, codec->total()}, phase, scratch_);
+                                       {0, codec->total()}, phase, *lane.scratch);
     }
   } catch (const collectives::CallMismatchError&) {
     throw;  // only signatures moved: the group stays usable
@@ -328,96 +367,96 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   }
 }
 
-// ---- Exact path: Gloo, called from the caller's thread (program order on every rank).
+// ---- Exact path: Gloo (or NCCL for CUDA tensors), called from the caller's thread (program order on every rank).
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
   count_call();
-  return exact_->broadcast(tensors, opts);
+  return exact_for(tensors).broadcast(tensors, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
   count_call();
-  return exact_->reduce(tensors, opts);
+  return exact_for(tensors).reduce(tensors, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   count_call();
-  return exact_->allgather(outputs, inputs, opts);
+  return exact_for(inputs).allgather(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   count_call();
-  return exact_->_allgather_base(output, input, opts);
+  return exact_for(input)._allgather_base(output, input, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   count_call();
-  return exact_->allgather_coalesced(outputs, inputs, opts);
+  return exact_for(inputs).allgather_coalesced(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   count_call();
-  return exact_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return exact_for(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
   count_call();
-  return exact_->gather(outputs, inputs, opts);
+  return exact_for(inputs).gather(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
   count_call();
-  return exact_->scatter(outputs, inputs, opts);
+  return exact_for(outputs).scatter(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   count_call();
-  return exact_->reduce_scatter(outputs, inputs, opts);
+  return exact_for(outputs).reduce_scatter(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   count_call();
-  return exact_->_reduce_scatter_base(output, input, opts);
+  return exact_for(input)._reduce_scatter_base(output, input, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   count_call();
-  return exact_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return exact_for(inputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
   count_call();
-  return exact_->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+  return exact_for(input).alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::alltoall(std::vector<at::Tensor>& outputs,
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllToAllOptions& opts) {
   count_call();
-  return exact_->alltoall(outputs, inputs, opts);
+  return exact_for(inputs).alltoall(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::send(std::vector<at::Tensor>& tensors,
                                                      int dst_rank, int tag) {
   check_tag(tag);
-  return exact_->send(tensors, dst_rank, tag);
+  return exact_for(tensors).send(tensors, dst_rank, tag);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recv(std::vector<at::Tensor>& tensors,
                                                      int src_rank, int tag) {
   check_tag(tag);
-  return exact_->recv(tensors, src_rank, tag);
+  return exact_for(tensors).recv(tensors, src_rank, tag);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recvAnysource(std::vector<at::Tensor>& tensors,
                                                               int tag) {
   check_tag(tag);
-  return exact_->recvAnysource(tensors, tag);
+  return exact_for(tensors).recvAnysource(tensors, tag);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::barrier(const c10d::BarrierOptions& opts) {
   // Gloo's barrier is issued now (Gloo's program order); it completes once Gloo's barrier

@@ -1,11 +1,13 @@
 // ProcessGroupCGX: the torch.distributed backend "cgx" — the only code that knows c10d.
 //
 // Compressed path: allreduce / allreduce_coalesced of float32, float16 and bfloat16 CPU
-// tensors with SUM or AVG and more than `minimal_size` elements, when bits < 32. It runs
-// on the group's worker thread (csrc/collectives over csrc/transport): flat on one host
-// or with one rank per host, hierarchical otherwise.
-// Exact path: everything else goes to the wrapped Gloo backend, called from the caller's
-// thread so that Gloo sees its collectives in program order on every rank.
+// or CUDA tensors with SUM or AVG and more than `minimal_size` elements, when bits < 32.
+// It runs on the group's worker thread (csrc/collectives over csrc/transport): flat on
+// one host or with one rank per host, hierarchical otherwise. CUDA tensors are compressed
+// on the GPU, on the group's own streams (cuda_lane.h).
+// Exact path: everything else goes to a wrapped backend, called from the caller's thread
+// so that it sees its collectives in program order on every rank: Gloo, or for CUDA
+// tensors the CUDA exact backend when there is one (NCCL).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -16,6 +18,7 @@
 #include <string>
 
 #include "backend/connect.h"
+#include "backend/cuda_lane.h"
 #include "backend/settings.h"
 #include "backend/worker.h"
 #include "collectives/allreduce.h"
@@ -25,13 +28,17 @@ namespace cgx::backend {
 class ProcessGroupCGX final : public c10d::Backend {
  public:
   // `exact`: a Gloo backend for this group, created on its own prefix of `store`.
+  // `exact_cuda`: the backend for CUDA tensors on the exact path (NCCL), or null for Gloo,
+  // which stages them through host memory.
   ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> exact,
-                  Settings settings);
+                  c10::intrusive_ptr<c10d::Backend> exact_cuda, Settings settings);
   ~ProcessGroupCGX() override;
 
   const std::string getBackendName() const override { return "cgx"; }
   const Settings& settings() const { return settings_; }
+  // The backend CUDA tensors take on the exact path ("gloo" or "nccl").
+  std::string cuda_exact_backend() const { return exact_cuda_->getBackendName(); }
   int num_hosts() const { return connection_.hosts.num_hosts(); }
   // Whether compressed allreduces take the hierarchical path.
   bool hierarchical() const;
@@ -108,6 +115,9 @@ class ProcessGroupCGX final : public c10d::Backend {
 
  private:
   bool compressible(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
+  // The exact backend for tensors on the device of `tensor`.
+  c10d::Backend& exact_for(const at::Tensor& tensor) const;
+  c10d::Backend& exact_for(const std::vector<at::Tensor>& tensors) const;  // exact_ if none
   uint64_t count_call() { return ++sequence_; }
   // The group's settings applied to a whole buffer.
   compression::LayoutCodec uniform_codec(int64_t numel) const;
@@ -122,14 +132,16 @@ class ProcessGroupCGX final : public c10d::Backend {
       c10d::ReduceOp::RedOpType op, c10d::OpType op_type, c10::intrusive_ptr<c10d::Work> also,
       std::shared_ptr<const compression::LayoutCodec> codec);
   void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op,
-                      uint64_t sequence, const compression::LayoutCodec* codec);
+                      uint64_t sequence, const compression::LayoutCodec* codec, const Lane& lane);
 
   const Settings settings_;
   const std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Backend> exact_;
+  c10::intrusive_ptr<c10d::Backend> exact_cuda_;  // exact_ when there is no NCCL
   Connection connection_;  // which ranks share a host, and the transports to reach them
   collectives::Scratch scratch_;        // used by the worker thread only
   collectives::Scratch cross_scratch_;  // the hierarchical cross phases (their own thread)
+  CudaLane cuda_;                       // streams, executors and pinned scratch on a GPU
   // Collectives issued, exact ones included (callers' threads): a compressed call's
   // number differs between ranks whenever they took different paths before it (a size
   // on either side of minimal_size, a dtype mismatch), and its signature check fails.

@@ -1,9 +1,14 @@
 #include "collectives/allreduce.h"
 
 #include <algorithm>
+#include <new>
 #include <stdexcept>
 
 namespace cgx::collectives {
+
+Scratch::~Scratch() {
+  for (const Arena& a : arenas_) memory_.release(a.memory);
+}
 
 std::vector<uint8_t*> Scratch::buffers(const std::vector<size_t>& sizes, int arena) {
   // 64-byte aligned slices of one arena.
@@ -11,9 +16,16 @@ std::vector<uint8_t*> Scratch::buffers(const std::vector<size_t>& sizes, int are
   size_t total = kAlign;
   for (size_t s : sizes) total += (s + kAlign - 1) / kAlign * kAlign;
   if (static_cast<int>(arenas_.size()) <= arena) arenas_.resize(arena + 1);
-  auto& bytes = arenas_[arena];
-  if (bytes.size() < total) bytes.resize(total);
-  auto base = reinterpret_cast<uintptr_t>(bytes.data());
+  Arena& a = arenas_[arena];
+  if (a.bytes < total) {
+    // Grown, never shrunk; the old contents need not survive.
+    memory_.release(a.memory);
+    a = {};
+    a.memory = memory_.allocate(total);
+    if (!a.memory) throw std::bad_alloc();
+    a.bytes = total;
+  }
+  auto base = reinterpret_cast<uintptr_t>(a.memory);
   uintptr_t cursor = (base + kAlign - 1) / kAlign * kAlign;
   std::vector<uint8_t*> out;
   out.reserve(sizes.size());

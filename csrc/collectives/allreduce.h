@@ -35,12 +35,23 @@ struct Traffic {
 // Buffers reused across calls so that the hot path does not allocate.
 class Scratch {
  public:
+  explicit Scratch(compression::HostMemory memory = compression::plain_memory())
+      : memory_(memory) {}
+  ~Scratch();
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+
   // Byte buffers of the given sizes from arena `arena`, valid until the next call for the
   // same arena (phases use arena 0; a caller keeping bytes across phases uses another).
   std::vector<uint8_t*> buffers(const std::vector<size_t>& sizes, int arena = 0);
 
  private:
-  std::vector<std::vector<uint8_t>> arenas_;
+  struct Arena {
+    void* memory = nullptr;
+    size_t bytes = 0;
+  };
+  compression::HostMemory memory_;
+  std::vector<Arena> arenas_;
 };
 
 // A part [begin, end) of the flat buffer.

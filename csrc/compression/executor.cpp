@@ -1,6 +1,7 @@
 #include "compression/executor.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace cgx::compression {
 
@@ -12,5 +13,7 @@ HostExecutor& host_executor() {
   static HostExecutor executor;
   return executor;
 }
+
+HostMemory plain_memory() { return {std::malloc, std::free}; }
 
 }  // namespace cgx::compression

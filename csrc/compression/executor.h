@@ -7,6 +7,7 @@
 // another executor, only after sync().
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "compression/layout_codec.h"
@@ -51,5 +52,13 @@ class HostExecutor final : public Executor {
 };
 
 HostExecutor& host_executor();
+
+// How the host memory that holds compressed bytes is allocated: plain (malloc), or in a
+// form an executor needs (cuda::pinned_memory()).
+struct HostMemory {
+  void* (*allocate)(size_t bytes);
+  void (*release)(void* pointer);
+};
+HostMemory plain_memory();
 
 }  // namespace cgx::compression

@@ -259,4 +259,10 @@ void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, vo
   }
 }
 
+void copy_floats(const float* src, int64_t n, float* dst, bool add, cudaStream_t stream) {
+  if (n <= 0) return;
+  raw_from_wire<float><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(src, n, add, dst);
+  check(cudaGetLastError(), "copy launch");
+}
+
 }  // namespace cgx::compression::cuda

@@ -26,4 +26,7 @@ void compress(const QuantizerParams& params, const void* src, DType dtype, int64
 void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, void* dst,
                 DType dtype, bool add, cudaStream_t stream);
 
+// dst[i] = src[i], or dst[i] + src[i] with `add`: float32 values that travel raw.
+void copy_floats(const float* src, int64_t n, float* dst, bool add, cudaStream_t stream);
+
 }  // namespace cgx::compression::cuda

@@ -1,0 +1,100 @@
+#include "backend/cuda_lane.h"
+
+#include <c10/util/Exception.h>
+
+#ifdef CGX_WITH_CUDA
+#include <c10/core/Event.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "compression/cuda/cuda_executor.h"
+#endif
+
+namespace cgx::backend {
+
+#ifdef CGX_WITH_CUDA
+
+struct CudaTicket {
+  c10::Event ready{c10::DeviceType::CUDA};
+};
+
+struct CudaLane::State {
+  explicit State(c10::Device d)
+      : device(d),
+        stream(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, d.index())),
+        cross_stream(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, d.index())),
+        executor(d.index(), stream.stream()),
+        cross_executor(d.index(), cross_stream.stream()),
+        scratch(compression::cuda::pinned_memory()),
+        cross_scratch(compression::cuda::pinned_memory()) {}
+
+  c10::Device device;
+  c10::cuda::CUDAStream stream;
+  c10::cuda::CUDAStream cross_stream;
+  compression::cuda::CudaExecutor executor;
+  compression::cuda::CudaExecutor cross_executor;
+  collectives::Scratch scratch;
+  collectives::Scratch cross_scratch;
+};
+
+CudaLane::CudaLane() = default;
+CudaLane::~CudaLane() = default;
+
+std::shared_ptr<CudaTicket> CudaLane::admit(const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK(!tensors.empty(), "cgx: a CUDA call needs tensors");
+  const c10::Device device = tensors[0].device();
+  for (const auto& t : tensors)
+    TORCH_CHECK(t.device() == device, "cgx: the tensors of one call must be on one device, got ",
+                device, " and ", t.device());
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!state_) state_ = std::make_unique<State>(device);
+  TORCH_CHECK(state_->device == device, "cgx: a group uses one CUDA device per rank: its first ",
+              "CUDA call was on ", state_->device, ", this one is on ", device,
+              " (make a group per device, or move the tensors)");
+  auto ticket = std::make_shared<CudaTicket>();
+  ticket->ready.record(c10::cuda::getCurrentCUDAStream(device.index()));
+  for (const auto& t : tensors)
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), state_->stream);
+  return ticket;
+}
+
+void CudaLane::run(CudaTicket& ticket, const std::function<void(const Lane&)>& fn) {
+  State& s = *state_;  // set by the admit() that made the ticket
+  const c10::cuda::CUDAGuard device_guard(s.device);
+  const c10::cuda::CUDAStreamGuard stream_guard(s.stream);
+  ticket.ready.block(s.stream);
+  fn(Lane{&s.executor, &s.cross_executor, &s.scratch, &s.cross_scratch});
+}
+
+c10::Stream CudaLane::stream() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_INTERNAL_ASSERT(state_, "cgx: CudaLane::stream() before any CUDA call");
+  return state_->stream.unwrap();
+}
+
+#else  // a build without CUDA: CUDA tensors are refused with the reason
+
+struct CudaTicket {};
+struct CudaLane::State {};
+
+CudaLane::CudaLane() = default;
+CudaLane::~CudaLane() = default;
+
+std::shared_ptr<CudaTicket> CudaLane::admit(const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK(false, "cgx: got a tensor on ", tensors.at(0).device(),
+              " but cgx was built without CUDA (a CPU torch, or no nvcc at build time); ",
+              "reinstall cgx with a CUDA torch and nvcc present");
+}
+
+void CudaLane::run(CudaTicket&, const std::function<void(const Lane&)>&) {
+  TORCH_INTERNAL_ASSERT(false, "cgx: CudaLane::run in a build without CUDA");
+}
+
+c10::Stream CudaLane::stream() const {
+  TORCH_INTERNAL_ASSERT(false, "cgx: CudaLane::stream in a build without CUDA");
+}
+
+#endif
+
+}  // namespace cgx::backend

@@ -1,0 +1,143 @@
+#include "compression/cuda/cuda_executor.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "compression/cuda/quantizer_cuda.h"
+
+namespace cgx::compression::cuda {
+
+namespace {
+
+void check(cudaError_t code, const char* what) {
+  if (code != cudaSuccess)
+    throw std::runtime_error(std::string("cgx CUDA executor: ") + what + ": " +
+                             cudaGetErrorString(code));
+}
+
+// Makes `device` current for one call and restores the caller's (the cross phases run
+// on a thread of their own, whose current device is otherwise 0).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceScope() {
+    int current = previous_;
+    cudaGetDevice(&current);
+    if (current != previous_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+};
+
+size_t total_bytes(const std::vector<LayoutCodec::Piece>& pieces) {
+  size_t bytes = 0;
+  for (const auto& piece : pieces) bytes += piece.bytes;
+  return bytes;
+}
+
+void* allocate_pinned(size_t bytes) {
+  void* p = nullptr;
+  return cudaHostAlloc(&p, bytes, cudaHostAllocPortable) == cudaSuccess ? p : nullptr;
+}
+void release_pinned(void* p) {
+  if (p) cudaFreeHost(p);
+}
+
+}  // namespace
+
+CudaExecutor::CudaExecutor(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
+
+CudaExecutor::~CudaExecutor() {
+  if (!staging_) return;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
+  cudaFreeAsync(staging_, stream_);
+  cudaSetDevice(previous);
+}
+
+uint8_t* CudaExecutor::staging(size_t bytes) {
+  if (bytes <= staging_bytes_) return staging_;
+  // Stream-ordered: the old buffer is released after the work already queued on it.
+  if (staging_) check(cudaFreeAsync(staging_, stream_), "cudaFreeAsync");
+  staging_ = nullptr;
+  staging_bytes_ = 0;
+  void* p = nullptr;
+  check(cudaMallocAsync(&p, bytes, stream_), "cudaMallocAsync");
+  staging_ = static_cast<uint8_t*>(p);
+  staging_bytes_ = bytes;
+  return staging_;
+}
+
+void CudaExecutor::compress(const LayoutCodec& codec, const float* data, int64_t begin,
+                            int64_t end, uint8_t* dst, uint64_t seed) {
+  const auto pieces = codec.pieces(begin, end);
+  const size_t bytes = total_bytes(pieces);
+  if (bytes == 0) return;
+  DeviceScope scope(device_);
+  uint8_t* out = staging(bytes);
+  for (const auto& piece : pieces) {
+    const Segment& segment = codec.segments()[piece.segment];
+    size_t used = 0;
+    if (segment.raw) {
+      copy_floats(data + piece.begin, piece.numel, reinterpret_cast<float*>(out), false, stream_);
+      used = piece.numel * sizeof(float);
+    } else {
+      cuda::compress(segment.params, data + piece.begin, DType::Float32, piece.numel, out,
+                     LayoutCodec::segment_seed(seed, piece.segment), stream_);
+      used = compressed_bytes(segment.params, piece.numel);
+    }
+    // The padding to 16 bytes is zero, as the CPU codec writes it.
+    if (piece.bytes > used)
+      check(cudaMemsetAsync(out + used, 0, piece.bytes - used, stream_), "cudaMemsetAsync");
+    out += piece.bytes;
+  }
+  check(cudaMemcpyAsync(dst, staging_, bytes, cudaMemcpyDeviceToHost, stream_), "copy to host");
+}
+
+void CudaExecutor::decode(const LayoutCodec& codec, const uint8_t* src, int64_t begin,
+                          int64_t end, float* data, bool add) {
+  const auto pieces = codec.pieces(begin, end);
+  const size_t bytes = total_bytes(pieces);
+  if (bytes == 0) return;
+  DeviceScope scope(device_);
+  const uint8_t* in = staging(bytes);
+  check(cudaMemcpyAsync(staging_, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to device");
+  for (const auto& piece : pieces) {
+    const Segment& segment = codec.segments()[piece.segment];
+    if (segment.raw)
+      copy_floats(reinterpret_cast<const float*>(in), piece.numel, data + piece.begin, add,
+                  stream_);
+    else
+      cuda::decompress(segment.params, in, piece.numel, data + piece.begin, DType::Float32, add,
+                       stream_);
+    in += piece.bytes;
+  }
+}
+
+void CudaExecutor::decompress(const LayoutCodec& codec, const uint8_t* src, int64_t begin,
+                              int64_t end, float* data) {
+  decode(codec, src, begin, end, data, /*add=*/false);
+}
+
+void CudaExecutor::decompress_add(const LayoutCodec& codec, const uint8_t* src, int64_t begin,
+                                  int64_t end, float* data) {
+  decode(codec, src, begin, end, data, /*add=*/true);
+}
+
+void CudaExecutor::zero(float* data, int64_t begin, int64_t end) {
+  if (end <= begin) return;
+  DeviceScope scope(device_);
+  check(cudaMemsetAsync(data + begin, 0, (end - begin) * sizeof(float), stream_),
+        "cudaMemsetAsync");
+}
+
+void CudaExecutor::sync() { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
+
+HostMemory pinned_memory() { return {allocate_pinned, release_pinned}; }
+
+}  // namespace cgx::compression::cuda

@@ -1,0 +1,52 @@
+// Values in the memory of one GPU, processed on one CUDA stream (compression/executor.h).
+//
+// A range is compressed piece by piece into a device staging buffer and copied to the
+// host bytes in one transfer; decompression copies the bytes up in one transfer and
+// decodes from staging. Everything is queued on the stream in issue order; only sync()
+// blocks, and it waits for this stream alone, never the whole device. With pinned host
+// bytes (pinned_memory()) the transfers overlap the host's work.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "compression/executor.h"
+
+namespace cgx::compression::cuda {
+
+class CudaExecutor final : public Executor {
+ public:
+  // `stream` belongs to `device` and outlives the executor. Any thread may use the
+  // executor, one at a time; each call makes `device` current for itself.
+  CudaExecutor(int device, cudaStream_t stream);
+  ~CudaExecutor() override;
+  CudaExecutor(const CudaExecutor&) = delete;
+  CudaExecutor& operator=(const CudaExecutor&) = delete;
+
+  void compress(const LayoutCodec& codec, const float* data, int64_t begin, int64_t end,
+                uint8_t* dst, uint64_t seed) override;
+  void decompress(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
+                  float* data) override;
+  void decompress_add(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
+                      float* data) override;
+  void zero(float* data, int64_t begin, int64_t end) override;
+  void sync() override;
+
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  void decode(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
+              float* data, bool add);
+  // A device buffer of at least `bytes`, ordered on the stream (grown, never shrunk).
+  uint8_t* staging(size_t bytes);
+
+  int device_;
+  cudaStream_t stream_;
+  uint8_t* staging_ = nullptr;
+  size_t staging_bytes_ = 0;
+};
+
+// Page-locked host memory, for the bytes a CudaExecutor fills and reads: its copies are
+// then truly asynchronous.
+HostMemory pinned_memory();
+
+}  // namespace cgx::compression::cuda
