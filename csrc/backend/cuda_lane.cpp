@@ -67,10 +67,13 @@ void CudaLane::run(CudaTicket& ticket, const std::function<void(const Lane&)>& f
   fn(Lane{&s.executor, &s.cross_executor, &s.scratch, &s.cross_scratch});
 }
 
-c10::Stream CudaLane::stream() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_INTERNAL_ASSERT(state_, "cgx: CudaLane::stream() before any CUDA call");
-  return state_->stream.unwrap();
+c10::Stream CudaLane::finished() {
+  State& s = *state_;
+  c10::Event done(c10::DeviceType::CUDA);
+  done.record(s.stream);
+  c10::cuda::CUDAStream settle = c10::cuda::getStreamFromPool(false, s.device.index());
+  done.block(settle);
+  return settle.unwrap();
 }
 
 #else  // a build without CUDA: CUDA tensors are refused with the reason
@@ -91,8 +94,8 @@ void CudaLane::run(CudaTicket&, const std::function<void(const Lane&)>&) {
   TORCH_INTERNAL_ASSERT(false, "cgx: CudaLane::run in a build without CUDA");
 }
 
-c10::Stream CudaLane::stream() const {
-  TORCH_INTERNAL_ASSERT(false, "cgx: CudaLane::stream in a build without CUDA");
+c10::Stream CudaLane::finished() {
+  TORCH_INTERNAL_ASSERT(false, "cgx: CudaLane::finished in a build without CUDA");
 }
 
 #endif

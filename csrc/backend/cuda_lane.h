@@ -4,7 +4,7 @@
 // per rank and group, fixed by the group's first CUDA call), after the work its caller had
 // queued on the current stream when it made the call (an event, never a device-wide
 // sync). The caller's stream waits for the result in Work::wait() or when it reads the
-// Work's future, which records the group's stream. The tensors are recorded as used on
+// Work's future, which records where the group's stream was when the call finished. The tensors are recorded as used on
 // the group's stream, so the caching allocator cannot give their memory to another stream
 // while the call still writes it. The cross-host phases of a pipelined hierarchical
 // allreduce get a second stream. Compressed bytes move through pinned host memory.
@@ -46,8 +46,10 @@ class CudaLane {
   // Worker thread: runs `fn` with the group's device and stream current, ordered after
   // the ticket's point.
   void run(CudaTicket& ticket, const std::function<void(const Lane&)>& fn);
-  // The stream a call's results are complete on (after admit()).
-  c10::Stream stream() const;
+  // Worker thread, after run(): a stream whose work so far ends where the group's stream
+  // is now (an event). A call's future is settled on it, so that its waiters wait for
+  // this call and not for the calls queued after it.
+  c10::Stream finished();
 
  private:
   struct State;

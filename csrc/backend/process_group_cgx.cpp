@@ -240,30 +240,32 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     c10d::ReduceOp::RedOpType op, c10d::OpType op_type, c10::intrusive_ptr<c10d::Work> also,
     std::shared_ptr<const compression::LayoutCodec> codec) {
   std::shared_ptr<CudaTicket> ticket;
-  std::optional<c10::Stream> stream;
-  if (tensors[0].is_cuda()) {
-    ticket = cuda_.admit(tensors);
-    stream = cuda_.stream();
-  }
+  if (tensors[0].is_cuda()) ticket = cuda_.admit(tensors);
   auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, std::move(outputs), gpu_of(tensors));
   const uint64_t sequence = count_call();
-  worker_.enqueue([this, work, tensors, op, sequence, also, codec, ticket, stream]() mutable {
+  worker_.enqueue([this, work, tensors, op, sequence, also, codec, ticket]() mutable {
     std::exception_ptr error;
+    std::optional<c10::Stream> done_on;  // a GPU call's results are complete there
     try {
       TORCH_CHECK(!shut_down_, "cgx: the process group was shut down before this collective ran");
       TORCH_CHECK(broken_.empty(), "cgx: the process group is unusable after an earlier failure: ",
                   broken_);
-      auto run = [&](const Lane& lane) { run_compressed(tensors, op, sequence, codec.get(), lane); };
-      if (ticket)
+      auto run = [&](const Lane& lane) {
+        run_compressed(tensors, op, sequence, codec.get(), lane);
+        // On a GPU this makes the group's stream wait for the exact part too.
+        if (also) also->wait();
+      };
+      if (ticket) {
         cuda_.run(*ticket, run);
-      else
+        done_on = cuda_.finished();
+      } else {
         run(Lane{&compression::host_executor(), &compression::host_executor(), &scratch_,
                  &cross_scratch_});
-      if (also) also->wait();
+      }
     } catch (...) {
       error = std::current_exception();
     }
-    CGXWork::settle_async(std::move(work), error, stream);
+    CGXWork::settle_async(std::move(work), error, done_on);
   });
   return work;
 }
