@@ -169,9 +169,9 @@ def _ddp_on_cuda(rank, world, bits):
     ddp = DDP(model, bucket_cap_mb=0.05)
     ddp.register_comm_hook(cgx.CGXState(None, model, cgx.CompressionPolicy(bits=bits, minimal_size=0)),
                            cgx.cgx_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
     losses = []
-    for step in range(20):
+    for step in range(30):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(64, 32, generator=g).cuda()
         y = (x[:, :10].argmax(1)).cuda()
@@ -190,4 +190,5 @@ def test_ddp_with_the_cgx_hook_on_cuda_parameters(bits):
     results = values(run_ranks(_ddp_on_cuda, 2, args=(bits,)))
     (params0, losses), (params1, _) = results
     assert torch.equal(params0, params1), "replicas drifted apart"
-    assert losses[-1] < 0.8 * losses[0], f"did not train: {losses}"
+    # Exact training on the same data goes from 2.31 to 1.27 (mean of the last 5 steps).
+    assert sum(losses[-5:]) / 5 < 0.75 * losses[0], f"did not train: {losses}"
