@@ -19,6 +19,10 @@ writes JSON and a PNG plot.
 
     python -P benchmarks/allreduce.py                                  # the full matrix
     python -P benchmarks/allreduce.py --sizes-mib 64 --world-sizes 2 --rates 1gbit
+    python -P benchmarks/allreduce.py --device cuda --rates loopback   # GPU tensors
+
+With `--device cuda` the tensors are on GPU `local rank % GPU count` (several ranks may
+share one), and each timed sample is bracketed by `torch.cuda.synchronize()`.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ def parse_args(argv=None):
                         default=METHODS)
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per method")
     parser.add_argument("--bucket-size", type=int, default=512)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the tensors are (default cpu)")
     parser.add_argument("--json", metavar="PATH", default="allreduce.json")
     parser.add_argument("--plot", metavar="PATH", default="allreduce.png")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per (world size, rate) job")
@@ -120,11 +126,20 @@ def worker(config_path):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = _groups(cfg["methods"], cfg["bucket_size"])
+    device = torch.device("cpu")
+    if cfg["device"] == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     samples = {}  # (size, method) -> [seconds per repeat on this rank]
     wire = {}  # (size, method) -> [bytes this host sent, payload cgx counted]
     for size_mib in cfg["sizes_mib"]:
         n = int(size_mib * 2**20) // 4
-        source = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+        source = torch.randn(n, generator=torch.Generator().manual_seed(rank)).to(device)
         x = torch.empty_like(source)
         for repeat in range(-1, cfg["repeats"]):  # repeat -1: warm-up and bytes on the wire
             if rank == 0:
@@ -134,8 +149,10 @@ def worker(config_path):
                 x.copy_(source)
                 dist.barrier()
                 before = _bytes_sent(cfg["emulated"], method, group)
+                synchronize()
                 start = time.perf_counter()
                 _allreduce(method, group, x)
+                synchronize()
                 elapsed = time.perf_counter() - start
                 if repeat < 0:
                     dist.barrier()  # every peer has received what this host sent
@@ -178,6 +195,7 @@ def run_matrix(args):
             with tempfile.TemporaryDirectory(prefix="cgx-bench-") as tmp:
                 cfg = {"methods": args.methods, "sizes_mib": args.sizes_mib,
                        "repeats": args.repeats, "bucket_size": args.bucket_size,
+                       "device": args.device,
                        "out": os.path.join(tmp, "rows.json"), "emulated": rate != "loopback"}
                 cfg_path = os.path.join(tmp, "config.json")
                 with open(cfg_path, "w") as f:
@@ -276,7 +294,7 @@ def main():
     args = parse_args()
     started = time.time()
     results = run_matrix(args)
-    print(f"\nallreduce, median of {args.repeats}, {os.cpu_count()} cores, "
+    print(f"\nallreduce of {args.device} tensors, median of {args.repeats}, {os.cpu_count()} cores, "
           f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"bucket {args.bucket_size}, {args.ranks_per_host} rank(s) per host, "
           f"{time.time() - started:.0f} s")
