@@ -108,34 +108,64 @@ def test_cuda_hierarchical_allreduce_is_the_cpu_one_bit_for_bit():
     check_against_cpu(run_ranks(_cpu_and_cuda_allreduce, 4, args=(cases,), timeout_s=600))
 
 
-def _result_after_a_slow_kernel(rank, world, via_future):
+@needs_gpu
+def test_cuda_leader_form_with_a_lone_rank_on_a_host():
+    # 3 ranks on 2 hosts ({0, 2} and {1}): the unbalanced hosts take the leader form, and
+    # rank 1's cross phases start at once on the second stream.
+    cases = [{"bits": 4, "algorithm": "SRA", "dtype": torch.float32, "n": 5_000_003, "hosts": 2}]
+    check_against_cpu(run_ranks(_cpu_and_cuda_allreduce, 3, args=(cases,), timeout_s=600))
+
+
+def _result_after_a_slow_kernel(rank, world, via_future, dtype, average):
     """The caller's stream is busy (a sleeping kernel, then the write that makes the
     input) when the allreduce is issued; the result read right after wait() on that
-    stream must be the sum of the final inputs."""
+    stream must be the reduction of the final inputs. float16 with AVG leaves work on
+    cgx's stream after its last exchange (the division, the copy back to float16), which
+    the caller's stream must wait for too."""
     torch.cuda.set_device(0)
     init_cgx(rank, world)
     group = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=8, minimal_size=0))
-    n = 1 << 20
-    t = torch.zeros(n, device="cuda")
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the caller's stream
+    n = 1 << 22
+    t = torch.zeros(n, device="cuda", dtype=dtype)
+    torch.cuda._sleep(1_000_000_000)  # about 0.5 s of GPU time on the caller's stream
     t.fill_(float(rank + 1))
-    work = dist.all_reduce(t, group=group, async_op=True)
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    work = dist.all_reduce(t, op=op, group=group, async_op=True)
     if via_future:
         result = work.get_future().wait()[0]
     else:
         work.wait()
         result = t
-    seen = (result * 1.0).cpu()  # a kernel on the caller's stream, then a copy
-    expected = float(sum(r + 1 for r in range(world)))
+    seen = (result * 1).float().cpu()  # a kernel on the caller's stream, then a copy
+    expected = float(sum(r + 1 for r in range(world))) / (world if average else 1)
     return float((seen - expected).abs().max())
 
 
 @needs_gpu
 @pytest.mark.parametrize("via_future", [False, True])
-def test_result_read_on_the_callers_stream_after_wait_is_the_reduced_one(via_future):
+@pytest.mark.parametrize("dtype, average", [(torch.float32, False), (torch.float16, True)])
+def test_result_read_on_the_callers_stream_after_wait_is_the_reduced_one(via_future, dtype,
+                                                                           average):
     # Constant buckets quantize exactly: any stale or partial read shows as an error.
-    errors = values(run_ranks(_result_after_a_slow_kernel, 2, args=(via_future,)))
+    errors = values(run_ranks(_result_after_a_slow_kernel, 2, args=(via_future, dtype, average)))
     assert errors == [0.0, 0.0]
+
+
+def _mixed_devices(rank, world):
+    torch.cuda.set_device(0)
+    init_cgx(rank, world)
+    tensors = [torch.ones(1000), torch.ones(1000, device="cuda")]
+    try:
+        dist.all_reduce_coalesced(tensors)
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+@needs_gpu
+def test_a_coalesced_call_on_two_devices_is_refused_on_every_rank():
+    for message in values(run_ranks(_mixed_devices, 2)):
+        assert message and "must be on one device" in message
 
 
 def _exact_path_on_cuda(rank, world):

@@ -28,10 +28,13 @@ void CGXWork::settle(std::exception_ptr error) {
 }
 
 void CGXWork::settle_async(c10::intrusive_ptr<CGXWork> work, std::exception_ptr error,
-                           std::optional<c10::Stream> stream) {
-  at::launch([work = std::move(work), error, stream] {
-    const c10::OptionalStreamGuard guard(stream);
-    work->settle(error);
+                           std::optional<c10::Stream> stream, std::function<void()> then) {
+  at::launch([work = std::move(work), error, stream, then = std::move(then)] {
+    {
+      const c10::OptionalStreamGuard guard(stream);
+      work->settle(error);
+    }
+    if (then) then();
   });
 }
 

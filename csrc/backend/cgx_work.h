@@ -5,6 +5,7 @@
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <functional>
 #include <optional>
 
 namespace cgx::backend {
@@ -23,8 +24,10 @@ class CGXWork final : public c10d::Work {
   // The same on torch's inter-op thread pool: future callbacks may then start, or wait
   // for, collectives of the group without blocking the group's worker thread. `stream`:
   // the stream the results are complete on (current while the future is settled).
+  // `then` runs once the Work is complete.
   static void settle_async(c10::intrusive_ptr<CGXWork> work, std::exception_ptr error,
-                           std::optional<c10::Stream> stream = std::nullopt);
+                           std::optional<c10::Stream> stream = std::nullopt,
+                           std::function<void()> then = {});
 
   // Blocks until the collective is done; on a GPU, also makes the caller's current
   // stream wait for it.

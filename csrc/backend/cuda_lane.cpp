@@ -5,6 +5,7 @@
 #ifdef CGX_WITH_CUDA
 #include <c10/core/Event.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -19,17 +20,50 @@ struct CudaTicket {
   c10::Event ready{c10::DeviceType::CUDA};
 };
 
+namespace {
+
+// A stream of the group's own: one from torch's pool may be shared with other code,
+// whose work sync() would then wait for too.
+class OwnedStream {
+ public:
+  explicit OwnedStream(c10::Device device) : raw_(create(device)) {}
+  ~OwnedStream() {
+    cudaStreamSynchronize(raw_);
+    cudaStreamDestroy(raw_);
+  }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+  cudaStream_t raw() const { return raw_; }
+
+ private:
+  static cudaStream_t create(c10::Device device) {
+    const c10::cuda::CUDAGuard guard(device);
+    cudaStream_t s = nullptr;
+    // Non-blocking: ordered with the callers' streams by events only.
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    return s;
+  }
+  cudaStream_t raw_;
+};
+
+}  // namespace
+
+// Members are destroyed in reverse: the scratch and executors, then the streams.
 struct CudaLane::State {
   explicit State(c10::Device d)
       : device(d),
-        stream(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, d.index())),
-        cross_stream(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, d.index())),
+        own_stream(d),
+        own_cross_stream(d),
+        stream(c10::cuda::getStreamFromExternal(own_stream.raw(), d.index())),
+        cross_stream(c10::cuda::getStreamFromExternal(own_cross_stream.raw(), d.index())),
         executor(d.index(), stream.stream()),
         cross_executor(d.index(), cross_stream.stream()),
         scratch(compression::cuda::pinned_memory()),
         cross_scratch(compression::cuda::pinned_memory()) {}
 
   c10::Device device;
+  OwnedStream own_stream;
+  OwnedStream own_cross_stream;
   c10::cuda::CUDAStream stream;
   c10::cuda::CUDAStream cross_stream;
   compression::cuda::CudaExecutor executor;
@@ -39,7 +73,13 @@ struct CudaLane::State {
 };
 
 CudaLane::CudaLane() = default;
-CudaLane::~CudaLane() = default;
+
+CudaLane::~CudaLane() {
+  if (!state_) return;
+  // The group may be destroyed on any thread: free on the group's device.
+  const c10::cuda::CUDAGuard guard(state_->device);
+  state_.reset();
+}
 
 std::shared_ptr<CudaTicket> CudaLane::admit(const std::vector<at::Tensor>& tensors) {
   TORCH_CHECK(!tensors.empty(), "cgx: a CUDA call needs tensors");

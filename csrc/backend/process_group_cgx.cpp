@@ -108,6 +108,8 @@ ProcessGroupCGX::~ProcessGroupCGX() { shutdown(); }
 void ProcessGroupCGX::shutdown() {
   if (shut_down_.exchange(true)) return;
   worker_.stop();
+  // NCCL's communicators are released by its shutdown (torch warns when they are not).
+  if (exact_cuda_ != exact_) exact_cuda_->shutdown();
 }
 
 compression::LayoutCodec ProcessGroupCGX::uniform_codec(int64_t numel) const {
@@ -165,6 +167,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce(std::vector<at::Tensor
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   check_dense(tensors, "allreduce_coalesced");
+  for (const auto& t : tensors)
+    TORCH_CHECK(t.device() == tensors[0].device(),
+                "cgx allreduce_coalesced: the tensors must be on one device, got ",
+                tensors[0].device(), " and ", t.device());
   std::vector<at::Tensor> compressed, exact;
   for (const auto& t : tensors) (compressible(t, opts.reduceOp) ? compressed : exact).push_back(t);
   c10::intrusive_ptr<c10d::Work> exact_work;
@@ -243,7 +249,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
   if (tensors[0].is_cuda()) ticket = cuda_.admit(tensors);
   auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, std::move(outputs), gpu_of(tensors));
   const uint64_t sequence = count_call();
-  worker_.enqueue([this, work, tensors, op, sequence, also, codec, ticket]() mutable {
+  const uint64_t completion = completions_->begin();
+  auto task = [this, work, tensors, op, sequence, also, codec, ticket, completion]() mutable {
     std::exception_ptr error;
     std::optional<c10::Stream> done_on;  // a GPU call's results are complete there
     try {
@@ -265,8 +272,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     } catch (...) {
       error = std::current_exception();
     }
-    CGXWork::settle_async(std::move(work), error, done_on);
-  });
+    CGXWork::settle_async(std::move(work), error, done_on,
+                          [completions = completions_, completion] { completions->end(completion); });
+  };
+  try {
+    worker_.enqueue(std::move(task));
+  } catch (...) {
+    completions_->end(completion);
+    throw;
+  }
   return work;
 }
 
@@ -462,19 +476,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recvAnysource(std::vector<at::Te
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::barrier(const c10d::BarrierOptions& opts) {
   // Gloo's barrier is issued now (Gloo's program order); it completes once Gloo's barrier
-  // has and every compressed collective queued before it has run, as a barrier should.
+  // has and every compressed collective queued before it has completed, as a barrier
+  // should.
   count_call();
   auto gloo_barrier = exact_->barrier(opts);
   auto work = c10::make_intrusive<CGXWork>(getRank(), c10d::OpType::BARRIER,
                                            std::vector<at::Tensor>{});
-  worker_.enqueue([work, gloo_barrier]() {
+  const uint64_t earlier = completions_->mark();
+  worker_.enqueue([work, gloo_barrier, completions = completions_, earlier]() {
     std::exception_ptr error;
     try {
       gloo_barrier->wait();
     } catch (...) {
       error = std::current_exception();
     }
-    CGXWork::settle_async(work, error);
+    completions->after(earlier, [work, error] { CGXWork::settle_async(work, error); });
   });
   return work;
 }

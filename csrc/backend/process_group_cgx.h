@@ -17,6 +17,7 @@
 #include <mutex>
 #include <string>
 
+#include "backend/completion_order.h"
 #include "backend/connect.h"
 #include "backend/cuda_lane.h"
 #include "backend/settings.h"
@@ -151,6 +152,9 @@ class ProcessGroupCGX final : public c10d::Backend {
   mutable std::mutex stats_mutex_;
   Stats stats_;
   std::atomic<bool> shut_down_{false};
+  // Compressed collectives' completions, which barriers follow (shared with the settling
+  // tasks, which may outlive the group).
+  std::shared_ptr<CompletionOrder> completions_ = std::make_shared<CompletionOrder>();
   Worker worker_;  // last: stopped before the members its tasks use are destroyed
 };
 

@@ -175,6 +175,7 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
   Traffic cross_traffic;
   std::thread cross_thread([&] {
     try {
+      options.cross_executor->bind_thread();
       for (int p = 0; p < num_pieces; ++p) {
         pipeline.wait_host_reduction(p);
         cross_traffic += allreduce_across_hosts(p);

@@ -27,6 +27,9 @@ class Executor {
                               int64_t end, float* data) = 0;
   // data[begin, end) = 0.
   virtual void zero(float* data, int64_t begin, int64_t end) = 0;
+  // Readies the calling thread, before its first use of the executor or of memory it
+  // needs (a CUDA executor makes its device current there).
+  virtual void bind_thread() {}
   // Returns once every operation issued so far is complete.
   virtual void sync() = 0;
 };

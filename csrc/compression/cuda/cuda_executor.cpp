@@ -15,24 +15,6 @@ void check(cudaError_t code, const char* what) {
                              cudaGetErrorString(code));
 }
 
-// Makes `device` current for one call and restores the caller's (the cross phases run
-// on a thread of their own, whose current device is otherwise 0).
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceScope() {
-    int current = previous_;
-    cudaGetDevice(&current);
-    if (current != previous_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-};
-
 size_t total_bytes(const std::vector<LayoutCodec::Piece>& pieces) {
   size_t bytes = 0;
   for (const auto& piece : pieces) bytes += piece.bytes;
@@ -52,12 +34,13 @@ void release_pinned(void* p) {
 CudaExecutor::CudaExecutor(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
 
 CudaExecutor::~CudaExecutor() {
-  if (!staging_) return;
-  int previous = 0;
-  cudaGetDevice(&previous);
-  cudaSetDevice(device_);
-  cudaFreeAsync(staging_, stream_);
-  cudaSetDevice(previous);
+  if (staging_) cudaFreeAsync(staging_, stream_);
+}
+
+void CudaExecutor::bind_thread() {
+  int current = -1;
+  check(cudaGetDevice(&current), "cudaGetDevice");
+  if (current != device_) check(cudaSetDevice(device_), "cudaSetDevice");
 }
 
 uint8_t* CudaExecutor::staging(size_t bytes) {
@@ -78,7 +61,7 @@ void CudaExecutor::compress(const LayoutCodec& codec, const float* data, int64_t
   const auto pieces = codec.pieces(begin, end);
   const size_t bytes = total_bytes(pieces);
   if (bytes == 0) return;
-  DeviceScope scope(device_);
+  bind_thread();
   uint8_t* out = staging(bytes);
   for (const auto& piece : pieces) {
     const Segment& segment = codec.segments()[piece.segment];
@@ -104,7 +87,7 @@ void CudaExecutor::decode(const LayoutCodec& codec, const uint8_t* src, int64_t 
   const auto pieces = codec.pieces(begin, end);
   const size_t bytes = total_bytes(pieces);
   if (bytes == 0) return;
-  DeviceScope scope(device_);
+  bind_thread();
   const uint8_t* in = staging(bytes);
   check(cudaMemcpyAsync(staging_, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to device");
   for (const auto& piece : pieces) {
@@ -131,7 +114,7 @@ void CudaExecutor::decompress_add(const LayoutCodec& codec, const uint8_t* src, 
 
 void CudaExecutor::zero(float* data, int64_t begin, int64_t end) {
   if (end <= begin) return;
-  DeviceScope scope(device_);
+  bind_thread();
   check(cudaMemsetAsync(data + begin, 0, (end - begin) * sizeof(float), stream_),
         "cudaMemsetAsync");
 }

@@ -16,8 +16,9 @@ namespace cgx::compression::cuda {
 class CudaExecutor final : public Executor {
  public:
   // `stream` belongs to `device` and outlives the executor. Any thread may use the
-  // executor, one at a time; each call makes `device` current for itself.
+  // executor, one at a time, after bind_thread() (which each call also does).
   CudaExecutor(int device, cudaStream_t stream);
+  // Frees the staging buffer on the stream; `device` must be current.
   ~CudaExecutor() override;
   CudaExecutor(const CudaExecutor&) = delete;
   CudaExecutor& operator=(const CudaExecutor&) = delete;
@@ -30,6 +31,9 @@ class CudaExecutor final : public Executor {
                       float* data) override;
   void zero(float* data, int64_t begin, int64_t end) override;
   void sync() override;
+  // Makes `device` current for the calling thread (and leaves it so: restoring a device
+  // the thread never used would create a context there).
+  void bind_thread() override;
 
   cudaStream_t stream() const { return stream_; }
 
