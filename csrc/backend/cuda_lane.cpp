@@ -9,6 +9,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <map>
+
 #include "compression/cuda/cuda_executor.h"
 #endif
 
@@ -22,27 +24,58 @@ struct CudaTicket {
 
 namespace {
 
-// A stream of the group's own: one from torch's pool may be shared with other code,
-// whose work sync() would then wait for too.
-class OwnedStream {
+// Streams of cgx's own, reused by later groups and never destroyed: the caching
+// allocator records events on a stream whenever a tensor used there is freed, which may
+// be long after the group is gone. (One of torch's pool would do too, but other code
+// shares those, and sync() would wait for its work.)
+class StreamCache {
  public:
-  explicit OwnedStream(c10::Device device) : raw_(create(device)) {}
-  ~OwnedStream() {
-    cudaStreamSynchronize(raw_);
-    cudaStreamDestroy(raw_);
-  }
-  OwnedStream(const OwnedStream&) = delete;
-  OwnedStream& operator=(const OwnedStream&) = delete;
-  cudaStream_t raw() const { return raw_; }
-
- private:
-  static cudaStream_t create(c10::Device device) {
+  static cudaStream_t acquire(c10::Device device) {
+    {
+      std::lock_guard<std::mutex> lock(mutex());
+      auto& free = streams()[device.index()];
+      if (!free.empty()) {
+        cudaStream_t s = free.back();
+        free.pop_back();
+        return s;
+      }
+    }
     const c10::cuda::CUDAGuard guard(device);
     cudaStream_t s = nullptr;
     // Non-blocking: ordered with the callers' streams by events only.
     C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     return s;
   }
+  static void release(c10::Device device, cudaStream_t s) {
+    std::lock_guard<std::mutex> lock(mutex());
+    streams()[device.index()].push_back(s);
+  }
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::map<c10::DeviceIndex, std::vector<cudaStream_t>>& streams() {
+    static auto* free = new std::map<c10::DeviceIndex, std::vector<cudaStream_t>>();  // never freed
+    return *free;
+  }
+};
+
+// A stream from the cache for the lifetime of a group.
+class OwnedStream {
+ public:
+  explicit OwnedStream(c10::Device device) : device_(device), raw_(StreamCache::acquire(device)) {}
+  ~OwnedStream() {
+    cudaStreamSynchronize(raw_);
+    StreamCache::release(device_, raw_);
+  }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+  cudaStream_t raw() const { return raw_; }
+
+ private:
+  c10::Device device_;
   cudaStream_t raw_;
 };
 

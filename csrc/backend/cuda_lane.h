@@ -1,8 +1,8 @@
 // The CUDA side of a group's compressed calls.
 //
 // A call on CUDA tensors runs on the group's own stream of the group's device (one device
-// per rank and group, fixed by the group's first CUDA call; a stream created for the
-// group, not one of torch's pool that others share), after the work its caller had
+// per rank and group, fixed by the group's first CUDA call; a stream of cgx's own, not
+// one of torch's pool that others share), after the work its caller had
 // queued on the current stream when it made the call (an event, never a device-wide
 // sync). The caller's stream waits for the result in Work::wait() or when it reads the
 // Work's future, which records where the group's stream was when the call finished. The tensors are recorded as used on
