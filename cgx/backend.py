@@ -31,6 +31,7 @@ def to_settings(config: Config) -> _C.Settings:
     settings.intra_compress = config.intra_compress
     settings.hostname = config.hostname or socket.gethostname()
     settings.shm_ring_bytes = config.shm_ring_bytes
+    settings.deferred_execution = config.deferred_execution
     return settings
 
 

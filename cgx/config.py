@@ -127,6 +127,11 @@ VARIABLES: tuple[Variable, ...] = (
              _int_in(4096, 2**36),
              "Capacity of each shared-memory ring (one per ordered pair of local ranks); "
              "larger messages stream through it."),
+    Variable("CGX_DEBUG_DEFERRED_EXECUTION", "deferred_execution", False,
+             "0/1, true/false, yes/no, on/off", _bool,
+             "Debugging: run the CPU codec work as a GPU stream would (queued until the "
+             "algorithm synchronises, bytes garbage until then), so that ordering bugs of "
+             "the CUDA path show without a GPU. Slower; results are unchanged."),
 )
 
 
@@ -146,6 +151,7 @@ class Config:
     intra_compress: bool = True
     hostname: str | None = None  # None: this machine's hostname
     shm_ring_bytes: int = 4 << 20
+    deferred_execution: bool = False
 
     def __post_init__(self) -> None:
         # Values given in Python pass the same checks as the environment's.

@@ -167,7 +167,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("intra_broadcast", &Settings::intra_broadcast)
       .def_readwrite("intra_compress", &Settings::intra_compress)
       .def_readwrite("hostname", &Settings::hostname)
-      .def_readwrite("shm_ring_bytes", &Settings::shm_ring_bytes);
+      .def_readwrite("shm_ring_bytes", &Settings::shm_ring_bytes)
+      .def_readwrite("deferred_execution", &Settings::deferred_execution);
 
   py::class_<ProcessGroupCGX, c10d::Backend, c10::intrusive_ptr<ProcessGroupCGX>>(
       m, "ProcessGroupCGX")

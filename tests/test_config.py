@@ -42,6 +42,7 @@ def test_defaults_follow_torch_cgx():
         ("CGX_INNER_REDUCTION_TYPE", "RING", "inner_reduction", "Ring"),
         ("CGX_HOSTNAME", "node7", "hostname", "node7"),
         ("CGX_SHM_RING_BYTES", "65536", "shm_ring_bytes", 65536),
+        ("CGX_DEBUG_DEFERRED_EXECUTION", "on", "deferred_execution", True),
     ],
 )
 def test_parses_each_variable(variable, text, field, value):

@@ -11,6 +11,7 @@
 #include "backend/connect.h"
 #include "collectives/call_signature.h"
 #include "collectives/hierarchical_allreduce.h"
+#include "compression/deferred_executor.h"
 
 namespace cgx::backend {
 
@@ -80,6 +81,11 @@ c10::intrusive_ptr<c10d::Backend> checked_exact(c10::intrusive_ptr<c10d::Backend
   return exact;
 }
 
+std::unique_ptr<compression::Executor> make_host_executor(const Settings& settings) {
+  if (settings.deferred_execution) return std::make_unique<compression::DeferredExecutor>();
+  return std::make_unique<compression::HostExecutor>();
+}
+
 // The GPU of a call's tensors, for a Work whose future must order streams.
 std::vector<c10::Device> gpu_of(const std::vector<at::Tensor>& tensors) {
   if (!tensors.empty() && tensors[0].is_cuda()) return {tensors[0].device()};
@@ -97,7 +103,9 @@ ProcessGroupCGX::ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, i
       timeout_(timeout),
       exact_(checked_exact(std::move(exact), rank, size)),
       exact_cuda_(exact_cuda ? checked_exact(std::move(exact_cuda), rank, size) : exact_),
-      connection_(connect(store, rank, size, exact_, settings_)) {}
+      connection_(connect(store, rank, size, exact_, settings_)),
+      executor_(make_host_executor(settings_)),
+      cross_executor_(make_host_executor(settings_)) {}
 
 bool ProcessGroupCGX::hierarchical() const {
   return collectives::is_hierarchical(connection_.hosts);
@@ -266,8 +274,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
         cuda_.run(*ticket, run);
         done_on = cuda_.finished();
       } else {
-        run(Lane{&compression::host_executor(), &compression::host_executor(), &scratch_,
-                 &cross_scratch_});
+        run(Lane{executor_.get(), cross_executor_.get(), &scratch_, &cross_scratch_});
       }
     } catch (...) {
       error = std::current_exception();

@@ -142,6 +142,9 @@ class ProcessGroupCGX final : public c10d::Backend {
   Connection connection_;  // which ranks share a host, and the transports to reach them
   collectives::Scratch scratch_;        // used by the worker thread only
   collectives::Scratch cross_scratch_;  // the hierarchical cross phases (their own thread)
+  // CPU values: the host codec, or with deferred_execution one queue per thread.
+  std::unique_ptr<compression::Executor> executor_;
+  std::unique_ptr<compression::Executor> cross_executor_;
   CudaLane cuda_;                       // streams, executors and pinned scratch on a GPU
   // Collectives issued, exact ones included (callers' threads): a compressed call's
   // number differs between ranks whenever they took different paths before it (a size

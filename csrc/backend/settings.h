@@ -31,6 +31,7 @@ struct Settings {
   bool intra_compress = true;    // hierarchical: compress inside a host too
   std::string hostname;  // ranks with the same name share a host
   int64_t shm_ring_bytes = 4 << 20;
+  bool deferred_execution = false;  // debugging: host codec work queued until sync()
 };
 
 // Whether this build has the CUDA codec (a CUDA torch and nvcc at build time).
