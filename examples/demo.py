@@ -1,6 +1,6 @@
 """cgx demo: 4 local ranks, a compressed allreduce and a few DDP steps.
 
-    python examples/demo.py [--world-size 4] [--bits 4]
+    python examples/demo.py [--world-size 4] [--bits 4] [--device cuda]
 
 Prints, for rank 0, the bytes cgx put on the wire against what the same algorithm
 sends uncompressed, and the error against the exact sum.
@@ -18,9 +18,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def run(rank: int, world_size: int, bits: int, store_path: str) -> None:
+def run(rank: int, world_size: int, bits: int, device_type: str, store_path: str) -> None:
     os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"] = str(bits)
     import cgx  # registers backend "cgx"
+
+    device = torch.device("cpu")
+    if device_type == "cuda":  # ranks share the GPUs there are, round robin
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)  # before init: cgx reads each rank's GPU there
 
     dist.init_process_group("cgx", init_method=f"file://{store_path}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=60))
@@ -29,16 +34,16 @@ def run(rank: int, world_size: int, bits: int, store_path: str) -> None:
     # 1. One compressed allreduce of 10M float32 values.
     inputs = [torch.randn(10_000_000, generator=torch.Generator().manual_seed(r))
               for r in range(world_size)]
-    t = inputs[rank].clone()
+    t = inputs[rank].to(device, copy=True)
     dist.all_reduce(t)
     exact = torch.stack(inputs).sum(0)
-    err = (t - exact).abs()
+    err = (t.cpu() - exact).abs()
     allreduce_stats = cgx.stats()
 
     # 2. A few DDP steps of a small MLP; gradients go through the same compressed path.
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
-                                torch.nn.Linear(1024, 10))
+                                torch.nn.Linear(1024, 10)).to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(100 + rank)
@@ -47,7 +52,7 @@ def run(rank: int, world_size: int, bits: int, store_path: str) -> None:
     for _ in range(20):
         x = torch.randn(64, 256, generator=g)
         y = (x @ w_true).argmax(1)
-        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        loss = torch.nn.functional.cross_entropy(ddp(x.to(device)), y.to(device))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -62,7 +67,8 @@ def run(rank: int, world_size: int, bits: int, store_path: str) -> None:
         def ratio(s):
             return s["uncompressed_bytes"] / max(1, s["bytes_sent"])
 
-        print(f"cgx demo: {world_size} ranks, {bits}-bit quantization, bucket 512, SRA over shared memory")
+        print(f"cgx demo: {world_size} ranks, {bits}-bit quantization, bucket 512, SRA over "
+              f"shared memory, {device_type} tensors")
         print(f"allreduce of 10M float32: sent {allreduce_stats['bytes_sent'] / 2**20:.1f} MiB "
               f"vs {allreduce_stats['uncompressed_bytes'] / 2**20:.1f} MiB uncompressed "
               f"({ratio(allreduce_stats):.2f}x fewer bytes)")
@@ -81,9 +87,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the tensors and the model are (cuda: a CUDA build of cgx)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(run, args=(args.world_size, args.bits, os.path.join(tmp, "store")),
+        mp.spawn(run, args=(args.world_size, args.bits, args.device, os.path.join(tmp, "store")),
                  nprocs=args.world_size)
 
 
