@@ -68,6 +68,30 @@ __device__ __forceinline__ void load_group(const T* src, int64_t g, int64_t coun
   for (int j = 0; j < 8; ++j) v[j] = first + j < count ? to_float(p[j]) : 0.0f;
 }
 
+// Walks the buckets of a group's values with one division per group, not one per value
+// (a 64-bit division costs more than the rest of a value's work).
+class BucketCursor {
+ public:
+  __device__ BucketCursor(int64_t first, int64_t bucket_size)
+      : bucket_size_(bucket_size),
+        bucket_(first / bucket_size),
+        left_(bucket_size - (first - bucket_ * bucket_size)) {}
+  // The bucket of the next value.
+  __device__ int64_t next() {
+    if (left_ == 0) {
+      ++bucket_;
+      left_ = bucket_size_;
+    }
+    --left_;
+    return bucket_;
+  }
+
+ private:
+  int64_t bucket_size_;
+  int64_t bucket_;
+  int64_t left_;  // values of bucket_ not yet visited
+};
+
 template <typename T>
 __global__ void bucket_meta(const T* __restrict__ src, int64_t quantized, int64_t bucket_size,
                             int64_t buckets, float max_level, float2* __restrict__ meta) {
@@ -120,11 +144,12 @@ __global__ void quantize_pack(const T* __restrict__ src, int64_t quantized, int6
     float v[8];
     load_group(src, g, quantized, v);
     uint64_t word = 0;
+    BucketCursor buckets(8 * g, bucket_size);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int64_t i = 8 * g + j;
       if (i >= quantized) break;  // padding levels stay 0
-      const float2 code = meta[i / bucket_size];
+      const float2 code = meta[buckets.next()];
       if (isnan(code.y)) continue;  // a non-finite bucket: every level 0
       float inv = code.y > 0.0f ? __fdiv_rn(1.0f, code.y) : 0.0f;
       if (!isfinite(inv)) inv = 0.0f;
@@ -154,11 +179,12 @@ __global__ void unpack_dequantize(const uint8_t* __restrict__ stream, int64_t qu
     const uint8_t* in = stream + g * bits;
     uint64_t word = 0;
     for (int k = 0; k < bits; ++k) word |= static_cast<uint64_t>(in[k]) << (8 * k);
+    BucketCursor buckets(8 * g, bucket_size);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int64_t i = 8 * g + j;
       if (i >= quantized) break;
-      const float2 code = meta[i / bucket_size];
+      const float2 code = meta[buckets.next()];
       const float level = static_cast<float>(static_cast<int>((word >> (j * bits)) & mask));
       const float value = __fadd_rn(code.x, __fmul_rn(level, code.y));
       dst[i] = from_float<T>(add ? __fadd_rn(to_float(dst[i]), value) : value);
