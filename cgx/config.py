@@ -131,7 +131,7 @@ VARIABLES: tuple[Variable, ...] = (
              "0/1, true/false, yes/no, on/off", _bool,
              "Debugging: run the CPU codec work as a GPU stream would (queued until the "
              "algorithm synchronises, bytes garbage until then), so that ordering bugs of "
-             "the CUDA path show without a GPU. Slower; results are unchanged."),
+             "the CUDA path show without a GPU. The results are the same bits."),
 )
 
 

@@ -10,7 +10,6 @@ CGXWork::CGXWork(int rank, c10d::OpType op_type, std::vector<at::Tensor> outputs
                  std::vector<c10::Device> devices)
     : c10d::Work(rank, op_type),
       outputs_(std::move(outputs)),
-      on_device_(!devices.empty()),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()), std::move(devices))) {}
 
@@ -40,7 +39,8 @@ void CGXWork::settle_async(c10::intrusive_ptr<CGXWork> work, std::exception_ptr 
 
 bool CGXWork::wait(std::chrono::milliseconds timeout) {
   const bool done = c10d::Work::wait(timeout);  // throws the collective's error
-  if (on_device_) future_->wait();  // the caller's stream waits for the recorded one
+  // On a GPU the caller's stream waits for the one the future recorded.
+  if (!future_->devices().empty()) future_->wait();
   return done;
 }
 

@@ -37,7 +37,6 @@ class CGXWork final : public c10d::Work {
 
  private:
   std::vector<at::Tensor> outputs_;
-  bool on_device_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
