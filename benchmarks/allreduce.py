@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from launch import run_job  # noqa: E402
 from netemu import EmulatedHosts, link_counters  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 CGX_METHODS = [f"cgx-{bits}-{alg}" for alg in ("SRA", "Ring") for bits in (8, 4, 2)]
 TOPOLOGY_METHODS = [f"cgx-{bits}-{alg}-{form}" for form in ("flat", "leader")
@@ -260,12 +261,11 @@ def wire_table(results) -> str:
     return "\n".join(lines)
 
 
-def plot(results, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results, path) -> bool:
+    """Draws the results into `path`; False where matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
+        return False
     worlds = sorted({r["world_size"] for r in results})
     rates = list(dict.fromkeys(r["rate"] for r in results))
     fig, axes = plt.subplots(len(worlds), len(rates), figsize=(5 * len(rates), 4 * len(worlds)),
@@ -285,6 +285,7 @@ def plot(results, path):
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 def main():
@@ -306,8 +307,7 @@ def main():
         json.dump({"machine": {"cores": os.cpu_count(), "torch": torch.__version__,
                                "platform": platform.platform()},
                    "args": vars(args), "results": results}, f, indent=1)
-    plot(results, args.plot)
-    print(f"wrote {args.json} and {args.plot}")
+    print(f"wrote {args.json}" + (f" and {args.plot}" if plot(results, args.plot) else ""))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,10 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P: the helpers here
+
+from plotting import pyplot  # noqa: E402
+
 METHODS = ("allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx-adaptive")
 WARMUP_STEPS = 10  # uncompressed first steps, for every compressing method alike
 
@@ -219,7 +223,6 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
 def run_on_emulated_hosts(call, world, rate, tmp, out):
     """One method's run with every rank on its own emulated host (root only); adds the
     bytes that crossed the links (all hosts, the whole run) to the result."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from launch import run_job
     from netemu import EmulatedHosts
 
@@ -243,12 +246,11 @@ def rank_main(config_path):
                config["out"])
 
 
-def plot(results, task, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results, task, path) -> bool:
+    """Draws the loss curves into `path`; False where matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
+        return False
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in results:
         losses = torch.tensor(r["losses"])
@@ -261,6 +263,7 @@ def plot(results, task, path):
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 def main():
@@ -310,8 +313,7 @@ def main():
     with open(stem + ".json", "w") as f:
         json.dump({"task": args.task, "world_size": args.world_size, "steps": args.steps,
                    "seed": args.seed, "results": results}, f)
-    plot(results, args.task, stem + ".png")
-    print(f"wrote {stem}.json and {stem}.png")
+    print(f"wrote {stem}.json" + (f" and {stem}.png" if plot(results, args.task, stem + ".png") else ""))
 
 
 if __name__ == "__main__":

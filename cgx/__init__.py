@@ -16,7 +16,7 @@ import torch.distributed  # noqa: F401  (registers the c10d base classes the mod
 from cgx import _C  # noqa: F401  (cgx._C: the native module)
 from cgx import mpi
 from cgx._C import ProcessGroupCGX, compress, compressed_size, decompress
-from cgx.backend import create_backend, get_backend, stats
+from cgx.backend import create_backend, exact, get_backend, stats
 from cgx.config import Config, from_env
 from cgx.adaptive import AdaptiveBits
 from cgx.hooks import CGXState, cgx_hook
@@ -30,6 +30,7 @@ __all__ = [
     "decompress",
     "compressed_size",
     "create_backend",
+    "exact",
     "get_backend",
     "stats",
     "AdaptiveBits",

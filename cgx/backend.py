@@ -1,9 +1,12 @@
-"""Creates ProcessGroupCGX for torch.distributed (the registered factory)."""
+"""Creates ProcessGroupCGX for torch.distributed (the registered factory), finds it
+behind a group, and lets a caller ask for exact calls on a compressing group."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -126,3 +129,24 @@ def stats(group: dist.ProcessGroup | None = None) -> dict[str, int]:
     """This rank's compressed-allreduce totals on `group`: calls, bytes_sent and
     uncompressed_bytes (what the same algorithm would send without compression)."""
     return get_backend(group).stats()
+
+
+@contextlib.contextmanager
+def exact() -> Iterator[None]:
+    """Allreduces this thread issues inside the block take the exact path on every cgx
+    group, whatever their dtype and size: the result equals Gloo's.
+
+    For what must not be quantized on a group that compresses (metrics, loss averaging)::
+
+        with cgx.exact():
+            dist.all_reduce(loss_sum)
+
+    Every rank must issue the call inside the block (the path is part of the call, like
+    its size). Only the calling thread is affected. :func:`cgx.cgx_hook` keeps the
+    per-layer plan it sends with each bucket, inside a block or not. Blocks nest.
+    """
+    previous = _C.set_exact_on_this_thread(True)
+    try:
+        yield
+    finally:
+        _C.set_exact_on_this_thread(previous)

@@ -8,6 +8,12 @@ Example::
     state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=4), warmup_steps=100)
     ddp.register_comm_hook(state, cgx.cgx_hook)
 
+torch_cgx's form works unchanged (no model: layers are told apart by DDP's buckets)::
+
+    state = cgx.CGXState(dist.group.WORLD, layer_min_size=1024,
+                         compression_params={"bits": 4, "bucket_size": 1024})
+    ddp.register_comm_hook(state, cgx.cgx_hook)
+
 Each bucket is averaged with one ``allreduce_layout`` call on the "cgx" group: the
 bucket's per-layer plan (which slice is which parameter, with its bits and bucket size)
 travels with the call, so other allreduces on the same group in between (metrics, loss
@@ -42,9 +48,17 @@ class CGXState:
 
     Args:
         process_group: a "cgx" group, or None for the default group.
-        model: the module wrapped by DDP (its parameter names key the policy).
+        model: the module wrapped by DDP (its parameter names key the policy). None tells
+            layers apart by DDP's buckets instead: parameter ``i`` of bucket ``b`` when the
+            hook first sees it is layer ``"bucket{b}.{i}"``; rules by pattern or module
+            type then need the model.
         policy: per-layer settings; None takes bits, bucket size and minimal size from
             the group's settings (the CGX_* variables or its ``pg_options``).
+        layer_min_size, compression_params: torch_cgx's way to say the policy, instead
+            of ``policy``: layers with 2+ dimensions and at least ``layer_min_size``
+            elements (and more than the group's minimal size) are compressed with
+            ``compression_params["bits"]`` and ``["bucket_size"]`` (each defaulting to
+            the group's setting).
         error_feedback: keep and re-add each layer's quantization residual.
         warmup_steps: the first steps are reduced uncompressed (exactly, through Gloo).
         stats_every: every this many steps, measure each compressed layer's relative
@@ -57,6 +71,7 @@ class CGXState:
         # hyper-parameters
         "process_group",
         "policy",
+        "layers_from_buckets",
         "error_feedback",
         "warmup_steps",
         "stats_every",
@@ -77,20 +92,39 @@ class CGXState:
     def __init__(
         self,
         process_group: dist.ProcessGroup | None,
-        model: torch.nn.Module,
+        model: torch.nn.Module | None = None,
         policy: CompressionPolicy | None = None,
         *,
+        layer_min_size: int | None = None,
+        compression_params: dict[str, int] | None = None,
         error_feedback: bool = True,
         warmup_steps: int = 0,
         stats_every: int = 10,
         adaptive: AdaptiveBits | None = None,
     ) -> None:
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"cgx.CGXState: model must be a torch.nn.Module or None, got "
+                f"{type(model).__name__} (torch_cgx's layer_min_size goes by keyword: "
+                f"CGXState(group, layer_min_size={model!r}))"
+            )
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"cgx.CGXState: warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         if not isinstance(stats_every, int) or stats_every < 0:
             raise ValueError(f"cgx.CGXState: stats_every must be an integer >= 0, got {stats_every!r}")
+        torch_cgx_form = layer_min_size is not None or compression_params is not None
+        if policy is not None and torch_cgx_form:
+            raise ValueError(
+                "cgx.CGXState: give either policy or torch_cgx's layer_min_size / "
+                "compression_params, not both"
+            )
+        if torch_cgx_form:
+            policy = _torch_cgx_policy(process_group, layer_min_size, compression_params)
         self.process_group = process_group
         self.policy = policy if policy is not None else _policy_of(process_group)
+        self.layers_from_buckets = model is None
+        if self.layers_from_buckets:
+            _check_needs_no_model(self.policy)
         self.error_feedback = bool(error_feedback)
         self.warmup_steps = warmup_steps
         self.stats_every = stats_every
@@ -103,10 +137,12 @@ class CGXState:
         self.layer_settings: dict[str, LayerSetting] = {}
         self._param_ids: dict[str, int] = {}
         self._settings_by_param: dict[int, tuple[str, LayerSetting]] = {}
-        self.attach(model)
+        if model is not None:
+            self.attach(model)
 
     def attach(self, model: torch.nn.Module) -> None:
         """Resolves the policy on `model` (after unpickling: re-attach the model)."""
+        self.layers_from_buckets = False
         resolved = self.policy.resolve(model)
         # Settings chosen later (adaptive selection, a loaded checkpoint) stay.
         self.layer_settings = {**resolved, **{n: s for n, s in self.layer_settings.items() if n in resolved}}
@@ -114,17 +150,38 @@ class CGXState:
         self._rewire()
 
     def set_layer_settings(self, settings: dict[str, LayerSetting]) -> None:
-        """Replaces the settings of the named layers (e.g. from adaptive selection)."""
+        """Replaces the settings of the named layers (e.g. from adaptive selection).
+        Without a model, layers the hook has not seen yet keep theirs until it does."""
         unknown = set(settings) - set(self.layer_settings)
-        if unknown:
+        if unknown and not self.layers_from_buckets:
             raise ValueError(f"cgx.CGXState: unknown layers {sorted(unknown)}")
         self.layer_settings.update(settings)
         self._rewire()
+
+    def _learn_layers(self, bucket: dist.GradBucket) -> None:
+        """Without a model: names and settings for the bucket's parameters not seen yet
+        (a setting already known by that name, from a checkpoint, wins)."""
+        for i, param in enumerate(bucket.parameters()):
+            if id(param) in self._settings_by_param:
+                continue
+            name = f"bucket{bucket.index()}.{i}"
+            if name in self._param_ids:  # first seen after DDP rebuilt its buckets
+                name = f"{name}.step{self.step}"
+            setting = self.layer_settings.get(name) or self.policy.setting_for(name, None, param)
+            self.layer_settings[name] = setting
+            self._param_ids[name] = id(param)
+            self._settings_by_param[id(param)] = (name, setting)
 
     def _rewire(self) -> None:
         self._settings_by_param = {
             pid: (n, self.layer_settings[n]) for n, pid in self._param_ids.items()
         }
+
+    def _count_sparse(self, buffer: torch.Tensor) -> None:
+        # Gloo reduces a sparse gradient by gathering every rank's indices and values.
+        sent = buffer._indices().nbytes + buffer._values().nbytes
+        self.bytes_sent += sent
+        self.bytes_uncompressed += sent
 
     # ---- stats and checkpoints
 
@@ -245,10 +302,47 @@ def _policy_of(group: dist.ProcessGroup | None) -> CompressionPolicy:
                              minimal_size=settings.minimal_size)
 
 
+_TORCH_CGX_PARAMS = ("bits", "bucket_size")
+
+
+def _torch_cgx_policy(group: dist.ProcessGroup | None, layer_min_size: int | None,
+                      compression_params: dict[str, int] | None) -> CompressionPolicy:
+    """torch_cgx's CGXState arguments as a policy, with torch_cgx's meaning: compress
+    layers of 2+ dimensions with at least `layer_min_size` elements (default 1024), and
+    more than the group's minimal size; bits and bucket size default to the group's."""
+    params = dict(compression_params or {})
+    unknown = set(params) - set(_TORCH_CGX_PARAMS)
+    if unknown:
+        raise ValueError(
+            f"cgx.CGXState: unknown compression_params {sorted(unknown)} "
+            f"(torch_cgx's are {list(_TORCH_CGX_PARAMS)})"
+        )
+    if layer_min_size is None:
+        layer_min_size = 1024
+    if not isinstance(layer_min_size, int) or layer_min_size < 0:
+        raise ValueError(f"cgx.CGXState: layer_min_size must be an integer >= 0, got {layer_min_size!r}")
+    group_policy = _policy_of(group)
+    return CompressionPolicy(
+        bits=params.get("bits", group_policy.bits),
+        bucket_size=params.get("bucket_size", group_policy.bucket_size),
+        # torch_cgx compresses numel >= layer_min_size; the policy keeps numel <= minimal_size raw.
+        minimal_size=max(layer_min_size - 1, group_policy.minimal_size),
+    )
+
+
+def _check_needs_no_model(policy: CompressionPolicy) -> None:
+    for rule in policy.rules:
+        if rule.pattern is not None or rule.module_type is not None:
+            raise ValueError(
+                f"cgx.CGXState: {rule} picks layers by name or module type, which needs the "
+                f"model: CGXState(group, model, policy)"
+            )
+
+
 def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages a DDP bucket with per-layer compression. Register with
     ``ddp.register_comm_hook(state, cgx.cgx_hook)``."""
-    if not state._settings_by_param:
+    if not (state._settings_by_param or state.layers_from_buckets):
         raise RuntimeError("cgx_hook: the state has no model attached (after unpickling, call state.attach(model))")
     group = state.group()
     backend = get_backend(group)
@@ -261,13 +355,19 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         )
     buffer = bucket.buffer()
     buffer.div_(group.size())  # divide first, as torch's hooks do (no fp16 overflow)
-    if state.step < state.warmup_steps:
-        layout = [(0, buffer.numel(), RAW_BITS, 1)]
+    if buffer.is_sparse:  # nn.Embedding(sparse=True): reduced exactly, as without a hook
+        state._count_sparse(buffer)
+        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
     else:
-        layout, compressed = bucket_plan(bucket, state._settings_by_param)
-        state._prepare(buffer, compressed, settings, decides=group.rank() == 0)
-    state._count(buffer, layout, settings.skip_incomplete_buckets)
-    future = backend.allreduce_layout(buffer, layout).get_future()
+        if state.layers_from_buckets:
+            state._learn_layers(bucket)
+        if state.step < state.warmup_steps:
+            layout = [(0, buffer.numel(), RAW_BITS, 1)]
+        else:
+            layout, compressed = bucket_plan(bucket, state._settings_by_param)
+            state._prepare(buffer, compressed, settings, decides=group.rank() == 0)
+        state._count(buffer, layout, settings.skip_incomplete_buckets)
+        future = backend.allreduce_layout(buffer, layout).get_future()
     if bucket.is_last():
         state.step += 1
         if state.adaptive and state.step >= state.warmup_steps and state.step % state.adaptive.interval == 0:
@@ -278,7 +378,12 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
 def _replan(state: CGXState, group: dist.ProcessGroup) -> None:
     """Rank 0 chooses the layers' settings from its accumulated gradients; every rank
     applies the same plan from the next step."""
-    plan = [state.adaptive.choose() if group.rank() == 0 else None]
+    # As a tensor of (bits, bucket_size) per layer, in name order (every rank knows the
+    # names): object collectives would need numpy, which a training job may not have.
+    names = sorted(state.layer_settings)
+    chosen = {**state.layer_settings, **(state.adaptive.choose() if group.rank() == 0 else {})}
+    table = torch.tensor([(chosen[n].bits, chosen[n].bucket_size) for n in names],
+                         dtype=torch.int64).reshape(-1, 2)
     state.adaptive.accumulated = {}
-    dist.broadcast_object_list(plan, group_src=0, group=group)
-    state.set_layer_settings(plan[0])
+    dist.broadcast(table, group_src=0, group=group)
+    state.set_layer_settings({n: LayerSetting(b, k) for n, (b, k) in zip(names, table.tolist())})

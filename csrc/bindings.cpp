@@ -232,6 +232,11 @@ PYBIND11_MODULE(_C, m) {
           "uncompressed_bytes (what the same algorithm sends uncompressed), and "
           "cross_host_bytes (everything it sent to other hosts, call checks included).");
 
+  m.def("set_exact_on_this_thread", &ProcessGroupCGX::set_exact_on_this_thread,
+        py::arg("exact"),
+        "While set, the allreduces this thread issues on a cgx group take the exact path "
+        "(use cgx.exact()). Returns the previous value.");
+
   m.def("compress", &compress, py::arg("input"), py::arg("bits"), py::arg("bucket_size"),
         py::kw_only(), py::arg("stochastic") = false, py::arg("seed") = 0,
         py::arg("skip_incomplete_buckets") = false, py::arg("out") = py::none(),

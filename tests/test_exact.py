@@ -180,3 +180,86 @@ def test_other_collectives_match_gloo(world):
     for rank_result in values(run_ranks(_other_collectives, world)):
         failed = [name for name, same in rank_result.items() if not same]
         assert not failed, f"differ from Gloo: {failed}"
+
+
+def _per_call_exact(rank, world):
+    """cgx.exact() on a group that compresses: what is issued in the block equals Gloo;
+    what is issued outside it, or by another thread meanwhile, is still compressed."""
+    import threading
+
+    import cgx
+
+    cgx_group, gloo_group = _pair(rank, world, 4)
+    x = _input(rank, 100_000, torch.float32)
+    ref = x.clone()
+    dist.all_reduce(ref, group=gloo_group)
+    out = {}
+    lossy = x.clone()
+    dist.all_reduce(lossy, group=cgx_group)
+    out["compressed before the block"] = not torch.equal(lossy, ref)
+    calls = cgx.stats()["calls"]
+    other = x.clone()
+    with cgx.exact():
+        inside = x.clone()
+        dist.all_reduce(inside, group=cgx_group)
+        with cgx.exact():  # blocks nest; leaving the inner one keeps the outer
+            pass
+        avg = x.clone()
+        dist.all_reduce(avg, op=dist.ReduceOp.AVG, group=cgx_group)
+        pending = x.clone()
+        work = dist.all_reduce(pending, group=cgx_group, async_op=True)
+        half, ref_half = x.half(), x.half()
+        dist.all_reduce(half, group=cgx_group)
+        dist.all_reduce(ref_half, group=gloo_group)
+        pair, ref_pair = [x[:500].clone(), x.clone()], [x[:500].clone(), x.clone()]
+        dist.all_reduce_coalesced(pair, group=cgx_group)
+        dist.all_reduce_coalesced(ref_pair, group=gloo_group)
+        thread = threading.Thread(target=dist.all_reduce, args=(other,), kwargs={"group": cgx_group})
+        thread.start()
+        thread.join()
+    work.wait()
+    out["exact in the block"] = torch.equal(inside, ref)
+    out["AVG in the block"] = torch.equal(avg, ref / world)
+    out["async in the block"] = torch.equal(pending, ref)
+    out["float16 in the block"] = torch.equal(half, ref_half)
+    out["coalesced in the block"] = all(map(torch.equal, pair, ref_pair))
+    out["another thread still compresses"] = torch.equal(other, lossy)
+    out["one compressed call in the block (the thread's)"] = cgx.stats()["calls"] == calls + 1
+    after = x.clone()
+    dist.all_reduce(after, group=cgx_group)
+    out["compressed after the block"] = torch.equal(after, lossy)
+    return out
+
+
+def test_per_call_exact_equals_gloo():
+    for rank_result in values(run_ranks(_per_call_exact, 2)):
+        failed = [name for name, ok in rank_result.items() if not ok]
+        assert not failed, failed
+
+
+def _sparse(rank, world):
+    """Sparse COO allreduce takes the exact path, as Gloo reduces it, on a compressing
+    group; every rank ends with the same sum."""
+    cgx_group, gloo_group = _pair(rank, world, 4)
+    g = torch.Generator().manual_seed(rank)
+    indices = torch.tensor([[rank, 5, 7 + rank, 5]])
+    sparse = torch.sparse_coo_tensor(indices, torch.randn(4, 64, generator=g), (20, 64))
+    out = {}
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        mine, ref = sparse.clone(), sparse.clone()
+        dist.all_reduce(mine, op=op, group=cgx_group)
+        dist.all_reduce(ref, group=gloo_group)  # Gloo's sparse allreduce has SUM only
+        if op == dist.ReduceOp.AVG:
+            ref = ref / world
+        out[str(op)] = (mine.is_sparse, torch.equal(mine.to_dense(), ref.to_dense()))
+    everyone = [torch.empty(20, 64) for _ in range(world)]
+    dist.all_gather(everyone, mine.to_dense(), group=gloo_group)
+    out["same on every rank"] = all(torch.equal(everyone[0], e) for e in everyone)
+    return out
+
+
+def test_sparse_allreduce_equals_gloo():
+    for rank_result in values(run_ranks(_sparse, 2)):
+        assert rank_result.pop("same on every rank")
+        for op, (is_sparse, same) in rank_result.items():
+            assert is_sparse and same, op

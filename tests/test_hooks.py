@@ -397,6 +397,128 @@ def test_checkpoint_round_trip_resumes_exactly():
         assert "every rank must save and load its own" in wrong_rank
 
 
+def _torch_cgx_form(rank, world):
+    """torch_cgx's call, unchanged: the same plan and the same training as the policy it
+    means, given with the model; a checkpoint resumes exactly without a model too."""
+    import cgx
+
+    init_cgx(rank, world, pg_options=cgx.Config(bits=4, bucket_size=512))
+
+    def run(state_of, steps, start=0, checkpoint=None):
+        model = make_model()
+        ddp = DDP(model, bucket_cap_mb=0.02)  # several buckets, rebuilt after step 0
+        state = state_of(model)
+        ddp.register_comm_hook(state, cgx.cgx_hook)
+        if checkpoint:
+            model.load_state_dict(checkpoint["model"])
+            state.load_state_dict(checkpoint["cgx"])
+        _, same = train(ddp, model, rank, steps, start=start, check_every_step=True)
+        return model, state, same
+
+    torch_cgx = lambda model: cgx.CGXState(dist.group.WORLD, layer_min_size=1024,  # noqa: E731
+                                           compression_params={"bits": 4, "bucket_size": 1024})
+    meant = lambda model: cgx.CGXState(None, model, cgx.CompressionPolicy(  # noqa: E731
+        bits=4, bucket_size=1024, minimal_size=1023))
+    model, state, same = run(torch_cgx, 4)
+    reference, reference_state, _ = run(meant, 4)
+    out = {"replicas identical": same,
+           "same training as the policy": torch.equal(flat_params(model), flat_params(reference)),
+           "same residuals": sorted(r.sum().item() for r in state.residuals.values())
+           == sorted(r.sum().item() for r in reference_state.residuals.values())}
+    # Which layers: 2-D with >= 1024 elements (embed 4096, hidden 16384, head 1280).
+    out["compressed layers"] = sorted(
+        p.numel() for p in model.parameters()
+        if state._settings_by_param[id(p)][1] == cgx.LayerSetting(4, 1024))
+    out["raw layers"] = sum(not s.compressed for s in state.layer_settings.values())
+    # bits and bucket size from the group when compression_params leaves them out
+    small = cgx.CGXState(None, layer_min_size=2000)
+    out["group defaults"] = (small.policy.bits, small.policy.bucket_size, small.policy.minimal_size)
+
+    # Checkpoint without a model: layer names come from DDP's first buckets, the same in
+    # the resumed run.
+    first, first_state, _ = run(torch_cgx, 3)
+    saved = {"model": first.state_dict(), "cgx": first_state.state_dict()}
+    uninterrupted, _, _ = run(torch_cgx, 5)
+    resumed, _, _ = run(torch_cgx, 2, start=3, checkpoint=saved)
+    out["resumed exactly"] = torch.equal(flat_params(uninterrupted), flat_params(resumed))
+    return out
+
+
+def test_torch_cgx_call_unchanged():
+    for out in values(run_ranks(_torch_cgx_form, 2)):
+        assert out.pop("compressed layers") == [1280, 4096, 16384]
+        assert out.pop("raw layers") == 5  # 3 biases and the LayerNorm's 2
+        assert out.pop("group defaults") == (4, 512, 1999)
+        failed = [name for name, ok in out.items() if not ok]
+        assert not failed, failed
+
+
+class SparseNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(1000, 32, sparse=True)
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, idx):
+        return self.head(self.embed(idx).mean(1))
+
+
+def _sparse_embedding(rank, world, hooked):
+    """DDP with nn.Embedding(sparse=True): on an exact cgx group every step equals the
+    same DDP on Gloo, bit for bit; on a compressing group the sparse gradient is still
+    Gloo's exactly, and replicas stay identical."""
+    import cgx
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    init_cgx(rank, world, pg_options=cgx.Config(bits=4))
+    gloo = dist.new_group(backend="gloo")
+    exact = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=32))
+
+    def ddp_on(group, policy=None):
+        model = SparseNet()
+        ddp = DDP(model, process_group=group)
+        if hooked and group is gloo:
+            ddp.register_comm_hook(group, default_hooks.allreduce_hook)  # divides first, like cgx's
+        elif hooked:
+            ddp.register_comm_hook(cgx.CGXState(group, model, policy), cgx.cgx_hook)
+        return model, ddp
+
+    def step(model, ddp, opt, i):
+        g = torch.Generator().manual_seed(100 * i + rank)
+        idx, y = torch.randint(0, 1000, (8, 5), generator=g), torch.randint(0, 10, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(idx), y).backward()
+        opt.step()
+        return model.embed.weight.grad.to_dense()
+
+    out = {}
+    runs = {}
+    for name, group, policy in (("gloo", gloo, None), ("exact cgx", exact, cgx.CompressionPolicy(bits=32)),
+                                ("compressing cgx", dist.group.WORLD, cgx.CompressionPolicy(bits=4, minimal_size=0))):
+        model, ddp = ddp_on(group, policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        grads = [step(model, ddp, opt, i) for i in range(4)]
+        runs[name] = (grads, flat_params(model))
+    out["exact cgx equals gloo"] = (all(map(torch.equal, runs["gloo"][0], runs["exact cgx"][0]))
+                                    and torch.equal(runs["gloo"][1], runs["exact cgx"][1]))
+    # Step 0's sparse gradient is exact also where the dense layers are compressed.
+    out["sparse gradient exact when compressing"] = torch.equal(runs["gloo"][0][0], runs["compressing cgx"][0][0])
+    compressed = runs["compressing cgx"][1]
+    everyone = [torch.empty_like(compressed) for _ in range(world)]
+    dist.all_gather(everyone, compressed, group=gloo)
+    out["replicas identical"] = all(torch.equal(everyone[0], e) for e in everyone)
+    out["dense layers compressed"] = not torch.equal(compressed, runs["gloo"][1])
+    return out
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_ddp_sparse_embedding(hooked):
+    for out in values(run_ranks(_sparse_embedding, 2, args=(hooked,))):
+        failed = [name for name, ok in out.items() if not ok]
+        assert not failed, failed
+
+
 def test_bad_configuration_raises_value_error():
     import cgx
 
@@ -419,6 +541,17 @@ def test_bad_configuration_raises_value_error():
         cgx.CGXState(None, make_model(), cgx.CompressionPolicy(rules=[cgx.LayerRule(pattern="enbed.*", bits=8)]))
     with pytest.raises(ValueError, match="module_type .* matches no module"):
         cgx.CGXState(None, make_model(), cgx.CompressionPolicy(rules=[cgx.LayerRule(module_type=torch.nn.Conv2d)]))
+    # torch_cgx's form: keywords only, its two parameters, and no rules that need a model.
+    with pytest.raises(TypeError, match="layer_min_size goes by keyword"):
+        cgx.CGXState(None, 1024)
+    with pytest.raises(ValueError, match="unknown compression_params \\['bit'\\]"):
+        cgx.CGXState(None, compression_params={"bit": 4})
+    with pytest.raises(ValueError, match="either policy or torch_cgx's"):
+        cgx.CGXState(None, None, cgx.CompressionPolicy(), layer_min_size=10)
+    with pytest.raises(ValueError, match="needs the model"):
+        cgx.CGXState(None, None, cgx.CompressionPolicy(rules=[cgx.LayerRule(module_type=torch.nn.Linear)]))
+    with pytest.raises(ValueError, match="needs the model"):
+        cgx.CGXState(None, None, cgx.CompressionPolicy(rules=[cgx.LayerRule(pattern="head.*")]))
 
 
 def test_policy_resolution_rules_and_defaults():

@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <optional>
+#include <utility>
 
 #include "backend/cgx_work.h"
 #include "backend/connect.h"
@@ -19,6 +20,10 @@ namespace {
 
 // Our transport tags start at 2^30; user send/recv tags must stay below.
 constexpr int kMaxUserTag = (1 << 30) - 1;
+
+// Read where a call is issued, on the caller's thread, so a request covers exactly the
+// calls made inside the caller's `with cgx.exact():` block.
+thread_local bool exact_on_this_thread = false;
 
 void validate(const Settings& o) {
   TORCH_CHECK_VALUE((o.bits >= 1 && o.bits <= 8) || o.bits == 32,
@@ -113,6 +118,10 @@ bool ProcessGroupCGX::hierarchical() const {
 
 ProcessGroupCGX::~ProcessGroupCGX() { shutdown(); }
 
+bool ProcessGroupCGX::set_exact_on_this_thread(bool exact) {
+  return std::exchange(exact_on_this_thread, exact);
+}
+
 void ProcessGroupCGX::shutdown() {
   if (shut_down_.exchange(true)) return;
   worker_.stop();
@@ -138,7 +147,8 @@ ProcessGroupCGX::Stats ProcessGroupCGX::stats() const {
 
 bool ProcessGroupCGX::compressible(const at::Tensor& t, const c10d::ReduceOp& op) const {
   const auto dtype = t.scalar_type();
-  return settings_.bits < 32 && t.numel() > settings_.minimal_size &&
+  return settings_.bits < 32 && !exact_on_this_thread && !t.is_sparse() &&
+         t.numel() > settings_.minimal_size &&
          (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) &&
          (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG);
 }
@@ -152,11 +162,12 @@ c10d::Backend& ProcessGroupCGX::exact_for(const std::vector<at::Tensor>& tensors
 }
 
 namespace {
-void check_dense(const std::vector<at::Tensor>& tensors, const char* what) {
+// Sparse (COO) tensors are reduced exactly by the wrapped backend, where `sparse_ok`.
+void check_tensors(const std::vector<at::Tensor>& tensors, const char* what, bool sparse_ok) {
   for (const auto& t : tensors) {
-    TORCH_CHECK(!t.is_sparse(), "cgx ", what,
-                ": sparse tensors are not supported; reduce t.to_dense() or its values instead");
-    TORCH_CHECK(t.layout() == at::kStrided, "cgx ", what, ": only strided tensors are supported");
+    TORCH_CHECK(t.layout() == at::kStrided || (sparse_ok && t.layout() == at::kSparse), "cgx ",
+                what, ": expected strided", sparse_ok ? " or sparse COO" : "",
+                " tensors, got layout ", t.layout());
     TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "cgx ", what,
                 ": expected CPU or CUDA tensors, got ", t.device());
   }
@@ -165,7 +176,7 @@ void check_dense(const std::vector<at::Tensor>& tensors, const char* what) {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
-  check_dense(tensors, "allreduce");
+  check_tensors(tensors, "allreduce", /*sparse_ok=*/true);
   if (tensors.size() == 1 && compressible(tensors[0], opts.reduceOp))
     return compressed_allreduce(tensors, tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, {},
                                 nullptr);
@@ -174,7 +185,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  check_dense(tensors, "allreduce_coalesced");
+  check_tensors(tensors, "allreduce_coalesced", /*sparse_ok=*/true);
   for (const auto& t : tensors)
     TORCH_CHECK(t.device() == tensors[0].device(),
                 "cgx allreduce_coalesced: the tensors must be on one device, got ",
@@ -191,7 +202,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
     at::Tensor tensor, std::vector<compression::Segment> layout, bool average) {
   std::vector<at::Tensor> tensors{tensor};
-  check_dense(tensors, "allreduce_layout");
+  check_tensors(tensors, "allreduce_layout", /*sparse_ok=*/false);
   const auto dtype = tensor.scalar_type();
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
                    "cgx allreduce_layout: expected float32, float16 or bfloat16, got ", dtype);

@@ -7,7 +7,8 @@
 // on the GPU, on the group's own streams (cuda_lane.h).
 // Exact path: everything else goes to a wrapped backend, called from the caller's thread
 // so that it sees its collectives in program order on every rank: Gloo, or for CUDA
-// tensors the CUDA exact backend when there is one (NCCL).
+// tensors the CUDA exact backend when there is one (NCCL). Sparse tensors, and the
+// allreduces a thread issues while it asks for exact calls (cgx.exact()), go there too.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -44,6 +45,10 @@ class ProcessGroupCGX final : public c10d::Backend {
   // Whether compressed allreduces take the hierarchical path.
   bool hierarchical() const;
   void shutdown() override;
+  // While set, the allreduces this thread issues on any cgx group take the exact path
+  // (cgx.exact(): a metric averaged on a compressing group); allreduce_layout keeps the
+  // plan it is given. Returns the previous value.
+  static bool set_exact_on_this_thread(bool exact);
   // Gloo's: TORCH_DISTRIBUTED_DEBUG=DETAIL checks them to catch desynchronized ranks.
   void setSequenceNumberForGroup() override { exact_->setSequenceNumberForGroup(); }
   uint64_t getSequenceNumberForGroup() override { return exact_->getSequenceNumberForGroup(); }
