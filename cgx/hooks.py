@@ -378,8 +378,8 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
 def _replan(state: CGXState, group: dist.ProcessGroup) -> None:
     """Rank 0 chooses the layers' settings from its accumulated gradients; every rank
     applies the same plan from the next step."""
-    # As a tensor of (bits, bucket_size) per layer, in name order (every rank knows the
-    # names): object collectives would need numpy, which a training job may not have.
+    # A tensor of (bits, bucket_size) per layer in name order (every rank knows the
+    # names), not a pickled object: nothing from a peer is unpickled.
     names = sorted(state.layer_settings)
     chosen = {**state.layer_settings, **(state.adaptive.choose() if group.rank() == 0 else {})}
     table = torch.tensor([(chosen[n].bits, chosen[n].bucket_size) for n in names],
