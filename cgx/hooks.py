@@ -60,7 +60,7 @@ class CGXState:
             ``compression_params["bits"]`` and ``["bucket_size"]`` (each defaulting to
             the group's setting).
         error_feedback: keep and re-add each layer's quantization residual.
-        warmup_steps: the first steps are reduced uncompressed (exactly, through Gloo).
+        warmup_steps: the first steps are reduced uncompressed (an all-raw plan).
         stats_every: every this many steps, measure each compressed layer's relative
             quantization error ``|Q(g) - g| / |g|`` (0 turns the sampling off).
         adaptive: a :class:`cgx.AdaptiveBits` that re-chooses the compressed layers'

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "backend/process_group_cgx.h"
+#include "collectives/call_signature.h"
 #include "compression/quantizer.h"
 #ifdef CGX_WITH_MPI
 #include "transport/mpi_runtime.h"
@@ -257,6 +258,8 @@ PYBIND11_MODULE(_C, m) {
 
   // MPI runtime, for the mpirun launch (cgx/mpi.py). Absent functions: built without MPI.
   m.attr("mpi_built") = cgx::backend::kWithMpi;
+  // Bytes each compressed call sends every peer to compare calls before data moves.
+  m.attr("call_signature_bytes") = sizeof(cgx::collectives::CallSignature);
   m.attr("cuda_built") = cgx::backend::kWithCuda;
 #ifdef CGX_WITH_MPI
   auto mpi = m.def_submodule("mpi", "The process's MPI library, as cgx uses it.");

@@ -150,3 +150,59 @@ def test_stochastic_rounding_is_unbiased_across_calls():
     for mean_error, single_error in values(run_ranks(_repeated_stochastic, 2, args=(calls,))):
         assert single_error > 0
         assert mean_error < 4 * single_error / calls**0.5, (mean_error, single_error)
+
+
+FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+def _extreme_values(rank, world):
+    """Values near FLT_MAX, sums that overflow, NaN and Inf: every rank gets the same
+    bits, finite where the exact sum is finite and its buckets' ranges are."""
+    import cgx
+
+    init_cgx(rank, world, pg_options=cgx.Config(bits=5, bucket_size=512, minimal_size=0))
+    cases = {}
+    # A finite exact sum near FLT_MAX (5 bits: min + 31 * scale rounds past FLT_MAX).
+    near_max = [torch.zeros(1024) for _ in range(world)]
+    near_max[0][:4] = torch.tensor([FLOAT_MAX, 0.0, 1.0, FLOAT_MAX / 2])
+    near_max[0][600:604] = torch.tensor([-FLOAT_MAX, 0.0, -1.0, -FLOAT_MAX / 2])
+    cases["near max"] = near_max
+    # Every rank has FLT_MAX at 0: the sum overflows in bucket 0 only.
+    cases["sum overflows"] = [
+        torch.cat([torch.tensor([FLOAT_MAX]), torch.randn(1023, generator=torch.Generator().manual_seed(r))])
+        for r in range(world)]
+    # NaN on rank 0 in bucket 0, +Inf on the last rank in bucket 1.
+    poisoned = [torch.randn(2048, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    poisoned[0][5] = float("nan")
+    poisoned[-1][600] = float("inf")
+    cases["nan and inf"] = poisoned
+    out = {}
+    for name, inputs in cases.items():
+        t = inputs[rank].clone()
+        dist.all_reduce(t)
+        everyone = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(everyone, t)
+        same_bits = all(digest(e) == digest(everyone[0]) for e in everyone)
+        nan_buckets = [b for b in range(t.numel() // 512) if bool(t[512 * b:512 * (b + 1)].isnan().all())]
+        finite = [b for b in range(t.numel() // 512) if bool(t[512 * b:512 * (b + 1)].isfinite().all())]
+        clean = [b for b in finite if b not in nan_buckets]
+        errors_ok = True
+        if name != "near max":  # the error of the finite buckets, against their own inputs
+            for b in clean:
+                part = [x[512 * b:512 * (b + 1)] for x in inputs]
+                exact = torch.stack([x.double() for x in part]).sum(0)
+                error = float((t[512 * b:512 * (b + 1)].double() - exact).abs().max())
+                errors_ok &= error <= allreduce_error_bound(part, 5)
+        else:
+            exact = torch.stack([x.double() for x in inputs]).sum(0)
+            errors_ok = float((t.double() - exact).abs().max()) <= allreduce_error_bound(inputs, 5)
+        out[name] = (same_bits, nan_buckets, len(finite), errors_ok)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_extreme_values_same_on_every_rank_and_as_documented(world):
+    for out in values(run_ranks(_extreme_values, world)):
+        assert out["near max"] == (True, [], 2, True)
+        assert out["sum overflows"] == (True, [0], 1, True)  # bucket 0 NaN, bucket 1 within bound
+        assert out["nan and inf"] == (True, [0, 1], 2, True)

@@ -76,6 +76,25 @@ def test_range_overflowing_float_is_treated_as_non_finite():
     assert bool(torch.isnan(cgx.decompress(cgx.compress(x, 1, 64), 64, 1, 64)).all())
 
 
+FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("values", [
+    [FLOAT_MAX, 0.0, 1.0, FLOAT_MAX / 2],     # min + levels * scale rounds past FLT_MAX
+    [-FLOAT_MAX, 0.0, -1.0, -FLOAT_MAX / 2],  # levels * scale alone rounds past it
+    [-FLOAT_MAX, -FLOAT_MAX / 3, -1.0, 0.0],
+])
+def test_finite_range_near_float_max_decodes_finite_within_half_a_step(bits, values):
+    x = torch.tensor(values)
+    buf = cgx.compress(x, bits, 4)
+    step = (x.double().max() - x.double().min()) / (2**bits - 1)
+    slack = 4 * 2.0**-24 * FLOAT_MAX  # float32 arithmetic, as in the test above
+    for y in (cgx.decompress(buf, 4, bits, 4), cgx.decompress(buf, 4, bits, 4, out=torch.zeros(4), add=True)):
+        assert bool(torch.isfinite(y).all()), y
+        assert float((y.double() - x.double()).abs().max()) <= step / 2 + slack, (y, x)
+
+
 def test_decompress_add_is_decompress_plus_destination():
     x = torch.randn(10_000)
     dst = torch.randn(10_000)

@@ -37,6 +37,58 @@ def test_different_sizes_raise_on_every_rank(world):
         assert still_works
 
 
+def _different_calls(rank, world):
+    """Ranks given different calls, on every path: each rank raises naming what differs,
+    before any data moves, and the group stays usable (exact and compressed calls after
+    it are right)."""
+    import cgx
+
+    init_cgx(rank, world, timeout_s=30, pg_options=cgx.Config(bits=4, minimal_size=16))
+    backend = cgx.get_backend()
+    first = rank == 0
+    calls = {
+        # A small and a large tensor against one of their total size: Gloo pairs the
+        # small one with a later call if it is split off.
+        "mixed coalesced": lambda: dist.all_reduce_coalesced(
+            [torch.ones(100), torch.full((10,), 100.0)] if first else [torch.ones(110)]),
+        "small tensors coalesced": lambda: dist.all_reduce_coalesced(
+            [torch.ones(10)] * 11 if first else [torch.ones(110)]),
+        "dtype": lambda: dist.all_reduce(torch.ones(1000, dtype=torch.float32 if first else torch.float16)),
+        "plan bits": lambda: backend.allreduce_layout(
+            torch.ones(1000), [(0, 1000, 4 if first else 8, 512)]).wait(),
+        "raw plan against a compressed one": lambda: backend.allreduce_layout(
+            torch.ones(1000), [(0, 1000, 32 if first else 4, 512)]).wait(),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            message = "no error"
+        except RuntimeError as e:
+            message = str(e)
+        exact, compressed = torch.ones(10), torch.ones(1000)
+        dist.all_reduce(exact)
+        dist.all_reduce(compressed)
+        out[name] = (message, bool((exact == world).all()), bool((compressed == world).all()))
+    return out
+
+
+def test_different_calls_on_every_path_raise_and_leave_the_group_usable():
+    expected = {
+        "mixed coalesced": ("tensors of shapes [100], [10]", "tensors of shapes [110]"),
+        "small tensors coalesced": ("tensors of shapes [10], [10], [10]", "...", "[110]"),
+        "dtype": ("dtype Float", "dtype Half"),
+        "plan bits": ("the per-layer plan 1000:4b/512", "the per-layer plan 1000:8b/512"),
+        "raw plan against a compressed one": ("the per-layer plan 1000:raw", "the per-layer plan 1000:4b/512"),
+    }
+    for out in values(run_ranks(_different_calls, 2)):
+        for name, (message, exact_ok, compressed_ok) in out.items():
+            assert "ranks were given different calls" in message, (name, message)
+            for part in expected[name]:
+                assert part in message, (name, message)
+            assert exact_ok and compressed_ok, name
+
+
 def _paths_split(rank, world):
     """One rank's tensor is at or under minimal_size (exact, through Gloo), the other's
     is compressed: both raise, and the next compressed call cannot pair up with the
@@ -50,19 +102,27 @@ def _paths_split(rank, world):
         first = "no error"
     except RuntimeError as e:
         first = str(e)
-    ok = torch.ones(1000)
-    try:
-        dist.all_reduce(ok)
-        second = "right" if bool((ok == world).all()) else f"garbage: {ok[:4].tolist()}"
-    except RuntimeError as e:
-        second = str(e)
-    return first, second
+    later = []
+    # A compressed call, then an exact one of the size rank 0's stale Gloo call has.
+    for ok in (torch.ones(1000), torch.ones(10)):
+        try:
+            dist.all_reduce(ok)
+            later.append("right" if bool((ok == world).all()) else f"garbage: {ok[:4].tolist()}")
+        except RuntimeError as e:
+            later.append(str(e))
+    return first, later
 
 
 def test_ranks_on_different_paths_raise_never_garbage():
-    for first, second in values(run_ranks(_paths_split, 2, timeout_s=120)):
+    results = values(run_ranks(_paths_split, 2, timeout_s=120))
+    for first, later in results:
         assert first != "no error"
-        assert not second.startswith("garbage"), second
+        assert not any(m.startswith("garbage") for m in later), later
+    # Rank 1's compressed calls time out (or, racing rank 0's next call, fail its
+    # signature check first): a timeout marks its group failed, so its exact call after
+    # raises at once instead of reaching Gloo.
+    assert "unusable after an earlier failure" in results[1][1][-1], results[1][1]
+    assert results[0][1][-1] != "right", results[0][1]
 
 
 def _bad_tensors(rank, world):

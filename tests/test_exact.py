@@ -56,19 +56,20 @@ def _exact_allreduce(rank, world, bits):
     dist.all_reduce(a, op=dist.ReduceOp.AVG, group=cgx_group)
     dist.all_reduce(b, group=gloo_group)
     out.append(("float64", "AVG", 8, torch.equal(a, b / world)))
-    # allreduce_coalesced mixing an exact tensor with a compressible one.
+    # allreduce_coalesced of a small tensor and a compressible one: one compressed call in
+    # which the small tensor travels unquantized, summed in float32 in rank order (SRA).
     small, big = _input(rank, 10, torch.float32), _input(rank, 4096, torch.float32)
     ref_small, ref_big = small.clone(), big.clone()
     dist.all_reduce_coalesced([small, big], group=cgx_group)
+    dist.all_reduce_coalesced([ref_small, ref_big], group=gloo_group)
     if bits == 32:
-        dist.all_reduce_coalesced([ref_small, ref_big], group=gloo_group)
-    else:  # only the small tensor goes through Gloo
-        dist.all_reduce(ref_small, group=gloo_group)
-        dist.all_reduce(ref_big, group=gloo_group)
-    bound = allreduce_error_bound([_input(r, 4096, torch.float32) for r in range(world)], bits)
-    coalesced_ok = torch.equal(small, ref_small) and (
-        torch.equal(big, ref_big) if bits == 32 else float((big - ref_big).abs().max()) <= bound
-    )
+        coalesced_ok = torch.equal(small, ref_small) and torch.equal(big, ref_big)
+    else:
+        in_rank_order = torch.zeros(10)
+        for r in range(world):
+            in_rank_order += _input(r, 10, torch.float32)
+        bound = allreduce_error_bound([_input(r, 4096, torch.float32) for r in range(world)], bits)
+        coalesced_ok = torch.equal(small, in_rank_order) and float((big - ref_big).abs().max()) <= bound
     out.append(("small+big", "coalesced", 4106, bool(coalesced_ok)))
     return out
 

@@ -49,27 +49,47 @@ transport::Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
   return timeout < room ? now + timeout : transport::Clock::time_point::max();
 }
 
-// Shapes and dtypes of the tensors of a call and its compression layout, so that calls
-// whose tensors or plans differ between ranks are caught even when the total size agrees
-// (FNV-1a).
-uint64_t layout_hash(const std::vector<at::Tensor>& tensors,
-                     const compression::LayoutCodec& codec) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  auto mix = [&h](int64_t v) {
+// FNV-1a over 64-bit values.
+class Hash {
+ public:
+  void mix(int64_t v) {
     for (int i = 0; i < 8; ++i)
-      h = (h ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xff)) * 0x100000001b3ULL;
-  };
+      h_ = (h_ ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xff)) * 0x100000001b3ULL;
+  }
+  uint64_t value() const { return h_; }
+
+ private:
+  uint64_t h_ = 0xcbf29ce484222325ULL;
+};
+
+// What a call's tensors and plan are, hashed and in words, so that ranks given different
+// calls are caught even where the total size agrees, and told what differs.
+void describe_call(const std::vector<at::Tensor>& tensors, const compression::LayoutCodec& codec,
+                   collectives::CallSignature& signature) {
+  Hash shapes;
+  std::string shapes_text;
+  shapes.mix(static_cast<int64_t>(tensors.size()));
   for (const auto& t : tensors) {
-    mix(static_cast<int64_t>(t.scalar_type()));
-    mix(t.numel());
+    shapes.mix(t.dim());
+    for (const auto size : t.sizes()) shapes.mix(size);
+    shapes_text += (shapes_text.empty() ? "" : ", ") + c10::str(t.sizes());
   }
+  Hash plan;
+  std::string plan_text;
   for (const auto& segment : codec.segments()) {
-    mix(segment.numel);
-    mix(segment.raw ? 32 : segment.params.bits);
-    mix(segment.params.bucket_size);
-    mix(segment.params.skip_incomplete_buckets + 2 * segment.params.stochastic);
+    const auto& p = segment.params;
+    plan.mix(segment.numel);
+    plan.mix(segment.raw ? 32 : p.bits);
+    plan.mix(p.bucket_size);
+    plan.mix(p.skip_incomplete_buckets + 2 * p.stochastic);
+    plan_text += (plan_text.empty() ? "" : " ") + std::to_string(segment.numel) + ":" +
+                 (segment.raw ? std::string("raw")
+                              : c10::str(p.bits, "b/", p.bucket_size));
   }
-  return h;
+  signature.shapes = shapes.value();
+  signature.plan = plan.value();
+  collectives::set_text(signature.shapes_text, shapes_text);
+  collectives::set_text(signature.plan_text, plan_text);
 }
 
 void check_tag(int tag) {
@@ -129,13 +149,13 @@ void ProcessGroupCGX::shutdown() {
   if (exact_cuda_ != exact_) exact_cuda_->shutdown();
 }
 
-compression::LayoutCodec ProcessGroupCGX::uniform_codec(int64_t numel) const {
+compression::QuantizerParams ProcessGroupCGX::quantizer_params() const {
   compression::QuantizerParams params;
   params.bits = settings_.bits;
   params.bucket_size = settings_.bucket_size;
   params.skip_incomplete_buckets = settings_.skip_incomplete_buckets;
   params.stochastic = settings_.stochastic_rounding;
-  return compression::LayoutCodec::uniform(params, numel);
+  return params;
 }
 
 ProcessGroupCGX::Stats ProcessGroupCGX::stats() const {
@@ -145,12 +165,51 @@ ProcessGroupCGX::Stats ProcessGroupCGX::stats() const {
   return s;
 }
 
-bool ProcessGroupCGX::compressible(const at::Tensor& t, const c10d::ReduceOp& op) const {
-  const auto dtype = t.scalar_type();
-  return settings_.bits < 32 && !exact_on_this_thread && !t.is_sparse() &&
-         t.numel() > settings_.minimal_size &&
-         (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) &&
-         (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG);
+bool ProcessGroupCGX::compressible(const std::vector<at::Tensor>& tensors,
+                                   const c10d::ReduceOp& op) const {
+  if (settings_.bits == 32 || exact_on_this_thread || tensors.empty() ||
+      !(op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG))
+    return false;
+  const auto dtype = tensors[0].scalar_type();
+  if (!(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16)) return false;
+  int64_t numel = 0;
+  for (const auto& t : tensors) {
+    if (t.is_sparse()) return false;
+    numel += t.numel();
+  }
+  return numel > settings_.minimal_size;
+}
+
+void ProcessGroupCGX::check_usable() const {
+  std::lock_guard<std::mutex> lock(failure_mutex_);
+  TORCH_CHECK(failure_.empty(), "cgx: the process group is unusable after an earlier failure: ",
+              failure_);
+}
+
+uint64_t ProcessGroupCGX::begin_call() {
+  check_usable();
+  return ++sequence_;
+}
+
+void ProcessGroupCGX::fail(const std::string& cause) {
+  std::lock_guard<std::mutex> lock(failure_mutex_);
+  if (failure_.empty()) failure_ = cause;
+}
+
+compression::LayoutCodec ProcessGroupCGX::per_tensor_codec(
+    const std::vector<at::Tensor>& tensors) const {
+  std::vector<compression::Segment> segments;
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    compression::Segment segment;
+    segment.offset = offset;
+    segment.numel = t.numel();
+    segment.raw = t.numel() <= settings_.minimal_size;
+    segment.params = quantizer_params();
+    segments.push_back(segment);
+    offset += t.numel();
+  }
+  return compression::LayoutCodec(std::move(segments), offset);
 }
 
 c10d::Backend& ProcessGroupCGX::exact_for(const at::Tensor& tensor) const {
@@ -177,26 +236,28 @@ void check_tensors(const std::vector<at::Tensor>& tensors, const char* what, boo
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
   check_tensors(tensors, "allreduce", /*sparse_ok=*/true);
-  if (tensors.size() == 1 && compressible(tensors[0], opts.reduceOp))
-    return compressed_allreduce(tensors, tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, {},
-                                nullptr);
+  if (tensors.size() == 1 && compressible(tensors, opts.reduceOp))
+    return compressed_allreduce(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, nullptr);
   return exact_allreduce(tensors, opts.reduceOp, /*coalesced=*/false);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   check_tensors(tensors, "allreduce_coalesced", /*sparse_ok=*/true);
-  for (const auto& t : tensors)
+  for (const auto& t : tensors) {
     TORCH_CHECK(t.device() == tensors[0].device(),
                 "cgx allreduce_coalesced: the tensors must be on one device, got ",
                 tensors[0].device(), " and ", t.device());
-  std::vector<at::Tensor> compressed, exact;
-  for (const auto& t : tensors) (compressible(t, opts.reduceOp) ? compressed : exact).push_back(t);
-  c10::intrusive_ptr<c10d::Work> exact_work;
-  if (!exact.empty()) exact_work = exact_allreduce(exact, opts.reduceOp, /*coalesced=*/true);
-  if (compressed.empty()) return exact_work;
-  return compressed_allreduce(std::move(compressed), tensors, opts.reduceOp,
-                              c10d::OpType::ALLREDUCE_COALESCED, std::move(exact_work), nullptr);
+    TORCH_CHECK_TYPE(t.scalar_type() == tensors[0].scalar_type(),
+                     "cgx allreduce_coalesced: the tensors must have one dtype, got ",
+                     tensors[0].scalar_type(), " and ", t.scalar_type());
+  }
+  // The whole call takes one path: were its small tensors split off to Gloo, ranks whose
+  // lists differ would leave Gloo calls pending that a later call pairs with.
+  if (!compressible(tensors, opts.reduceOp))
+    return exact_allreduce(tensors, opts.reduceOp, /*coalesced=*/true);
+  return compressed_allreduce(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE_COALESCED,
+                              std::make_shared<compression::LayoutCodec>(per_tensor_codec(tensors)));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
@@ -213,15 +274,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
     TORCH_CHECK_VALUE(false, "cgx allreduce_layout: ", e.what());
   }
   const auto op = average ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
-  if (codec->all_raw()) return exact_allreduce(tensors, op, /*coalesced=*/false);
-  return compressed_allreduce(tensors, tensors, op, c10d::OpType::ALLREDUCE, {},
-                              std::move(codec));
+  // An all-raw plan too: whether a plan is all raw is not something ranks agree on first.
+  return compressed_allreduce(tensors, op, c10d::OpType::ALLREDUCE, std::move(codec));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::Tensor>& tensors,
                                                                 const c10d::ReduceOp& op,
                                                                 bool coalesced) {
-  count_call();
+  begin_call();
   c10d::Backend& exact = exact_for(tensors);
   auto run = [&](const c10d::ReduceOp& reduce_op) {
     if (coalesced) {
@@ -261,25 +321,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
-    std::vector<at::Tensor> tensors, std::vector<at::Tensor> outputs,
-    c10d::ReduceOp::RedOpType op, c10d::OpType op_type, c10::intrusive_ptr<c10d::Work> also,
+    std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
     std::shared_ptr<const compression::LayoutCodec> codec) {
+  const uint64_t sequence = begin_call();
   std::shared_ptr<CudaTicket> ticket;
   if (tensors[0].is_cuda()) ticket = cuda_.admit(tensors);
-  auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, std::move(outputs), gpu_of(tensors));
-  const uint64_t sequence = count_call();
+  auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, tensors, gpu_of(tensors));
   const uint64_t completion = completions_->begin();
-  auto task = [this, work, tensors, op, sequence, also, codec, ticket, completion]() mutable {
+  auto task = [this, work, tensors, op, sequence, codec, ticket, completion]() mutable {
     std::exception_ptr error;
     std::optional<c10::Stream> done_on;  // a GPU call's results are complete there
     try {
       TORCH_CHECK(!shut_down_, "cgx: the process group was shut down before this collective ran");
-      TORCH_CHECK(broken_.empty(), "cgx: the process group is unusable after an earlier failure: ",
-                  broken_);
+      check_usable();  // a call queued before an earlier one failed
       auto run = [&](const Lane& lane) {
         run_compressed(tensors, op, sequence, codec.get(), lane);
-        // On a GPU this makes the group's stream wait for the exact part too.
-        if (also) also->wait();
       };
       if (ticket) {
         cuda_.run(*ticket, run);
@@ -327,7 +383,7 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   }
 
   std::optional<compression::LayoutCodec> uniform;
-  if (!codec) codec = &uniform.emplace(uniform_codec(flat.numel()));
+  if (!codec) codec = &uniform.emplace(compression::LayoutCodec::uniform(quantizer_params(), flat.numel()));
 
   collectives::CallSignature signature;
   signature.sequence = sequence;
@@ -338,9 +394,9 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
                     (static_cast<int32_t>(settings_.cross_reduction) << 2) |
                     (settings_.skip_incomplete_buckets << 4) | (settings_.stochastic_rounding << 5) |
                     (settings_.intra_broadcast << 6) | (settings_.intra_compress << 7);
-  signature.layout = layout_hash(tensors, *codec);
+  describe_call(tensors, *codec, signature);
   std::snprintf(signature.dtype, sizeof signature.dtype, "%s",
-                c10::toString(tensors.size() == 1 ? tensors[0].scalar_type() : at::kFloat));
+                c10::toString(tensors[0].scalar_type()));
   std::snprintf(signature.op, sizeof signature.op, "%s", op_name(op));
 
   const auto deadline = deadline_after(timeout_);
@@ -379,9 +435,9 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   } catch (const collectives::CallMismatchError&) {
     throw;  // only signatures moved: the group stays usable
   } catch (const std::exception& e) {
-    // Data may be half delivered and peers out of step: nothing on this path can be
+    // Data may be half delivered and peers out of step: nothing on this group can be
     // trusted again.
-    broken_ = e.what();
+    fail(e.what());
     throw;
   }
   {
@@ -405,98 +461,101 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
-  count_call();
+  begin_call();
   return exact_for(tensors).broadcast(tensors, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
-  count_call();
+  begin_call();
   return exact_for(tensors).reduce(tensors, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  count_call();
+  begin_call();
   return exact_for(inputs).allgather(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  count_call();
+  begin_call();
   return exact_for(input)._allgather_base(output, input, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  count_call();
+  begin_call();
   return exact_for(inputs).allgather_coalesced(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  count_call();
+  begin_call();
   return exact_for(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  count_call();
+  begin_call();
   return exact_for(inputs).gather(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  count_call();
+  begin_call();
   return exact_for(outputs).scatter(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  count_call();
+  begin_call();
   return exact_for(outputs).reduce_scatter(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  count_call();
+  begin_call();
   return exact_for(input)._reduce_scatter_base(output, input, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  count_call();
+  begin_call();
   return exact_for(inputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
-  count_call();
+  begin_call();
   return exact_for(input).alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::alltoall(std::vector<at::Tensor>& outputs,
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllToAllOptions& opts) {
-  count_call();
+  begin_call();
   return exact_for(inputs).alltoall(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::send(std::vector<at::Tensor>& tensors,
                                                      int dst_rank, int tag) {
   check_tag(tag);
+  check_usable();
   return exact_for(tensors).send(tensors, dst_rank, tag);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recv(std::vector<at::Tensor>& tensors,
                                                      int src_rank, int tag) {
   check_tag(tag);
+  check_usable();
   return exact_for(tensors).recv(tensors, src_rank, tag);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recvAnysource(std::vector<at::Tensor>& tensors,
                                                               int tag) {
   check_tag(tag);
+  check_usable();
   return exact_for(tensors).recvAnysource(tensors, tag);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::barrier(const c10d::BarrierOptions& opts) {
   // Gloo's barrier is issued now (Gloo's program order); it completes once Gloo's barrier
   // has and every compressed collective queued before it has completed, as a barrier
   // should.
-  count_call();
+  begin_call();
   auto gloo_barrier = exact_->barrier(opts);
   auto work = c10::make_intrusive<CGXWork>(getRank(), c10d::OpType::BARRIER,
                                            std::vector<at::Tensor>{});

@@ -1,7 +1,10 @@
 // ProcessGroupCGX: the torch.distributed backend "cgx" — the only code that knows c10d.
 //
 // Compressed path: allreduce / allreduce_coalesced of float32, float16 and bfloat16 CPU
-// or CUDA tensors with SUM or AVG and more than `minimal_size` elements, when bits < 32.
+// or CUDA tensors with SUM or AVG and more than `minimal_size` elements in all, when
+// bits < 32; and allreduce_layout. The path of a call is chosen from what every rank must
+// agree on (dtype, op, total size), never from how a rank's list is split, so ranks given
+// different calls all reach the call signature check before any data moves.
 // It runs on the group's worker thread (csrc/collectives over csrc/transport): flat on
 // one host or with one rank per host, hierarchical otherwise. CUDA tensors are compressed
 // on the GPU, on the group's own streams (cuda_lane.h).
@@ -68,8 +71,8 @@ class ProcessGroupCGX final : public c10d::Backend {
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
 
   // Allreduce of one float tensor compressed segment by segment as `layout` says (the
-  // per-layer plan of a DDP bucket); raw segments travel exactly. The layout is part of
-  // the call, compared across ranks like its size. An all-raw layout goes to Gloo.
+  // per-layer plan of a DDP bucket); raw segments travel unquantized (float32). The
+  // layout is part of the call, compared across ranks like its size.
   c10::intrusive_ptr<c10d::Work> allreduce_layout(at::Tensor tensor,
                                                   std::vector<compression::Segment> layout,
                                                   bool average);
@@ -120,22 +123,29 @@ class ProcessGroupCGX final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
  private:
-  bool compressible(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
+  // Whether a call on `tensors` takes the compressed path.
+  bool compressible(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) const;
   // The exact backend for tensors on the device of `tensor`.
   c10d::Backend& exact_for(const at::Tensor& tensor) const;
   c10d::Backend& exact_for(const std::vector<at::Tensor>& tensors) const;  // exact_ if none
-  uint64_t count_call() { return ++sequence_; }
-  // The group's settings applied to a whole buffer.
-  compression::LayoutCodec uniform_codec(int64_t numel) const;
+  // Raises once the group failed.
+  void check_usable() const;
+  // Every collective starts here: refused once the group failed; numbered (sequence_).
+  uint64_t begin_call();
+  // Marks the group unusable with its first cause (later calls raise it).
+  void fail(const std::string& cause);
+  // The group's quantizer settings.
+  compression::QuantizerParams quantizer_params() const;
+  // The group's settings per tensor of a coalesced call; tensors at or under
+  // minimal_size travel unquantized.
+  compression::LayoutCodec per_tensor_codec(const std::vector<at::Tensor>& tensors) const;
   // Gloo allreduce, with AVG done as SUM followed by a division (Gloo has no AVG).
   c10::intrusive_ptr<c10d::Work> exact_allreduce(std::vector<at::Tensor>& tensors,
                                                  const c10d::ReduceOp& op, bool coalesced);
-  // Queues a compressed allreduce of `tensors`; the work, whose result is `outputs`,
-  // also waits for `also` (the exact part of a coalesced call) if given.
+  // Queues a compressed allreduce of `tensors` (reduced in place, the work's result).
   // `codec` null: the group's uniform settings.
   c10::intrusive_ptr<c10d::Work> compressed_allreduce(
-      std::vector<at::Tensor> tensors, std::vector<at::Tensor> outputs,
-      c10d::ReduceOp::RedOpType op, c10d::OpType op_type, c10::intrusive_ptr<c10d::Work> also,
+      std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
       std::shared_ptr<const compression::LayoutCodec> codec);
   void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op,
                       uint64_t sequence, const compression::LayoutCodec* codec, const Lane& lane);
@@ -155,8 +165,10 @@ class ProcessGroupCGX final : public c10d::Backend {
   // number differs between ranks whenever they took different paths before it (a size
   // on either side of minimal_size, a dtype mismatch), and its signature check fails.
   std::atomic<uint64_t> sequence_{0};
-  // Set once a failure while data moved left the group unusable; worker thread only.
-  std::string broken_;
+  // Set once, when a failure while data moved left the group unusable (peers may be out
+  // of step): every later call raises it, exact ones included.
+  mutable std::mutex failure_mutex_;
+  std::string failure_;
   mutable std::mutex stats_mutex_;
   Stats stats_;
   std::atomic<bool> shut_down_{false};

@@ -18,13 +18,18 @@ std::pair<std::string, std::string> first_difference(const CallSignature& a,
     s << v;
     return s.str();
   };
+  // Texts cut to fit can read alike where the hashes differ: say so.
+  auto text = [](const char* what, const char* a_text, const char* b_text) {
+    const std::string note = std::strcmp(a_text, b_text) == 0 ? " (differing past the shown part)" : "";
+    return std::make_pair(std::string(what) + a_text + note, std::string(what) + b_text + note);
+  };
   if (a.sequence != b.sequence)
-    return {"call #" + str(a.sequence), "call #" + str(b.sequence)};
+    return {"call #" + str(a.sequence) + " of the group", "call #" + str(b.sequence) + " of the group"};
   if (a.numel != b.numel) return {str(a.numel) + " elements", str(b.numel) + " elements"};
-  if (a.layout != b.layout)
-    return {"tensors of other shapes or dtypes", "tensors of other shapes or dtypes"};
   if (std::strncmp(a.dtype, b.dtype, sizeof a.dtype) != 0)
     return {std::string("dtype ") + a.dtype, std::string("dtype ") + b.dtype};
+  if (a.shapes != b.shapes) return text("tensors of shapes ", a.shapes_text, b.shapes_text);
+  if (a.plan != b.plan) return text("the per-layer plan ", a.plan_text, b.plan_text);
   if (std::strncmp(a.op, b.op, sizeof a.op) != 0)
     return {std::string("op ") + a.op, std::string("op ") + b.op};
   if (a.bits != b.bits) return {str(a.bits) + " bits", str(b.bits) + " bits"};

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 
 #include "collectives/allreduce.h"
 #include "transport/transport.h"
@@ -12,17 +13,30 @@
 namespace cgx::collectives {
 
 struct CallSignature {
-  uint64_t sequence = 0;   // per-group count of compressed calls
+  uint64_t sequence = 0;   // per-group count of calls, exact ones included
   int64_t numel = 0;
   int64_t bucket_size = 0;
-  uint64_t layout = 0;     // hash of the tensors' shapes and dtypes
+  uint64_t shapes = 0;     // hash of the tensors' count and shapes
+  uint64_t plan = 0;       // hash of the compression layout (segments, bits, bucket sizes)
   int32_t bits = 0;
   int32_t flags = 0;       // settings that must agree (algorithm, rounding, ...)
   char dtype[16] = {};     // name, for the message
   char op[8] = {};
+  // For the message, cut to fit (set_text): the tensors' shapes, "[100, 4], [10]", and
+  // the layout's segments, "4096:4b/512 128:raw".
+  char shapes_text[44] = {};
+  char plan_text[44] = {};
 };
 
-static_assert(sizeof(CallSignature) == 64, "sent as raw bytes: no padding");
+static_assert(sizeof(CallSignature) == 160, "sent as raw bytes: no padding");
+
+// Copies `text` into a signature's text field, cut with "..." where it does not fit.
+template <size_t N>
+void set_text(char (&field)[N], const std::string& text) {
+  std::string fitted = text.size() < N ? text : text.substr(0, N - 4) + "...";
+  fitted.copy(field, N - 1);
+  field[fitted.size()] = '\0';
+}
 
 // Ranks were given different calls. Only signatures moved: the transport stays usable.
 class CallMismatchError : public std::runtime_error {

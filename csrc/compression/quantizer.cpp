@@ -146,8 +146,28 @@ CGX_INLINE void quantize_stochastic(const float* __restrict x, int64_t len,
   }
 }
 
+// min + level * scale with the product and the sum each capped at FLT_MAX: rounding can
+// carry either past FLT_MAX for a bucket whose range is finite, and the value must decode
+// finite (within the bound). A NaN bucket stays NaN (comparisons with NaN are false).
+CGX_INLINE float decode_capped(float mn, float level, float scale) {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  float product = level * scale;
+  product = product > kMax ? kMax : product;
+  const float value = mn + product;
+  return value > kMax ? kMax : value;
+}
+
 CGX_INLINE void dequantize(const uint8_t* __restrict levels, int64_t len, float mn, float scale,
-                           bool add, float* __restrict dst) {
+                           float max_level, bool add, float* __restrict dst) {
+  // Float rounding is monotonic, so the top level bounds every value of the bucket: only
+  // a bucket whose top overflows (its range reaches FLT_MAX) needs the capped decode.
+  if (std::isinf(mn + max_level * scale)) {
+    for (int64_t k = 0; k < len; ++k) {
+      const float value = decode_capped(mn, static_cast<float>(levels[k]), scale);
+      dst[k] = add ? dst[k] + value : value;
+    }
+    return;
+  }
   if (add) {
     for (int64_t k = 0; k < len; ++k) {
       dst[k] = dst[k] + (mn + static_cast<float>(levels[k]) * scale);
@@ -277,6 +297,7 @@ CGX_AVX2_CLONE void encode_levels(const QuantizerParams& params, const Layout& l
 CGX_AVX2_CLONE void decode_levels(const QuantizerParams& params, const Layout& layout,
                                   const uint8_t* src, bool add, float* dst) {
   const int64_t bucket = params.bucket_size;
+  const float max_level = static_cast<float>((1 << params.bits) - 1);
   const uint8_t* meta = src;
   const uint8_t* stream = src + layout.levels_offset;
   uint8_t levels[kChunk];
@@ -289,7 +310,7 @@ CGX_AVX2_CLONE void decode_levels(const QuantizerParams& params, const Layout& l
       const int64_t end = std::min(bucket_end, chunk_end);
       float pair[2];  // (min, scale)
       std::memcpy(pair, meta + b * sizeof(pair), sizeof(pair));
-      dequantize(levels + (i - chunk), end - i, pair[0], pair[1], add, dst + i);
+      dequantize(levels + (i - chunk), end - i, pair[0], pair[1], max_level, add, dst + i);
       i = end;
       if (i == bucket_end) {
         ++b;

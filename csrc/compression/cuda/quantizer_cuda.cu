@@ -10,6 +10,8 @@
 //   unpack_dequantize: one thread per group of 8 levels -> 8 values, optionally added to
 //     the destination in the same pass.
 //   raw_tail: the n - q values that travel as float32.
+#include <cfloat>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -30,6 +32,15 @@ void check(cudaError_t code, const char* what) {
   if (code != cudaSuccess)
     throw std::runtime_error(std::string("cgx CUDA codec: ") + what + ": " +
                              cudaGetErrorString(code));
+}
+
+// The CPU codec's decode (quantizer.cpp): min + level * scale, the product and the sum
+// each capped at FLT_MAX so that a finite bucket decodes finite; NaN stays NaN.
+__device__ __forceinline__ float decode(float mn, float level, float scale) {
+  float product = __fmul_rn(level, scale);
+  product = product > FLT_MAX ? FLT_MAX : product;
+  const float value = __fadd_rn(mn, product);
+  return value > FLT_MAX ? FLT_MAX : value;
 }
 
 __device__ __forceinline__ float to_float(float v) { return v; }
@@ -186,7 +197,7 @@ __global__ void unpack_dequantize(const uint8_t* __restrict__ stream, int64_t qu
       if (i >= quantized) break;
       const float2 code = meta[buckets.next()];
       const float level = static_cast<float>(static_cast<int>((word >> (j * bits)) & mask));
-      const float value = __fadd_rn(code.x, __fmul_rn(level, code.y));
+      const float value = decode(code.x, level, code.y);
       dst[i] = from_float<T>(add ? __fadd_rn(to_float(dst[i]), value) : value);
     }
   }
