@@ -128,8 +128,8 @@ class AdaptiveBits:
         self.default = LayerSetting(*default)
         if self.default not in self.candidates:
             raise ValueError(f"cgx.AdaptiveBits: default {default} is not among the candidates")
-        if not alpha > 0:
-            raise ValueError(f"cgx.AdaptiveBits: alpha must be > 0, got {alpha}")
+        if not (isinstance(alpha, (int, float)) and 0 < alpha < math.inf):
+            raise ValueError(f"cgx.AdaptiveBits: alpha must be a finite number > 0, got {alpha!r}")
         if not isinstance(interval, int) or interval < 1:
             raise ValueError(f"cgx.AdaptiveBits: interval must be an integer >= 1, got {interval!r}")
         self.alpha = alpha

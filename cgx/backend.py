@@ -48,23 +48,26 @@ def create_backend(dist_options, backend_options=None) -> _C.ProcessGroupCGX:
     store (Gloo; NCCL too for CUDA tensors where every rank has a GPU of its own), and
     connects the compressed path (inner and cross communicators).
     """
-    if backend_options is None:
-        config = from_env()
-    elif isinstance(backend_options, Config):
-        config = backend_options
-    else:
+    if backend_options is not None and not isinstance(backend_options, Config):
         raise TypeError(
             f"cgx: pg_options must be a cgx.Config, got {type(backend_options).__name__}"
         )
-    if config.uses_mpi:
-        mpi.require(config)
     store = dist_options.store
     rank, size, timeout = dist_options.group_rank, dist_options.group_size, dist_options.timeout
     # Every rank counts the groups it created on this store prefix, so the n-th one gets
     # fresh keys even where an earlier one (destroyed, re-initialized) left keys behind.
     incarnation = store.add(f"cgx/incarnation/{rank}", 1)
     cgx_store = dist.PrefixStore(f"cgx/{incarnation}/", store)
-    _check_same_config(cgx_store, rank, size, config)
+    # A bad CGX_* value on one rank is told to every rank (they would otherwise wait for
+    # its settings until the timeout).
+    try:
+        config = backend_options if backend_options is not None else from_env()
+        problem = None
+    except ValueError as e:
+        config, problem = None, str(e)
+    config = _check_same_config(cgx_store, rank, size, config, problem)
+    if config.uses_mpi:
+        mpi.require(config)
     exact = dist.ProcessGroupGloo(dist.PrefixStore(f"gloo/{incarnation}/", store), rank, size, timeout)
     exact_cuda = None
     if cuda_exact_backend(_gather(cgx_store, "gpu", rank, size, _this_gpu())) == "nccl":
@@ -99,11 +102,18 @@ def _gather(store: dist.Store, key: str, rank: int, size: int, value: str) -> li
     return [store.get(f"{key}/{r}").decode() for r in range(size)]
 
 
-def _check_same_config(store: dist.Store, rank: int, size: int, config: Config) -> None:
+def _check_same_config(store: dist.Store, rank: int, size: int, config: Config | None,
+                       problem: str | None) -> Config:
     """Ranks with different settings would take different paths and meet only at the
-    timeout: compare them at creation instead, and fail on every rank alike."""
-    mine = json.dumps([getattr(config, f) for f in _SHARED_FIELDS])
+    timeout: compare them at creation instead, and fail on every rank alike, also where
+    one rank's settings could not be read (`problem`). Returns this rank's config."""
+    mine = json.dumps({"problem": problem} if problem else [getattr(config, f) for f in _SHARED_FIELDS])
     configs = [json.loads(c) for c in _gather(store, "config", rank, size, mine)]
+    bad = [(r, c["problem"]) for r, c in enumerate(configs) if isinstance(c, dict)]
+    if bad:
+        r, message = bad[0]
+        others = f" (and {len(bad) - 1} other rank(s))" if len(bad) > 1 else ""
+        raise ValueError(f"cgx: bad configuration on rank {r}{others}: {message}")
     for r in range(1, size):
         for field, a, b in zip(_SHARED_FIELDS, configs[0], configs[r]):
             if a != b:
@@ -112,6 +122,7 @@ def _check_same_config(store: dist.Store, rank: int, size: int, config: Config) 
                     f"cgx: ranks of the group disagree on {name}: rank 0 has {a!r}, "
                     f"rank {r} has {b!r}"
                 )
+    return config
 
 
 def get_backend(group: dist.ProcessGroup | None = None) -> _C.ProcessGroupCGX:

@@ -1,9 +1,10 @@
 """The one table of ``CGX_*`` environment variables.
 
 Each variable is declared once here, with its type, default, accepted values and
-meaning; :func:`from_env` parses them strictly (``"12abc"`` is an error, not 12) and
-raises :class:`ValueError` naming the variable and what it accepts. ``python -m
-cgx`` prints the table with the values in effect. docs/configuration.md shows it.
+meaning; :func:`from_env` parses them strictly (``"12abc"``, ``" 8"`` and Unicode
+digits are errors) and raises :class:`ValueError` naming the variable and what it
+accepts. ``python -m cgx`` prints the table with the values in effect;
+docs/configuration.md shows it as :func:`markdown_table` writes it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import re
 import socket
 from typing import Any, Callable, Mapping
 
-__all__ = ["Variable", "VARIABLES", "Config", "from_env", "describe"]
+__all__ = ["Variable", "VARIABLES", "Config", "from_env", "describe", "markdown_table"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -32,7 +33,7 @@ class Variable:
 
 def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        if not re.fullmatch(r"\s*[+-]?\d+\s*", text):
+        if not re.fullmatch(r"[+-]?[0-9]+", text):  # ASCII digits only, nothing around them
             raise ValueError
         value = int(text)
         if value < low or (high is not None and value > high):
@@ -50,7 +51,7 @@ def _bits(text: str) -> int:
 
 
 def _bool(text: str) -> bool:
-    word = text.strip().lower()
+    word = text.lower()
     if word in _TRUE:
         return True
     if word in _FALSE:
@@ -63,7 +64,7 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
     def parse(text: str) -> str:
         try:
-            return by_lower[text.strip().lower()]
+            return by_lower[text.lower()]
         except KeyError:
             raise ValueError from None
 
@@ -71,9 +72,9 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
 
 def _nonempty(text: str) -> str:
-    if not text.strip():
+    if not text or text != text.strip():
         raise ValueError
-    return text.strip()
+    return text
 
 
 VARIABLES: tuple[Variable, ...] = (
@@ -119,7 +120,8 @@ VARIABLES: tuple[Variable, ...] = (
              "Hierarchical allreduce: compress the reduction inside a host too (off: it "
              "moves float32, one quantization stage fewer with SRA; what crosses hosts, "
              "and the result shared inside a host, is always compressed)."),
-    Variable("CGX_HOSTNAME", "hostname", None, "non-empty string (default: the hostname)",
+    Variable("CGX_HOSTNAME", "hostname", None,
+             "non-empty string, no surrounding spaces (default: the hostname)",
              _nonempty,
              "Host identity: ranks with the same value share memory. Set it to different "
              "values to force the cross-host path (tests, network namespaces)."),
@@ -189,22 +191,45 @@ def from_env(environ: Mapping[str, str] | None = None) -> Config:
         try:
             values[var.field] = var.parse(text)
         except ValueError:
-            raise ValueError(
-                f"{var.name}={text!r} is not valid: expected {var.accepted}"
-            ) from None
+            raise ValueError(_not_valid(var, text)) from None
     return Config(**values)
 
 
-def describe(environ: Mapping[str, str] | None = None) -> str:
-    """The table of variables with the value in effect and who set it."""
+def _not_valid(var: Variable, text: str) -> str:
+    return f"{var.name}={text!r} is not valid: expected {var.accepted}"
+
+
+def describe(environ: Mapping[str, str] | None = None) -> tuple[str, list[str]]:
+    """The table of variables with the value in effect and who set it, and a message for
+    each value that is not valid (its row says so instead of a value)."""
     environ = os.environ if environ is None else environ
-    config = from_env(environ)
-    rows = []
+    rows, problems = [], []
     for var in VARIABLES:
-        source = "environment" if var.name in environ else "default"
-        value = getattr(config, var.field)
+        text = environ.get(var.name)
+        if text is None:
+            value, source = var.default, "default"
+        else:
+            try:
+                value, source = var.parse(text), "environment"
+            except ValueError:
+                value, source = f"NOT VALID: {text!r}", "environment"
+                problems.append(_not_valid(var, text))
         if value is None and var.field == "hostname":
             value = socket.gethostname()
         rows.append((var.name, str(value), source, var.accepted))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return table, problems
+
+
+def markdown_table() -> str:
+    """The table of docs/configuration.md, from the declarations above."""
+    def default(var: Variable) -> str:
+        return "the hostname" if var.field == "hostname" else str(var.default)
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| Variable | Default | Accepted | Meaning |", "|---|---|---|---|"]
+    lines += [f"| `{v.name}` | {default(v)} | {cell(v.accepted)} | {v.doc} |" for v in VARIABLES]
+    return "\n".join(lines)

@@ -38,7 +38,8 @@ import torch.distributed as dist
 from cgx import _C
 from cgx.backend import get_backend
 from cgx.adaptive import AdaptiveBits
-from cgx.layers import RAW_BITS, CompressionPolicy, LayerSetting, bucket_plan
+from cgx.layers import (RAW_BITS, CompressionPolicy, LayerSetting, bucket_plan, check_bits,
+                        check_bucket_size)
 
 __all__ = ["CGXState", "cgx_hook"]
 
@@ -78,6 +79,7 @@ class CGXState:
         "adaptive",
         # wiring to the model (not pickled: rebuilt by attach())
         "_param_ids",
+        "_param_numels",
         "_settings_by_param",
         # internal state, checkpointed
         "step",
@@ -136,6 +138,7 @@ class CGXState:
         self.layer_errors: dict[str, float] = {}
         self.layer_settings: dict[str, LayerSetting] = {}
         self._param_ids: dict[str, int] = {}
+        self._param_numels: dict[str, int] = {}
         self._settings_by_param: dict[int, tuple[str, LayerSetting]] = {}
         if model is not None:
             self.attach(model)
@@ -147,6 +150,7 @@ class CGXState:
         # Settings chosen later (adaptive selection, a loaded checkpoint) stay.
         self.layer_settings = {**resolved, **{n: s for n, s in self.layer_settings.items() if n in resolved}}
         self._param_ids = {n: id(p) for n, p in model.named_parameters() if n in resolved}
+        self._param_numels = {n: p.numel() for n, p in model.named_parameters() if n in resolved}
         self._rewire()
 
     def set_layer_settings(self, settings: dict[str, LayerSetting]) -> None:
@@ -167,9 +171,16 @@ class CGXState:
             name = f"bucket{bucket.index()}.{i}"
             if name in self._param_ids:  # first seen after DDP rebuilt its buckets
                 name = f"{name}.step{self.step}"
+            residual = self.residuals.get(name)
+            if residual is not None and residual.numel() != param.numel():
+                raise ValueError(
+                    f"cgx_hook: the loaded residual of layer {name!r} has {residual.numel()} "
+                    f"values, its parameter {param.numel()}: the checkpoint is another model's"
+                )
             setting = self.layer_settings.get(name) or self.policy.setting_for(name, None, param)
             self.layer_settings[name] = setting
             self._param_ids[name] = id(param)
+            self._param_numels[name] = param.numel()
             self._settings_by_param[id(param)] = (name, setting)
 
     def _rewire(self) -> None:
@@ -212,6 +223,8 @@ class CGXState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads this rank's state_dict(); ValueError naming the key for anything else."""
+        _check_state_dict(state, self._param_numels)
         rank = self._rank()
         if state["rank"] is not None and rank is not None and state["rank"] != rank:
             raise ValueError(
@@ -239,12 +252,13 @@ class CGXState:
         return {
             slot: getattr(self, slot)
             for slot in self.__slots__
-            if slot not in ("process_group", "_param_ids", "_settings_by_param")
+            if slot not in ("process_group", "_param_ids", "_param_numels", "_settings_by_param")
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.process_group = None
         self._param_ids = {}
+        self._param_numels = {}
         self._settings_by_param = {}
         for slot, value in state.items():
             setattr(self, slot, value)
@@ -292,6 +306,39 @@ class CGXState:
         for _, numel, bits, bucket_size in layout:
             self.bytes_sent += 4 * numel if bits == RAW_BITS else _C.compressed_size(
                 numel, bits, bucket_size, skip_incomplete_buckets=skip_incomplete)
+
+
+_STATE_KEYS = ("rank", "step", "residuals", "layer_settings", "adaptive_accumulated",
+               "bytes_sent", "bytes_uncompressed")
+
+
+def _check_state_dict(state: Any, numels: dict[str, int]) -> None:
+    """What CGXState.load_state_dict accepts: a dict of state_dict()'s form, with valid
+    settings and residuals that fit the layers (`numels`, where known)."""
+    what = "cgx.CGXState.load_state_dict"
+    if not isinstance(state, dict):
+        raise TypeError(f"{what}: expected the dict of CGXState.state_dict(), got {type(state).__name__}")
+    missing = [k for k in _STATE_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"{what}: missing {missing} (expected the dict of CGXState.state_dict())")
+    for key in ("step", "bytes_sent", "bytes_uncompressed"):
+        value = state[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{what}: {key!r} must be an integer >= 0, got {value!r}")
+    for name, setting in state["layer_settings"].items():
+        if not (isinstance(setting, (tuple, list)) and len(setting) == 2):
+            raise ValueError(f"{what}: layer_settings[{name!r}] must be (bits, bucket_size), got {setting!r}")
+        check_bits(setting[0], f"{what}: layer_settings[{name!r}]")
+        check_bucket_size(setting[1], f"{what}: layer_settings[{name!r}]")
+    for key in ("residuals", "adaptive_accumulated"):
+        for name, tensor in state[key].items():
+            if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
+                raise ValueError(f"{what}: {key}[{name!r}] must be a float tensor, got {tensor!r}")
+            if name in numels and tensor.numel() != numels[name]:
+                raise ValueError(
+                    f"{what}: {key}[{name!r}] has {tensor.numel()} values, the layer "
+                    f"{numels[name]}: the state is another model's"
+                )
 
 
 def _policy_of(group: dist.ProcessGroup | None) -> CompressionPolicy:
@@ -380,10 +427,22 @@ def _replan(state: CGXState, group: dist.ProcessGroup) -> None:
     applies the same plan from the next step."""
     # A tensor of (bits, bucket_size) per layer in name order (every rank knows the
     # names), not a pickled object: nothing from a peer is unpickled.
+    # Its first row says whether rank 0 could choose: a failure there is raised on every
+    # rank after the broadcast, never on rank 0 alone while the others wait in it.
     names = sorted(state.layer_settings)
-    chosen = {**state.layer_settings, **(state.adaptive.choose() if group.rank() == 0 else {})}
-    table = torch.tensor([(chosen[n].bits, chosen[n].bucket_size) for n in names],
-                         dtype=torch.int64).reshape(-1, 2)
+    chosen, problem = dict(state.layer_settings), None
+    if group.rank() == 0:
+        try:
+            chosen.update(state.adaptive.choose())
+        except Exception as e:  # noqa: BLE001  (raised below, on every rank)
+            problem = e
+    table = torch.tensor([(int(problem is None), 0)] + [(chosen[n].bits, chosen[n].bucket_size) for n in names],
+                         dtype=torch.int64)
     state.adaptive.accumulated = {}
     dist.broadcast(table, group_src=0, group=group)
-    state.set_layer_settings({n: LayerSetting(b, k) for n, (b, k) in zip(names, table.tolist())})
+    if not table[0, 0]:
+        raise RuntimeError(
+            f"cgx_hook: rank 0 could not choose the adaptive plan at step {state.step}"
+            + (f": {problem}" if problem else " (the cause is in rank 0's error)")
+        ) from problem
+    state.set_layer_settings({n: LayerSetting(b, k) for n, (b, k) in zip(names, table[1:].tolist())})

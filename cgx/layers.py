@@ -36,14 +36,18 @@ RAW_BITS = 32
 Segment = tuple[int, int, int, int]  # (offset, numel, bits, bucket_size)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is no bit count
+
+
 def check_bits(bits: int, what: str, allow_raw: bool = True) -> None:
-    if not (isinstance(bits, int) and (1 <= bits <= 8 or (allow_raw and bits == RAW_BITS))):
+    if not (_is_int(bits) and (1 <= bits <= 8 or (allow_raw and bits == RAW_BITS))):
         allowed = "1..8, or 32 for uncompressed" if allow_raw else "1..8"
         raise ValueError(f"{what}: bits must be in {allowed}, got {bits!r}")
 
 
 def check_bucket_size(bucket_size: int, what: str) -> None:
-    if not (isinstance(bucket_size, int) and 1 <= bucket_size <= 2**30):
+    if not (_is_int(bucket_size) and 1 <= bucket_size <= 2**30):
         raise ValueError(f"{what}: bucket_size must be in 1..2^30, got {bucket_size!r}")
 
 
@@ -138,8 +142,9 @@ class CompressionPolicy:
     def resolve(self, model: torch.nn.Module) -> dict[str, LayerSetting]:
         """The setting of every trainable parameter of `model`, by qualified name.
 
-        Raises ValueError for a rule whose pattern or module type selects no parameter
-        (a typo would otherwise silently compress a layer the user meant to protect)."""
+        Raises ValueError for a rule that selects no parameter (a typo would otherwise
+        silently compress a layer the user meant to protect): naming the criterion that
+        matches nothing, or saying that the criteria never match together."""
         owners = {}
         for module_name, module in model.named_modules():
             for param_name, _ in module.named_parameters(recurse=False):
@@ -163,6 +168,14 @@ class CompressionPolicy:
                     f"cgx.LayerRule module_type {rule.module_type!r} matches no module that "
                     f"owns a trainable parameter"
                 )
+            if not any(rule.matches(n, owners[n], p.numel())
+                       for n, p in model.named_parameters() if n in settings):
+                raise ValueError(
+                    f"{rule} matches no trainable parameter: its criteria never hold together"
+                    if rule.pattern is not None or rule.module_type is not None
+                    else f"{rule} matches no trainable parameter (none has at most "
+                         f"{rule.max_numel} elements)"
+                )
         return settings
 
 
@@ -180,6 +193,13 @@ def bucket_plan(
     base, itemsize, total = buffer.data_ptr(), buffer.element_size(), buffer.numel()
     pieces = []
     for param, grad in zip(bucket.parameters(), bucket.gradients()):
+        if id(param) not in settings_by_param:
+            raise ValueError(
+                f"cgx_hook: DDP bucket {bucket.index()} holds a parameter of shape "
+                f"{tuple(param.shape)} that is not in the model the CGXState was built on: "
+                f"build it with the module DDP wraps (cgx.CGXState(group, model)), or after "
+                f"unpickling attach that module (state.attach(model))"
+            )
         name, setting = settings_by_param[id(param)]
         pieces.append(((grad.data_ptr() - base) // itemsize, grad.numel(), name, setting))
     pieces.sort(key=lambda p: p[0])

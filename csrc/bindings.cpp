@@ -28,10 +28,18 @@ using cgx::collectives::ReductionAlgorithm;
 
 namespace {
 
-cgx::compression::QuantizerParams quantizer(int bits, int64_t bucket_size, bool skip_incomplete,
-                                            bool stochastic) {
+// pybind11 takes True for 1 where an int is asked: not for a bit count.
+int bits_of(const py::handle& bits) {
+  if (PyBool_Check(bits.ptr()) || !PyLong_Check(bits.ptr()))
+    throw py::type_error("cgx: bits must be an int, got " +
+                         std::string(py::str(bits.get_type().attr("__name__"))));
+  return bits.cast<int>();
+}
+
+cgx::compression::QuantizerParams quantizer(const py::handle& bits, int64_t bucket_size,
+                                            bool skip_incomplete, bool stochastic) {
   cgx::compression::QuantizerParams p;
-  p.bits = bits;
+  p.bits = bits_of(bits);
   p.bucket_size = bucket_size;
   p.skip_incomplete_buckets = skip_incomplete;
   p.stochastic = stochastic;
@@ -65,7 +73,7 @@ cgx::compression::cuda::DType cuda_dtype(at::ScalarType dtype) {
 }
 #endif
 
-at::Tensor compress(const at::Tensor& input, int bits, int64_t bucket_size, bool stochastic,
+at::Tensor compress(const at::Tensor& input, const py::object& bits, int64_t bucket_size, bool stochastic,
                     uint64_t seed, bool skip_incomplete, std::optional<at::Tensor> out) {
   const at::Device device = input.device();
   check_tensor(input, "input", device);
@@ -79,8 +87,9 @@ at::Tensor compress(const at::Tensor& input, int bits, int64_t bucket_size, bool
   const auto bytes = static_cast<int64_t>(cgx::compression::compressed_bytes(p, values.numel()));
   at::Tensor dst = out ? *out : at::empty({bytes}, values.options().dtype(at::kByte));
   check_tensor(dst, "out", device);
-  TORCH_CHECK_VALUE(dst.scalar_type() == at::kByte && dst.is_contiguous() && dst.numel() >= bytes,
-                    "cgx.compress: out must be a contiguous uint8 tensor of at least ", bytes,
+  TORCH_CHECK_VALUE(dst.scalar_type() == at::kByte && dst.dim() == 1 && dst.is_contiguous() &&
+                        dst.numel() >= bytes,
+                    "cgx.compress: out must be a contiguous 1-D uint8 tensor of at least ", bytes,
                     " bytes");
 #ifdef CGX_WITH_CUDA
   if (device.is_cuda()) {
@@ -97,7 +106,7 @@ at::Tensor compress(const at::Tensor& input, int bits, int64_t bucket_size, bool
   return dst.narrow(0, 0, bytes);
 }
 
-at::Tensor decompress(const at::Tensor& buffer, int64_t numel, int bits, int64_t bucket_size,
+at::Tensor decompress(const at::Tensor& buffer, int64_t numel, const py::object& bits, int64_t bucket_size,
                       bool skip_incomplete, std::optional<at::Tensor> out, bool add) {
   const at::Device device = buffer.device();
   check_tensor(buffer, "buffer", device);
@@ -248,7 +257,7 @@ PYBIND11_MODULE(_C, m) {
         "Decodes a cgx buffer into float32 values; add=True adds them into out.");
   m.def(
       "compressed_size",
-      [](int64_t numel, int bits, int64_t bucket_size, bool skip_incomplete) {
+      [](int64_t numel, const py::object& bits, int64_t bucket_size, bool skip_incomplete) {
         TORCH_CHECK_VALUE(numel >= 0, "cgx.compressed_size: numel must be >= 0, got ", numel);
         return cgx::compression::compressed_bytes(
             quantizer(bits, bucket_size, skip_incomplete, false), numel);

@@ -90,6 +90,11 @@ def test_bad_arguments():
         cgx.AdaptiveBits(candidates=[(32, 512), (4, 512)])
     with pytest.raises(ValueError, match="bucket_size"):
         cgx.AdaptiveBits(candidates=[(4, 2**31)], default=(4, 2**31))
+    for alpha in (float("inf"), float("nan"), 0, -1, "2"):
+        with pytest.raises(ValueError, match="alpha must be a finite number > 0"):
+            cgx.AdaptiveBits(alpha=alpha)
+    with pytest.raises(ValueError, match="bits must be in 1..8"):
+        cgx.AdaptiveBits(candidates=[(True, 512), (4, 512)])  # a bool is no bit count
 
 
 class TinyGPT(torch.nn.Module):

@@ -95,6 +95,20 @@ def test_finite_range_near_float_max_decodes_finite_within_half_a_step(bits, val
         assert float((y.double() - x.double()).abs().max()) <= step / 2 + slack, (y, x)
 
 
+def test_codec_arguments_checked_before_anything_is_written():
+    x = torch.randn(10)
+    with pytest.raises(TypeError, match="bits must be an int, got bool"):
+        cgx.compress(x, True, 4)
+    with pytest.raises(TypeError, match="bits must be an int"):
+        cgx.compressed_size(10, 4.0, 4)
+    with pytest.raises(ValueError, match="0..2\\^48"):
+        cgx.compressed_size(2**62, 8, 1)
+    out = torch.zeros(100, 4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="contiguous 1-D uint8"):
+        cgx.compress(x, 4, 4, out=out)
+    assert bool((out == 0).all())  # refused before writing
+
+
 def test_decompress_add_is_decompress_plus_destination():
     x = torch.randn(10_000)
     dst = torch.randn(10_000)

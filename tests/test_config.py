@@ -27,7 +27,6 @@ def test_defaults_follow_torch_cgx():
     "variable, text, field, value",
     [
         ("CGX_COMPRESSION_QUANTIZATION_BITS", "4", "bits", 4),
-        ("CGX_COMPRESSION_QUANTIZATION_BITS", " 8 ", "bits", 8),
         ("CGX_COMPRESSION_BUCKET_SIZE", "1024", "bucket_size", 1024),
         ("CGX_COMPRESSION_MINIMAL_SIZE", "0", "minimal_size", 0),
         ("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "yes", "skip_incomplete_buckets", True),
@@ -66,7 +65,14 @@ def test_parses_each_variable(variable, text, field, value):
         ("CGX_INTRA_BROADCAST", "maybe"),
         ("CGX_INTRA_COMPRESS", "2"),
         ("CGX_HOSTNAME", "  "),
+        ("CGX_HOSTNAME", " node7"),
         ("CGX_SHM_RING_BYTES", "1k"),
+        # Strict: nothing around the value, ASCII digits only.
+        ("CGX_COMPRESSION_QUANTIZATION_BITS", " 8 "),
+        ("CGX_COMPRESSION_QUANTIZATION_BITS", "\u0664"),  # Arabic-Indic digit four
+        ("CGX_COMPRESSION_BUCKET_SIZE", "\uff15\uff11\uff12"),  # full-width 512
+        ("CGX_INTRA_BROADCAST", "yes "),
+        ("CGX_INNER_REDUCTION_TYPE", " SRA"),
     ],
 )
 def test_bad_values_name_the_variable_and_what_it_accepts(variable, text):
@@ -135,10 +141,25 @@ def test_python_m_cgx_prints_the_table(tmp_path):
     assert rows["CGX_COMPRESSION_BUCKET_SIZE"] == ["512", "default"]
 
 
-def test_docs_show_every_variable():
+def test_python_m_cgx_marks_a_bad_value_and_exits_1(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CGX_")}
+    env["CGX_COMPRESSION_BUCKET_SIZE"] = "12abc"
+    out = subprocess.run([sys.executable, "-m", "cgx"], capture_output=True, text=True, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines()}
+    assert set(rows) == {var.name for var in VARIABLES}
+    assert "NOT VALID: '12abc'" in rows["CGX_COMPRESSION_BUCKET_SIZE"]
+    assert "CGX_COMPRESSION_BUCKET_SIZE='12abc' is not valid: expected integer in 1..2^30" in out.stderr
+
+
+def test_docs_show_the_table_as_declared():
+    """docs/configuration.md holds the table the declarations give (python -m cgx
+    --markdown): accepted ranges and defaults cannot drift from the code."""
+    from cgx.config import markdown_table
+
     docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")).read()
-    for var in VARIABLES:
-        assert f"`{var.name}`" in docs, f"{var.name} missing from docs/configuration.md"
+    assert markdown_table() in docs
 
 
 def test_mpi_without_an_mpi_launch_is_a_value_error(monkeypatch):

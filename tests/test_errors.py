@@ -183,6 +183,78 @@ def test_bad_environment_value_raises_value_error_at_init(variable, value):
         assert variable in r.message and repr(value) in r.message
 
 
+def _init_with_bad_value_on_rank_1(rank, world):
+    if rank == 1:
+        os.environ["CGX_COMPRESSION_BUCKET_SIZE"] = "12abc"
+    start = time.monotonic()
+    try:
+        init_cgx(rank, world, timeout_s=60)
+        return "initialized"
+    except ValueError as e:
+        return str(e), time.monotonic() - start
+
+
+def test_bad_environment_value_on_one_rank_raises_on_every_rank_fast():
+    for message, elapsed in values(run_ranks(_init_with_bad_value_on_rank_1, 3)):
+        assert message.startswith("cgx: bad configuration on rank 1: CGX_COMPRESSION_BUCKET_SIZE='12abc'"), message
+        assert elapsed < 20, elapsed  # not the 60 s timeout
+
+
+def _killed_in_set_up(rank, world, how):
+    """Rank 0 is killed while it waits in the shared-memory set-up for rank 1, which
+    announces its segment late (its store delays that key)."""
+    import signal
+    import threading
+
+    import cgx
+
+    class LateStore(dist.Store):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def set(self, key, value):
+            if "/created/" in key:
+                time.sleep(4.0)
+            self.inner.set(key, value)
+
+        def get(self, key):
+            return self.inner.get(key)
+
+    construct = cgx._C.ProcessGroupCGX
+
+    def late_or_killed(store, *args):
+        if rank == 0:
+            threading.Timer(1.0, os.kill, (os.getpid(), getattr(signal, how))).start()
+            return construct(store, *args)
+        return construct(LateStore(store), *args)
+
+    cgx._C.ProcessGroupCGX = late_or_killed
+    start = time.monotonic()
+    try:
+        init_cgx(rank, world, timeout_s=5, pg_options=cgx.Config(bits=4))
+        return "no error"
+    except Exception as e:  # noqa: BLE001  (reported to the test)
+        return str(e), time.monotonic() - start
+    finally:
+        cgx._C.ProcessGroupCGX = construct
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_rank_killed_in_set_up_leaves_nothing_in_dev_shm(how):
+    # run_ranks fails on anything left in /dev/shm: SIGTERM unlinks the dying rank's
+    # segment on its way out; after SIGKILL the survivor removes it.
+    results = run_ranks(_killed_in_set_up, 2, args=(how,), expect_exit={0}, timeout_s=60)
+    assert results[0] is None
+    message, elapsed = values(results)[1]
+    assert "dead or stalled in set-up?" in message, message
+    if how == "SIGTERM":  # rank 0 removed its segment on the way out
+        assert "cgx shm: rank 0 has no shared memory to open" in message, message
+    else:  # rank 0's segment outlived it; rank 1 waited for it, then removed it
+        assert "cgx shm: rank 0 has not opened the others' shared memory in time" in message, message
+    assert elapsed < 4.0 + 5 + 5, elapsed
+
+
 def _dies_mid_collective(rank, world, timeout_s):
     import cgx
 

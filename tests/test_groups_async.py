@@ -169,3 +169,58 @@ def test_work_future_barrier_and_autograd_semantics():
     for rank, r in enumerate(values(run_ranks(_work_semantics, 2))):
         failed = [k for k, v in r.items() if not v]
         assert not failed, (rank, failed)
+
+
+def _destroy_with_calls_in_flight(rank, world):
+    """destroy_process_group right after async compressed calls: every queued call runs
+    (as Gloo drains its queue), on every rank, instead of one rank dropping it while the
+    other waits for it until the timeout."""
+    import time
+
+    import cgx
+
+    init_cgx(rank, world, timeout_s=20)
+    out = []
+    for _ in range(6):
+        group = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, minimal_size=0))
+        tensors = [torch.full((1_000_000,), float(rank + i)) for i in range(3)]
+        works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+        start = time.monotonic()
+        dist.destroy_process_group(group)
+        elapsed = time.monotonic() - start
+        for w in works:
+            w.wait()
+        # Constant tensors quantize exactly.
+        right = all(bool((t == sum(r + i for r in range(world))).all()) for i, t in enumerate(tensors))
+        out.append((right, elapsed))
+    return out
+
+
+def test_destroy_runs_the_calls_in_flight():
+    for rounds in values(run_ranks(_destroy_with_calls_in_flight, 2)):
+        for right, elapsed in rounds:
+            assert right and elapsed < 10, rounds
+
+
+def _blocking_callbacks(rank, world):
+    """Future callbacks that each wait for another collective of the group, with torch's
+    inter-op pool cut to one thread: completions run on cgx's own threads, so the waits
+    end instead of holding up the completions they wait for."""
+    torch.set_num_interop_threads(1)
+    import cgx
+
+    init_cgx(rank, world, timeout_s=20, pg_options=cgx.Config(bits=4, minimal_size=0))
+
+    def wait_for_another(_):
+        inner = torch.ones(1000)
+        dist.all_reduce(inner, async_op=True).wait()
+        return inner.sum().item()
+
+    chains = [dist.all_reduce(torch.ones(1000), async_op=True).get_future().then(wait_for_another)
+              for _ in range(3)]
+    return [c.wait() for c in chains]
+
+
+def test_blocking_callbacks_with_one_interop_thread_do_not_hang():
+    for sums in values(run_ranks(_blocking_callbacks, 2, timeout_s=90)):
+        assert sums == [2000.0] * 3

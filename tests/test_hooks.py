@@ -541,6 +541,12 @@ def test_bad_configuration_raises_value_error():
         cgx.CGXState(None, make_model(), cgx.CompressionPolicy(rules=[cgx.LayerRule(pattern="enbed.*", bits=8)]))
     with pytest.raises(ValueError, match="module_type .* matches no module"):
         cgx.CGXState(None, make_model(), cgx.CompressionPolicy(rules=[cgx.LayerRule(module_type=torch.nn.Conv2d)]))
+    # Rules whose criteria each match something, but never together; a size no layer has.
+    with pytest.raises(ValueError, match="criteria never hold together"):
+        cgx.CGXState(None, make_model(), cgx.CompressionPolicy(
+            rules=[cgx.LayerRule(pattern="embed.*", module_type=torch.nn.LayerNorm)]))
+    with pytest.raises(ValueError, match="none has at most 2 elements"):
+        cgx.CGXState(None, make_model(), cgx.CompressionPolicy(rules=[cgx.LayerRule(max_numel=2)]))
     # torch_cgx's form: keywords only, its two parameters, and no rules that need a model.
     with pytest.raises(TypeError, match="layer_min_size goes by keyword"):
         cgx.CGXState(None, 1024)
@@ -552,6 +558,53 @@ def test_bad_configuration_raises_value_error():
         cgx.CGXState(None, None, cgx.CompressionPolicy(rules=[cgx.LayerRule(module_type=torch.nn.Linear)]))
     with pytest.raises(ValueError, match="needs the model"):
         cgx.CGXState(None, None, cgx.CompressionPolicy(rules=[cgx.LayerRule(pattern="head.*")]))
+
+
+def test_load_state_dict_validates_and_names_the_key():
+    import cgx
+
+    def state():
+        return cgx.CGXState(None, make_model(), cgx.CompressionPolicy(bits=4))
+
+    good = state().state_dict()
+    good["residuals"] = {"hidden.weight": torch.zeros(128 * 128)}
+    state().load_state_dict(good)  # accepted
+    bad = {
+        "{}": ({}, "missing \\['rank', 'step'"),
+        "bits 0": ({**good, "layer_settings": {"hidden.weight": (0, 512)}},
+                   "layer_settings\\['hidden.weight'\\]: bits must be in 1..8, or 32"),
+        "bits 9": ({**good, "layer_settings": {"hidden.weight": (9, 512)}}, "bits must be in"),
+        "bits a string": ({**good, "layer_settings": {"hidden.weight": ("4", 512)}}, "bits must be in"),
+        "bucket size": ({**good, "layer_settings": {"hidden.weight": (4, 0)}}, "bucket_size must be in"),
+        "residual shape": ({**good, "residuals": {"hidden.weight": torch.zeros(7)}},
+                           "residuals\\['hidden.weight'\\] has 7 values, the layer 16384"),
+        "residual type": ({**good, "residuals": {"hidden.weight": [0.0]}}, "must be a float tensor"),
+        "step": ({**good, "step": -1}, "'step' must be an integer >= 0"),
+    }
+    for name, (value, message) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            state().load_state_dict(value)
+    with pytest.raises(TypeError, match="expected the dict of CGXState.state_dict"):
+        state().load_state_dict([])
+
+
+def _state_of_another_model(rank, world):
+    import cgx
+
+    init_cgx(rank, world)
+    model = make_model()
+    ddp = DDP(model)
+    ddp.register_comm_hook(cgx.CGXState(None, make_model(), cgx.CompressionPolicy(bits=4)), cgx.cgx_hook)
+    try:
+        train(ddp, model, rank, 1)
+        return "no error"
+    except Exception as e:  # DDP may wrap it
+        return str(e)
+
+
+def test_state_built_on_another_model_names_the_problem():
+    for message in values(run_ranks(_state_of_another_model, 2)):
+        assert "not in the model the CGXState was built on" in message, message
 
 
 def test_policy_resolution_rules_and_defaults():

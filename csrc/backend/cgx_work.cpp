@@ -1,8 +1,9 @@
 #include "backend/cgx_work.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/core/ivalue.h>
 #include <c10/core/StreamGuard.h>
+
+#include "backend/callback_threads.h"
 
 namespace cgx::backend {
 
@@ -28,7 +29,7 @@ void CGXWork::settle(std::exception_ptr error) {
 
 void CGXWork::settle_async(c10::intrusive_ptr<CGXWork> work, std::exception_ptr error,
                            std::optional<c10::Stream> stream, std::function<void()> then) {
-  at::launch([work = std::move(work), error, stream, then = std::move(then)] {
+  run_on_callback_thread([work = std::move(work), error, stream, then = std::move(then)] {
     {
       const c10::OptionalStreamGuard guard(stream);
       work->settle(error);

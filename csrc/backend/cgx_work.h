@@ -21,8 +21,9 @@ class CGXWork final : public c10d::Work {
   // Completes the future first (running its callbacks), then the Work, so that once
   // wait() returns the future is done too. `error` null means success.
   void settle(std::exception_ptr error);
-  // The same on torch's inter-op thread pool: future callbacks may then start, or wait
-  // for, collectives of the group without blocking the group's worker thread. `stream`:
+  // The same on a callback thread (callback_threads.h): future callbacks may then start,
+  // or wait for, collectives of the group without blocking the group's worker thread or
+  // other completions. `stream`:
   // the stream the results are complete on (current while the future is settled).
   // `then` runs once the Work is complete.
   static void settle_async(c10::intrusive_ptr<CGXWork> work, std::exception_ptr error,

@@ -1,6 +1,6 @@
 // Orders a group's completions without blocking a thread: barrier() must complete only
 // after the collectives queued before it have completed (their futures' callbacks run on
-// torch's inter-op pool, in any order). Waiting for them on a thread instead could
+// callback threads, in any order). Waiting for them on a thread instead could
 // deadlock: a callback may itself wait for a collective queued after the barrier.
 #pragma once
 

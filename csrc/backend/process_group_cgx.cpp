@@ -174,7 +174,9 @@ bool ProcessGroupCGX::compressible(const std::vector<at::Tensor>& tensors,
   if (!(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16)) return false;
   int64_t numel = 0;
   for (const auto& t : tensors) {
-    if (t.is_sparse()) return false;
+    // torch.distributed hands a complex tensor over as its view_as_real: float values,
+    // but not a float tensor the caller asked to compress.
+    if (t.is_sparse() || (t.is_view() && t._base().is_complex())) return false;
     numel += t.numel();
   }
   return numel > settings_.minimal_size;
@@ -332,7 +334,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     std::exception_ptr error;
     std::optional<c10::Stream> done_on;  // a GPU call's results are complete there
     try {
-      TORCH_CHECK(!shut_down_, "cgx: the process group was shut down before this collective ran");
       check_usable();  // a call queued before an earlier one failed
       auto run = [&](const Lane& lane) {
         run_compressed(tensors, op, sequence, codec.get(), lane);

@@ -171,6 +171,8 @@ class ProcessGroupCGX final : public c10d::Backend {
   std::string failure_;
   mutable std::mutex stats_mutex_;
   Stats stats_;
+  // Shutdown runs the collectives already queued (as Gloo drains its queue): a rank that
+  // dropped them would leave the peers that started them waiting out the timeout.
   std::atomic<bool> shut_down_{false};
   // Compressed collectives' completions, which barriers follow (shared with the settling
   // tasks, which may outlive the group).

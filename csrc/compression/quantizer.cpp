@@ -49,8 +49,13 @@ constexpr size_t round_up16(size_t x) { return (x + 15) & ~size_t{15}; }
 
 using Layout = WireLayout;
 
+// 2^48 values (1 PiB of float32) is past any tensor, and keeps every size below in range.
+constexpr int64_t kMaxValues = int64_t{1} << 48;
+
 void check_count(int64_t n) {
-  if (n < 0) throw std::invalid_argument("n must be >= 0, got " + std::to_string(n));
+  if (n < 0 || n > kMaxValues)
+    throw std::invalid_argument("the number of values must be in 0..2^48, got " +
+                                std::to_string(n));
 }
 
 struct BucketCode {

@@ -23,6 +23,8 @@
 #include <utility>
 #include <vector>
 
+#include "transport/shm_names.h"
+
 namespace cgx::transport {
 namespace {
 
@@ -140,6 +142,7 @@ class Segment {
     Segment segment;
     segment.name_ = name;
     segment.owns_name_ = true;
+    segment.registration_ = OwnedShmName(name);
     // The umask may have removed the owner's bits, which peers (same user) need.
     if (fchmod(fd.get(), 0600) != 0) throw_errno("fchmod", name, errno);
     if (ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) throw_errno("ftruncate", name, errno);
@@ -177,6 +180,7 @@ class Segment {
       throw_errno("shm_unlink", name_, errno);
     }
     owns_name_ = false;
+    registration_.release();
   }
 
   std::byte* base() const { return base_; }
@@ -194,12 +198,14 @@ class Segment {
     std::swap(base_, other.base_);
     std::swap(bytes_, other.bytes_);
     std::swap(owns_name_, other.owns_name_);
+    std::swap(registration_, other.registration_);
   }
 
   std::string name_;
   std::byte* base_ = nullptr;
   size_t bytes_ = 0;
   bool owns_name_ = false;
+  OwnedShmName registration_;  // while the name is ours: unlinked on SIGTERM / SIGHUP too
 };
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
@@ -348,14 +354,35 @@ struct ShmTransport::Impl {
     }
 
     const std::vector<uint8_t> present{1};
+    // A peer that does not say it is there, or whose segment is gone, died or stalled in
+    // set-up, maybe after creating its segment: nothing can use the segments now. Remove
+    // the peers' names (one killed by SIGKILL cannot) and say which rank it was.
+    auto give_up = [&](int peer, const std::string& what, const std::exception& cause) {
+      for (int other : local_ranks)
+        if (other != rank) shm_unlink(segment_name(other).c_str());
+      throw std::runtime_error("cgx shm: rank " + std::to_string(peer) + " " + what +
+                               " (dead or stalled in set-up?): " + cause.what());
+    };
+    auto wait_for = [&](const char* key, int peer, const char* what) {
+      try {
+        store.get(store_key(name_prefix, key, peer));
+      } catch (const std::exception& e) {
+        give_up(peer, what, e);
+      }
+    };
     store.set(store_key(name_prefix, "created", rank), present);
     for (int peer : local_ranks) {
-      if (peer != rank) store.get(store_key(name_prefix, "created", peer));
+      if (peer != rank) wait_for("created", peer, "has not created its shared memory in time");
     }
     peers.reserve(local_ranks.size() - 1);
     for (size_t index = 0; index < local_ranks.size(); ++index) {
       if (index == my_index) continue;
-      Segment segment = Segment::open(segment_name(local_ranks[index]), bytes);
+      Segment segment;
+      try {
+        segment = Segment::open(segment_name(local_ranks[index]), bytes);
+      } catch (const std::exception& e) {
+        give_up(local_ranks[index], "has no shared memory to open", e);
+      }
       std::byte* base = segment.base();
       peers.push_back(Peer{local_ranks[index], std::move(segment), control_block_at(base),
                            ring_at(own_segment.base(), ring_index(my_index, index), ring_bytes),
@@ -363,7 +390,7 @@ struct ShmTransport::Impl {
     }
     store.set(store_key(name_prefix, "attached", rank), present);
     for (int peer : local_ranks) {
-      if (peer != rank) store.get(store_key(name_prefix, "attached", peer));
+      if (peer != rank) wait_for("attached", peer, "has not opened the others' shared memory in time");
     }
     own_segment.unlink_name();
   }

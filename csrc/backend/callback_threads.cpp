@@ -1,0 +1,61 @@
+#include "backend/callback_threads.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+namespace cgx::backend {
+namespace {
+
+// How long a thread waits for work before it ends.
+constexpr std::chrono::seconds kIdleLifetime{2};
+
+class CallbackThreads {
+ public:
+  void run(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tasks_.push_back(std::move(task));
+    if (idle_ > tasks_.size() - 1) {
+      cv_.notify_one();
+      return;
+    }
+    // Every thread is busy (or promised to a task already queued): one more.
+    std::thread([this] { loop(); }).detach();
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      if (tasks_.empty()) {
+        ++idle_;
+        const bool woken =
+            cv_.wait_for(lock, kIdleLifetime, [this] { return !tasks_.empty(); });
+        --idle_;
+        if (!woken) return;
+      }
+      std::function<void()> task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  size_t idle_ = 0;
+};
+
+}  // namespace
+
+void run_on_callback_thread(std::function<void()> task) {
+  // Never destroyed: detached threads may still wait on it while the process exits.
+  static CallbackThreads* const threads = new CallbackThreads;
+  threads->run(std::move(task));
+}
+
+}  // namespace cgx::backend
