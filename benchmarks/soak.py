@@ -54,6 +54,7 @@ def rank_main(rank: int, world: int, calls: int, groups: int, store: str, out: s
         rows.append({"phase": phase, "done": done, "rss_mib": round(rss_mib(), 1),
                      "threads": threads(), "shm": shm_entries()})
 
+    dist.barrier()  # Gloo starts its own threads for the default group on its first use
     checkpoint("start", 0)
     group = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, minimal_size=16))
     for i in range(calls):
@@ -68,7 +69,7 @@ def rank_main(rank: int, world: int, calls: int, groups: int, store: str, out: s
         for n in SIZES:
             dist.all_reduce(tensors[n].clone(), group=group)
         dist.destroy_process_group(group)
-        if (g + 1) in (1, groups // 2, groups):
+        if (g + 1) in (1, groups // 4, groups // 2, 3 * groups // 4, groups):
             checkpoint("groups created and destroyed", g + 1)
     dist.barrier()
     with open(f"{out}.{rank}", "w") as f:

@@ -76,3 +76,16 @@ def test_non_finite_buckets_decode_to_nan_on_both():
     assert torch.equal(gpu.cpu(), cpu)
     decoded = cgx.decompress(gpu, 2048, 4, 512, out=torch.empty(2048, device="cuda")).cpu()
     assert decoded[:1024].isnan().all() and not decoded[1024:].isnan().any()
+
+
+@pytest.mark.parametrize("bits", [5, 7, 8])
+def test_buckets_reaching_float_max_decode_finite_and_alike(bits):
+    big = torch.finfo(torch.float32).max
+    x = torch.zeros(1024)
+    x[:4] = torch.tensor([big, 0.0, 1.0, big / 2])        # bucket 0: the sum rounds past FLT_MAX
+    x[512:516] = torch.tensor([-big, 0.0, -1.0, -big / 2])  # bucket 1: the product does
+    buf = cgx.compress(x, bits, 512)
+    assert torch.equal(cgx.compress(x.cuda(), bits, 512).cpu(), buf)
+    cpu = cgx.decompress(buf, 1024, bits, 512)
+    gpu = cgx.decompress(buf.cuda(), 1024, bits, 512, out=torch.empty(1024, device="cuda")).cpu()
+    assert torch.isfinite(cpu).all() and torch.equal(gpu, cpu)
