@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 namespace cgx::backend {
@@ -15,14 +16,25 @@ constexpr std::chrono::seconds kIdleLifetime{2};
 class CallbackThreads {
  public:
   void run(std::function<void()> task) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
     tasks_.push_back(std::move(task));
-    if (idle_ > tasks_.size() - 1) {
+    if (idle_ >= tasks_.size()) {
       cv_.notify_one();
       return;
     }
     // Every thread is busy (or promised to a task already queued): one more.
-    std::thread([this] { loop(); }).detach();
+    try {
+      std::thread([this] { loop(); }).detach();
+      ++threads_;
+    } catch (const std::system_error&) {
+      // No thread to be had (a process limit): a running one takes the task when it is
+      // free; with none running, the caller runs it.
+      if (threads_ > 0) return;
+      std::function<void()> mine = std::move(tasks_.back());
+      tasks_.pop_back();
+      lock.unlock();
+      mine();
+    }
   }
 
  private:
@@ -34,7 +46,10 @@ class CallbackThreads {
         const bool woken =
             cv_.wait_for(lock, kIdleLifetime, [this] { return !tasks_.empty(); });
         --idle_;
-        if (!woken) return;
+        if (!woken) {
+          --threads_;
+          return;
+        }
       }
       std::function<void()> task = std::move(tasks_.front());
       tasks_.pop_front();
@@ -48,6 +63,7 @@ class CallbackThreads {
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
   size_t idle_ = 0;
+  size_t threads_ = 0;
 };
 
 }  // namespace

@@ -325,9 +325,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
     std::shared_ptr<const compression::LayoutCodec> codec) {
-  const uint64_t sequence = begin_call();
+  // A call refused here is refused before it is numbered: this rank stays in step.
   std::shared_ptr<CudaTicket> ticket;
   if (tensors[0].is_cuda()) ticket = cuda_.admit(tensors);
+  const uint64_t sequence = begin_call();
   auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, tensors, gpu_of(tensors));
   const uint64_t completion = completions_->begin();
   auto task = [this, work, tensors, op, sequence, codec, ticket, completion]() mutable {
@@ -344,7 +345,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
       } else {
         run(Lane{executor_.get(), cross_executor_.get(), &scratch_, &cross_scratch_});
       }
+    } catch (const collectives::CallMismatchError& e) {
+      // Only signatures moved. Unless the ranks are at different calls of the group
+      // (they took different paths before): then the exact path may be out of step too.
+      if (e.out_of_step) fail(e.what());
+      error = std::current_exception();
+    } catch (const std::exception& e) {
+      // Data may be half delivered, or this rank failed before the call's check (memory,
+      // say) while its peers wait in it: the ranks are out of step for good.
+      fail(e.what());
+      error = std::current_exception();
     } catch (...) {
+      fail("an unknown error in a compressed allreduce");
       error = std::current_exception();
     }
     CGXWork::settle_async(std::move(work), error, done_on,
@@ -407,39 +419,30 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   float* data = flat.data_ptr<float>();
 
   collectives::Traffic traffic;
-  try {
-    collectives::check_same_on_all_ranks(transport, getRank(), getSize(), signature, deadline,
-                                         scratch_);
-    if (hierarchical()) {
-      collectives::HierarchicalOptions options;
-      options.inner = settings_.inner_reduction;
-      options.cross = settings_.cross_reduction;
-      options.intra_compress = settings_.intra_compress;
-      options.leader_form = settings_.intra_broadcast;
-      options.seed = seed;
-      options.deadline = deadline;
-      options.executor = lane.executor;
-      options.cross_executor = lane.cross_executor;
-      // The cross executor may start first (a host with one rank): it must see the values
-      // as the caller's executor has them now.
-      lane.executor->sync();
-      traffic = collectives::hierarchical_allreduce(transport, getRank(), hosts, data, *codec,
-                                                    options, *lane.scratch, *lane.cross_scratch);
-    } else {
-      // One host (inner algorithm), or one rank per host (cross algorithm).
-      const collectives::Phase phase{hosts.num_hosts() == 1 ? settings_.inner_reduction
-                                                             : settings_.cross_reduction,
-                                     seed, deadline, lane.executor};
-      traffic = collectives::allreduce(transport, getRank(), getSize(), data, *codec,
-                                       {0, codec->total()}, phase, *lane.scratch);
-    }
-  } catch (const collectives::CallMismatchError&) {
-    throw;  // only signatures moved: the group stays usable
-  } catch (const std::exception& e) {
-    // Data may be half delivered and peers out of step: nothing on this group can be
-    // trusted again.
-    fail(e.what());
-    throw;
+  collectives::check_same_on_all_ranks(transport, getRank(), getSize(), signature, deadline,
+                                       scratch_);
+  if (hierarchical()) {
+    collectives::HierarchicalOptions options;
+    options.inner = settings_.inner_reduction;
+    options.cross = settings_.cross_reduction;
+    options.intra_compress = settings_.intra_compress;
+    options.leader_form = settings_.intra_broadcast;
+    options.seed = seed;
+    options.deadline = deadline;
+    options.executor = lane.executor;
+    options.cross_executor = lane.cross_executor;
+    // The cross executor may start first (a host with one rank): it must see the values
+    // as the caller's executor has them now.
+    lane.executor->sync();
+    traffic = collectives::hierarchical_allreduce(transport, getRank(), hosts, data, *codec,
+                                                  options, *lane.scratch, *lane.cross_scratch);
+  } else {
+    // One host (inner algorithm), or one rank per host (cross algorithm).
+    const collectives::Phase phase{hosts.num_hosts() == 1 ? settings_.inner_reduction
+                                                           : settings_.cross_reduction,
+                                   seed, deadline, lane.executor};
+    traffic = collectives::allreduce(transport, getRank(), getSize(), data, *codec,
+                                     {0, codec->total()}, phase, *lane.scratch);
   }
   {
     std::lock_guard<std::mutex> lock(stats_mutex_);

@@ -39,9 +39,13 @@ void set_text(char (&field)[N], const std::string& text) {
 }
 
 // Ranks were given different calls. Only signatures moved: the transport stays usable.
+// `out_of_step`: they are at different calls of the group (one took a path the others
+// did not, earlier), not merely given different arguments for the same one.
 class CallMismatchError : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  CallMismatchError(const std::string& message, bool out_of_step)
+      : std::runtime_error(message), out_of_step(out_of_step) {}
+  const bool out_of_step;
 };
 
 // Sends our signature to every peer and reads theirs (into `scratch`, which outlives a

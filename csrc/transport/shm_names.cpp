@@ -5,6 +5,7 @@
 
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
@@ -17,48 +18,52 @@ constexpr std::array<int, 2> kSignals{SIGTERM, SIGHUP};
 // Fixed storage the handler can read without locks or allocation.
 struct Slot {
   std::atomic<bool> used{false};
+  pid_t owner = 0;      // a child forked meanwhile inherits the slots, not the names
   char path[256] = {};  // "/dev/shm/cgx-..."
 };
 std::array<Slot, 64> slots;
 
 std::mutex registry_mutex;  // taking and freeing slots, installing the handler
 int held = 0;
-std::array<struct sigaction, kSignals.size()> previous{};
+std::array<bool, kSignals.size()> installed{};
 
-void on_signal(int sig, siginfo_t* info, void* context) {
+void on_signal(int sig) {
+  const int saved_errno = errno;
+  const pid_t self = getpid();
   for (auto& slot : slots)
-    if (slot.used.load(std::memory_order_acquire)) unlink(slot.path);  // async-signal-safe
-  for (size_t i = 0; i < kSignals.size(); ++i) {
-    if (kSignals[i] != sig) continue;
-    const struct sigaction& old = previous[i];
-    if (old.sa_flags & SA_SIGINFO) {
-      if (old.sa_sigaction != nullptr) old.sa_sigaction(sig, info, context);
-    } else if (old.sa_handler == SIG_DFL) {
-      // End the process as the signal would have: default action, re-raised (delivered
-      // when this handler returns).
-      sigaction(sig, &old, nullptr);
-      raise(sig);
-    } else if (old.sa_handler != SIG_IGN) {
-      old.sa_handler(sig);
-    }
-  }
+    if (slot.used.load(std::memory_order_acquire) && slot.owner == self) unlink(slot.path);
+  // Installed only over the default action (the process ends): end it the same way, the
+  // signal re-raised under its default action and delivered when this handler returns.
+  signal(sig, SIG_DFL);
+  raise(sig);
+  errno = saved_errno;
 }
 
+// Only where the signal would end the process by default: a signal that is ignored or
+// handled by someone else (a graceful shutdown) keeps the names, and its disposition.
 void install() {
-  struct sigaction action {};
-  action.sa_sigaction = on_signal;
-  action.sa_flags = SA_SIGINFO | SA_RESTART;
-  sigemptyset(&action.sa_mask);
-  for (size_t i = 0; i < kSignals.size(); ++i) sigaction(kSignals[i], &action, &previous[i]);
-}
-
-// Restores the previous dispositions, except where someone replaced ours meanwhile.
-void uninstall() {
   for (size_t i = 0; i < kSignals.size(); ++i) {
     struct sigaction current {};
     sigaction(kSignals[i], nullptr, &current);
-    if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_signal)
-      sigaction(kSignals[i], &previous[i], nullptr);
+    installed[i] = !(current.sa_flags & SA_SIGINFO) && current.sa_handler == SIG_DFL;
+    if (!installed[i]) continue;
+    struct sigaction action {};
+    action.sa_handler = on_signal;
+    action.sa_flags = SA_RESTART;
+    sigemptyset(&action.sa_mask);
+    sigaction(kSignals[i], &action, nullptr);
+  }
+}
+
+// Back to the default action, except where someone replaced ours meanwhile.
+void uninstall() {
+  for (size_t i = 0; i < kSignals.size(); ++i) {
+    if (!installed[i]) continue;
+    struct sigaction current {};
+    sigaction(kSignals[i], nullptr, &current);
+    if (!(current.sa_flags & SA_SIGINFO) && current.sa_handler == on_signal)
+      signal(kSignals[i], SIG_DFL);
+    installed[i] = false;
   }
 }
 
@@ -72,13 +77,13 @@ OwnedShmName::OwnedShmName(const std::string& name) {
     if (path.size() >= sizeof(slots[i].path))
       throw std::invalid_argument("cgx shm: name too long: " + name);
     std::memcpy(slots[i].path, path.c_str(), path.size() + 1);
+    slots[i].owner = getpid();
     slots[i].used.store(true, std::memory_order_release);
     slot_ = static_cast<int>(i);
     if (held++ == 0) install();
     return;
   }
   // More segments in set-up at once than slots: only the signal path loses them.
-  slot_ = -1;
 }
 
 OwnedShmName& OwnedShmName::operator=(OwnedShmName&& other) noexcept {

@@ -9,8 +9,9 @@
 namespace cgx::transport {
 
 // Holds one name in the registry from construction to release() or destruction. While
-// any name is held, SIGTERM and SIGHUP unlink every held name, then the signal's previous
-// disposition runs (the default: the process ends as it would have).
+// any name is held, SIGTERM and SIGHUP, where their action is the default (ending the
+// process), unlink every held name first; then the process ends as it would have. A
+// signal ignored or handled by someone else is left alone: the process may go on.
 class OwnedShmName {
  public:
   OwnedShmName() = default;

@@ -137,12 +137,13 @@ class Segment {
   }
 
   static Segment create(const std::string& name, size_t bytes) {
+    OwnedShmName registration(name);  // first: a signal may come right after the open
     FileDescriptor fd(shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600));
     if (fd.get() < 0) throw_errno("shm_open", name, errno);
     Segment segment;
     segment.name_ = name;
     segment.owns_name_ = true;
-    segment.registration_ = OwnedShmName(name);
+    segment.registration_ = std::move(registration);
     // The umask may have removed the owner's bits, which peers (same user) need.
     if (fchmod(fd.get(), 0600) != 0) throw_errno("fchmod", name, errno);
     if (ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) throw_errno("ftruncate", name, errno);
@@ -393,6 +394,10 @@ struct ShmTransport::Impl {
       if (peer != rank) wait_for("attached", peer, "has not opened the others' shared memory in time");
     }
     own_segment.unlink_name();
+    // Every name is of use to nobody now: remove the peers' too, in case one of them is
+    // killed (SIGKILL) before it removes its own.
+    for (int peer : local_ranks)
+      if (peer != rank) shm_unlink(segment_name(peer).c_str());
   }
 
   // Index into `peers`; throws for self and for ranks not on this host.
