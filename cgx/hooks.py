@@ -425,10 +425,10 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
 def _replan(state: CGXState, group: dist.ProcessGroup) -> None:
     """Rank 0 chooses the layers' settings from its accumulated gradients; every rank
     applies the same plan from the next step."""
-    # A tensor of (bits, bucket_size) per layer in name order (every rank knows the
-    # names), not a pickled object: nothing from a peer is unpickled.
-    # Its first row says whether rank 0 could choose: a failure there is raised on every
-    # rank after the broadcast, never on rank 0 alone while the others wait in it.
+    # One int tensor, not a pickled object (nothing from a peer is unpickled): a first row
+    # saying whether rank 0 could choose (a failure is raised on every rank after the
+    # broadcast, never on rank 0 alone while the others wait in it), then (bits,
+    # bucket_size) per layer in name order (every rank knows the names).
     names = sorted(state.layer_settings)
     chosen, problem = dict(state.layer_settings), None
     if group.rank() == 0:
