@@ -78,8 +78,7 @@ class CGXState:
         "stats_every",
         "adaptive",
         # wiring to the model (not pickled: rebuilt by attach())
-        "_param_ids",
-        "_param_numels",
+        "_params",
         "_settings_by_param",
         # internal state, checkpointed
         "step",
@@ -137,8 +136,7 @@ class CGXState:
         self.bytes_uncompressed = 0
         self.layer_errors: dict[str, float] = {}
         self.layer_settings: dict[str, LayerSetting] = {}
-        self._param_ids: dict[str, int] = {}
-        self._param_numels: dict[str, int] = {}
+        self._params: dict[str, torch.Tensor] = {}  # the layers by name
         self._settings_by_param: dict[int, tuple[str, LayerSetting]] = {}
         if model is not None:
             self.attach(model)
@@ -149,8 +147,7 @@ class CGXState:
         resolved = self.policy.resolve(model)
         # Settings chosen later (adaptive selection, a loaded checkpoint) stay.
         self.layer_settings = {**resolved, **{n: s for n, s in self.layer_settings.items() if n in resolved}}
-        self._param_ids = {n: id(p) for n, p in model.named_parameters() if n in resolved}
-        self._param_numels = {n: p.numel() for n, p in model.named_parameters() if n in resolved}
+        self._params = {n: p for n, p in model.named_parameters() if n in resolved}
         self._rewire()
 
     def set_layer_settings(self, settings: dict[str, LayerSetting]) -> None:
@@ -169,7 +166,7 @@ class CGXState:
             if id(param) in self._settings_by_param:
                 continue
             name = f"bucket{bucket.index()}.{i}"
-            if name in self._param_ids:  # first seen after DDP rebuilt its buckets
+            if name in self._params:  # first seen after DDP rebuilt its buckets
                 name = f"{name}.step{self.step}"
             residual = self.residuals.get(name)
             if residual is not None and residual.numel() != param.numel():
@@ -179,13 +176,12 @@ class CGXState:
                 )
             setting = self.layer_settings.get(name) or self.policy.setting_for(name, None, param)
             self.layer_settings[name] = setting
-            self._param_ids[name] = id(param)
-            self._param_numels[name] = param.numel()
+            self._params[name] = param
             self._settings_by_param[id(param)] = (name, setting)
 
     def _rewire(self) -> None:
         self._settings_by_param = {
-            pid: (n, self.layer_settings[n]) for n, pid in self._param_ids.items()
+            id(p): (n, self.layer_settings[n]) for n, p in self._params.items()
         }
 
     def _count_sparse(self, buffer: torch.Tensor) -> None:
@@ -224,7 +220,7 @@ class CGXState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads this rank's state_dict(); ValueError naming the key for anything else."""
-        _check_state_dict(state, self._param_numels)
+        _check_state_dict(state, {n: p.numel() for n, p in self._params.items()})
         rank = self._rank()
         if state["rank"] is not None and rank is not None and state["rank"] != rank:
             raise ValueError(
@@ -252,13 +248,12 @@ class CGXState:
         return {
             slot: getattr(self, slot)
             for slot in self.__slots__
-            if slot not in ("process_group", "_param_ids", "_param_numels", "_settings_by_param")
+            if slot not in ("process_group", "_params", "_settings_by_param")
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.process_group = None
-        self._param_ids = {}
-        self._param_numels = {}
+        self._params = {}
         self._settings_by_param = {}
         for slot, value in state.items():
             setattr(self, slot, value)

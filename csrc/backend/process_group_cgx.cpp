@@ -63,7 +63,9 @@ class Hash {
 };
 
 // What a call's tensors and plan are, hashed and in words, so that ranks given different
-// calls are caught even where the total size agrees, and told what differs.
+// calls are caught even where the total size agrees, and told what differs. The words
+// stop where the signature's fields would cut them (a DDP bucket has many layers, and
+// this runs on every call).
 void describe_call(const std::vector<at::Tensor>& tensors, const compression::LayoutCodec& codec,
                    collectives::CallSignature& signature) {
   Hash shapes;
@@ -72,7 +74,8 @@ void describe_call(const std::vector<at::Tensor>& tensors, const compression::La
   for (const auto& t : tensors) {
     shapes.mix(t.dim());
     for (const auto size : t.sizes()) shapes.mix(size);
-    shapes_text += (shapes_text.empty() ? "" : ", ") + c10::str(t.sizes());
+    if (shapes_text.size() < sizeof signature.shapes_text)
+      shapes_text += (shapes_text.empty() ? "" : ", ") + c10::str(t.sizes());
   }
   Hash plan;
   std::string plan_text;
@@ -82,7 +85,8 @@ void describe_call(const std::vector<at::Tensor>& tensors, const compression::La
     plan.mix(segment.raw ? 32 : p.bits);
     plan.mix(p.bucket_size);
     plan.mix(p.skip_incomplete_buckets + 2 * p.stochastic);
-    plan_text += (plan_text.empty() ? "" : " ") + std::to_string(segment.numel) + ":" +
+    if (plan_text.size() < sizeof signature.plan_text)
+      plan_text += (plan_text.empty() ? "" : " ") + std::to_string(segment.numel) + ":" +
                  (segment.raw ? std::string("raw")
                               : c10::str(p.bits, "b/", p.bucket_size));
   }
