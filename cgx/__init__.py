@@ -20,6 +20,7 @@ from cgx.backend import create_backend, exact, get_backend, stats
 from cgx.config import Config, from_env
 from cgx.adaptive import AdaptiveBits
 from cgx.hooks import CGXState, cgx_hook
+from cgx.fsdp import QSDP, qsdp
 from cgx.layers import CompressionPolicy, LayerRule, LayerSetting
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "AdaptiveBits",
     "CGXState",
     "cgx_hook",
+    "qsdp",
+    "QSDP",
     "CompressionPolicy",
     "LayerRule",
     "LayerSetting",

@@ -73,6 +73,27 @@ cgx::compression::cuda::DType cuda_dtype(at::ScalarType dtype) {
 }
 #endif
 
+// A plan as Python gives it: (offset, numel, bits, bucket_size) per segment; bits 32 raw.
+using LayoutArg = std::vector<std::tuple<int64_t, int64_t, int, int64_t>>;
+
+std::vector<cgx::compression::Segment> segments(const ProcessGroupCGX& pg, const LayoutArg& layout,
+                                                bool stochastic) {
+  std::vector<cgx::compression::Segment> out;
+  out.reserve(layout.size());
+  for (const auto& [offset, numel, bits, bucket_size] : layout) {
+    cgx::compression::Segment s;
+    s.offset = offset;
+    s.numel = numel;
+    s.raw = bits == 32;
+    s.params.bits = bits;
+    s.params.bucket_size = bucket_size;
+    s.params.skip_incomplete_buckets = pg.settings().skip_incomplete_buckets;
+    s.params.stochastic = stochastic;
+    out.push_back(s);
+  }
+  return out;
+}
+
 at::Tensor compress(const at::Tensor& input, const py::object& bits, int64_t bucket_size, bool stochastic,
                     uint64_t seed, bool skip_incomplete, std::optional<at::Tensor> out) {
   const at::Device device = input.device();
@@ -205,41 +226,64 @@ PYBIND11_MODULE(_C, m) {
                              "Whether compressed allreduces take the hierarchical path.")
       .def(
           "allreduce_layout",
-          [](ProcessGroupCGX& pg, const at::Tensor& tensor,
-             const std::vector<std::tuple<int64_t, int64_t, int, int64_t>>& layout,
-             bool average) {
-            std::vector<cgx::compression::Segment> segments;
-            segments.reserve(layout.size());
-            for (const auto& [offset, numel, bits, bucket_size] : layout) {
-              cgx::compression::Segment s;
-              s.offset = offset;
-              s.numel = numel;
-              s.raw = bits == 32;
-              s.params.bits = bits;
-              s.params.bucket_size = bucket_size;
-              s.params.skip_incomplete_buckets = pg.settings().skip_incomplete_buckets;
-              s.params.stochastic = pg.settings().stochastic_rounding;
-              segments.push_back(s);
-            }
-            return pg.allreduce_layout(tensor, std::move(segments), average);
+          [](ProcessGroupCGX& pg, const at::Tensor& tensor, const LayoutArg& layout, bool average) {
+            return pg.allreduce_layout(tensor, segments(pg, layout, pg.settings().stochastic_rounding),
+                                       average);
           },
           py::arg("tensor"), py::arg("layout"), py::kw_only(), py::arg("average") = false,
           py::call_guard<py::gil_scoped_release>(),
           "Allreduce of one tensor with a per-segment plan: layout = [(offset, numel, bits, "
           "bucket_size), ...] covering the tensor in order; bits 32 sends a segment exactly.")
       .def(
+          "allgather_layout",
+          [](ProcessGroupCGX& pg, const at::Tensor& output, const at::Tensor& input,
+             const LayoutArg& layout, bool stochastic, uint64_t seed) {
+            return pg.allgather_layout(output, input, segments(pg, layout, stochastic), seed);
+          },
+          py::arg("output"), py::arg("input"), py::arg("layout"), py::kw_only(),
+          py::arg("stochastic") = false, py::arg("seed") = 0,
+          py::call_guard<py::gil_scoped_release>(),
+          "All-gather of equal shards: layout is one shard's plan [(offset, numel, bits, "
+          "bucket_size), ...]; every rank decodes the same bytes, its own shard included. "
+          "stochastic: unbiased rounding, its stream chosen by seed.")
+      .def(
+          "reduce_scatter_layout",
+          [](ProcessGroupCGX& pg, const at::Tensor& output, const at::Tensor& input,
+             const LayoutArg& layout, const std::string& op, double factor,
+             std::optional<at::Tensor> residual) {
+            c10d::ReduceOp::RedOpType red;
+            if (op == "sum") red = c10d::ReduceOp::SUM;
+            else if (op == "avg") red = c10d::ReduceOp::AVG;
+            else if (op == "premul_sum") red = c10d::ReduceOp::PREMUL_SUM;
+            else throw py::value_error("cgx reduce_scatter_layout: op must be 'sum', 'avg' or 'premul_sum', got '" + op + "'");
+            return pg.reduce_scatter_layout(output, input, segments(pg, layout, false), red,
+                                            factor, std::move(residual));
+          },
+          py::arg("output"), py::arg("input"), py::arg("layout"), py::kw_only(),
+          py::arg("op") = "avg", py::arg("factor") = 1.0, py::arg("residual") = py::none(),
+          py::call_guard<py::gil_scoped_release>(),
+          "Reduce-scatter of equal shards, each contribution quantized once (round to "
+          "nearest) as the shard's layout says. op: 'sum', 'avg' or 'premul_sum' (the sum "
+          "times factor). residual: this rank's error-feedback buffer (float32, input's size).")
+      .def(
           "stats",
           [](const ProcessGroupCGX& pg) {
             const auto s = pg.stats();
-            py::dict d;
-            d["calls"] = s.calls;
-            d["bytes_sent"] = s.bytes_sent;
-            d["uncompressed_bytes"] = s.uncompressed_bytes;
+            auto counters = [](const ProcessGroupCGX::Counters& c, py::dict d) {
+              d["calls"] = c.calls;
+              d["bytes_sent"] = c.bytes_sent;
+              d["uncompressed_bytes"] = c.uncompressed_bytes;
+              return d;
+            };
+            py::dict d = counters(s.allreduce, py::dict());
             d["cross_host_bytes"] = s.cross_host_bytes;
+            d["allgather"] = counters(s.allgather, py::dict());
+            d["reduce_scatter"] = counters(s.reduce_scatter, py::dict());
             return d;
           },
-          "Totals over this rank's compressed allreduces: calls, bytes_sent, "
-          "uncompressed_bytes (what the same algorithm sends uncompressed), and "
+          "This rank's totals: calls, bytes_sent and uncompressed_bytes (what the same "
+          "algorithm sends uncompressed) of its compressed allreduces, the same under "
+          "'allgather' and 'reduce_scatter' for the sharded collectives, and "
           "cross_host_bytes (everything it sent to other hosts, call checks included).");
 
   m.def("set_exact_on_this_thread", &ProcessGroupCGX::set_exact_on_this_thread,

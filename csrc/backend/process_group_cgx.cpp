@@ -12,6 +12,7 @@
 #include "backend/connect.h"
 #include "collectives/call_signature.h"
 #include "collectives/hierarchical_allreduce.h"
+#include "collectives/sharded.h"
 #include "compression/deferred_executor.h"
 
 namespace cgx::backend {
@@ -162,6 +163,19 @@ compression::QuantizerParams ProcessGroupCGX::quantizer_params() const {
   return params;
 }
 
+void ProcessGroupCGX::count(Counters Stats::*counters, const collectives::Traffic& traffic,
+                            double bytes_per_value) {
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  Counters& c = stats_.*counters;
+  c.calls += 1;
+  c.bytes_sent += traffic.bytes;
+  c.uncompressed_bytes += static_cast<uint64_t>(traffic.values * bytes_per_value);
+}
+
+collectives::ReductionAlgorithm ProcessGroupCGX::flat_algorithm() const {
+  return num_hosts() == 1 ? settings_.inner_reduction : settings_.cross_reduction;
+}
+
 ProcessGroupCGX::Stats ProcessGroupCGX::stats() const {
   std::lock_guard<std::mutex> lock(stats_mutex_);
   Stats s = stats_;
@@ -284,6 +298,118 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
   return compressed_allreduce(tensors, op, c10d::OpType::ALLREDUCE, std::move(codec));
 }
 
+namespace {
+// The checks both sharded collectives make on the caller's thread: dense contiguous
+// float tensors of one dtype on one device, `full` holding `size` shards of `shard`, and
+// a layout that covers one shard.
+std::shared_ptr<const compression::LayoutCodec> checked_shard_call(
+    const char* what, const at::Tensor& full, const at::Tensor& shard, int size,
+    std::vector<compression::Segment> layout) {
+  check_tensors({full, shard}, what, /*sparse_ok=*/false);
+  const auto dtype = full.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, "cgx ",
+                   what, ": expected float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK_TYPE(shard.scalar_type() == dtype, "cgx ", what,
+                   ": input and output must have one dtype, got ", shard.scalar_type(), " and ",
+                   dtype);
+  TORCH_CHECK(full.device() == shard.device(), "cgx ", what,
+              ": input and output must be on one device, got ", shard.device(), " and ",
+              full.device());
+  TORCH_CHECK_VALUE(full.is_contiguous() && shard.is_contiguous(), "cgx ", what,
+                    ": input and output must be contiguous");
+  TORCH_CHECK_VALUE(full.numel() == shard.numel() * size, "cgx ", what, ": the full tensor has ",
+                    full.numel(), " elements, expected ", size, " shards of ", shard.numel());
+  try {
+    return std::make_shared<compression::LayoutCodec>(std::move(layout), shard.numel());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, "cgx ", what, ": ", e.what());
+  }
+}
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_layout(
+    at::Tensor output, at::Tensor input, std::vector<compression::Segment> shard_layout,
+    uint64_t seed) {
+  auto codec = checked_shard_call("allgather_layout", output, input, getSize(), std::move(shard_layout));
+  auto body = [this, output, input, codec, seed](uint64_t sequence, const Lane& lane) {
+    at::NoGradGuard no_grad;
+    const int64_t shard = input.numel();
+    // Decoded in place where the output is float32; else through a float32 buffer.
+    const bool in_place = output.scalar_type() == at::kFloat;
+    at::Tensor flat = in_place ? output.detach().view(-1)
+                               : at::empty({output.numel()}, output.options().dtype(at::kFloat));
+    at::Tensor own = flat.narrow(0, getRank() * shard, shard);
+    if (own.data_ptr() != input.data_ptr()) own.copy_(input.detach().view(-1));
+    collectives::AllgatherOptions options;
+    options.shard = codec.get();
+    options.algorithm = flat_algorithm();
+    options.seed = seed;
+    options.deadline = deadline_after(timeout_);
+    options.executor = lane.executor;
+    const std::vector<at::Tensor> tensors{input};
+    collectives::check_same_on_all_ranks(*connection_.transport, getRank(), getSize(),
+                                         signature_of(sequence, tensors, flat.numel(), *codec, "gather"),
+                                         options.deadline, *lane.scratch);
+    const auto traffic = collectives::compressed_allgather(
+        *connection_.transport, getRank(), getSize(), flat.data_ptr<float>(), options, *lane.scratch);
+    count(&Stats::allgather, traffic, input.element_size());
+    if (!in_place) output.detach().view(-1).copy_(flat);
+  };
+  return enqueue_compressed({output, input}, {output}, c10d::OpType::_ALLGATHER_BASE, std::move(body));
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_layout(
+    at::Tensor output, at::Tensor input, std::vector<compression::Segment> shard_layout,
+    c10d::ReduceOp::RedOpType op, double factor, std::optional<at::Tensor> residual) {
+  auto codec = checked_shard_call("reduce_scatter_layout", input, output, getSize(),
+                                  std::move(shard_layout));
+  TORCH_CHECK_VALUE(op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG ||
+                        op == c10d::ReduceOp::PREMUL_SUM,
+                    "cgx reduce_scatter_layout: the op must be SUM, AVG or PREMUL_SUM, got ",
+                    static_cast<int>(op));
+  if (residual) {
+    TORCH_CHECK_VALUE(residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+                          residual->numel() == input.numel() && residual->device() == input.device(),
+                      "cgx reduce_scatter_layout: residual must be a contiguous float32 tensor of ",
+                      input.numel(), " elements on ", input.device());
+  }
+  const char* op_text = op == c10d::ReduceOp::SUM ? "rs:SUM" : op == c10d::ReduceOp::AVG ? "rs:AVG" : "rs:PRE";
+  auto body = [this, output, input, codec, op, factor, residual, op_text](uint64_t sequence,
+                                                                          const Lane& lane) {
+    at::NoGradGuard no_grad;
+    const int64_t shard = output.numel();
+    // The caller's input stays as it was (c10d's contract): the shards are summed in a copy.
+    at::Tensor flat = input.detach().view(-1).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    at::Tensor sent;
+    collectives::ReduceScatterOptions options;
+    if (residual) {
+      residual->add_(flat);  // the values to quantize; what they lose is taken off below
+      flat.copy_(*residual);
+      sent = at::empty_like(flat);
+      options.sent = sent.data_ptr<float>();
+    }
+    options.shard = codec.get();
+    options.seed = collectives::stream_seed(settings_.seed, 0, 0, 0) ^ sequence;
+    options.deadline = deadline_after(timeout_);
+    options.executor = lane.executor;
+    const std::vector<at::Tensor> tensors{output};
+    collectives::check_same_on_all_ranks(*connection_.transport, getRank(), getSize(),
+                                         signature_of(sequence, tensors, flat.numel(), *codec, op_text),
+                                         options.deadline, *lane.scratch);
+    const auto traffic = collectives::compressed_reduce_scatter(
+        *connection_.transport, getRank(), getSize(), flat.data_ptr<float>(), options, *lane.scratch);
+    count(&Stats::reduce_scatter, traffic, input.element_size());
+    if (residual) residual->sub_(sent);
+    at::Tensor own = flat.narrow(0, getRank() * shard, shard);
+    if (op == c10d::ReduceOp::AVG) own.div_(getSize());
+    if (op == c10d::ReduceOp::PREMUL_SUM) own.mul_(factor);
+    output.detach().view(-1).copy_(own);
+  };
+  std::vector<at::Tensor> tensors{output, input};
+  if (residual) tensors.push_back(*residual);
+  return enqueue_compressed(tensors, {output}, c10d::OpType::_REDUCE_SCATTER_BASE, std::move(body));
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::Tensor>& tensors,
                                                                 const c10d::ReduceOp& op,
                                                                 bool coalesced) {
@@ -329,20 +455,27 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
     std::shared_ptr<const compression::LayoutCodec> codec) {
+  return enqueue_compressed(tensors, tensors, op_type,
+                            [this, tensors, op, codec](uint64_t sequence, const Lane& lane) mutable {
+                              run_compressed(tensors, op, sequence, codec.get(), lane);
+                            });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::enqueue_compressed(
+    const std::vector<at::Tensor>& tensors, std::vector<at::Tensor> outputs,
+    c10d::OpType op_type, CompressedBody body) {
   // A call refused here is refused before it is numbered: this rank stays in step.
   std::shared_ptr<CudaTicket> ticket;
   if (tensors[0].is_cuda()) ticket = cuda_.admit(tensors);
   const uint64_t sequence = begin_call();
-  auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, tensors, gpu_of(tensors));
+  auto work = c10::make_intrusive<CGXWork>(getRank(), op_type, outputs, gpu_of(outputs));
   const uint64_t completion = completions_->begin();
-  auto task = [this, work, tensors, op, sequence, codec, ticket, completion]() mutable {
+  auto task = [this, work, sequence, body = std::move(body), ticket, completion]() mutable {
     std::exception_ptr error;
     std::optional<c10::Stream> done_on;  // a GPU call's results are complete there
     try {
       check_usable();  // a call queued before an earlier one failed
-      auto run = [&](const Lane& lane) {
-        run_compressed(tensors, op, sequence, codec.get(), lane);
-      };
+      auto run = [&](const Lane& lane) { body(sequence, lane); };
       if (ticket) {
         cuda_.run(*ticket, run);
         done_on = cuda_.finished();
@@ -360,7 +493,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
       fail(e.what());
       error = std::current_exception();
     } catch (...) {
-      fail("an unknown error in a compressed allreduce");
+      fail("an unknown error in a compressed collective");
       error = std::current_exception();
     }
     CGXWork::settle_async(std::move(work), error, done_on,
@@ -373,6 +506,27 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     throw;
   }
   return work;
+}
+
+collectives::CallSignature ProcessGroupCGX::signature_of(uint64_t sequence,
+                                                         const std::vector<at::Tensor>& tensors,
+                                                         int64_t numel,
+                                                         const compression::LayoutCodec& codec,
+                                                         const char* op) const {
+  collectives::CallSignature signature;
+  signature.sequence = sequence;
+  signature.numel = numel;
+  signature.bucket_size = settings_.bucket_size;
+  signature.bits = settings_.bits;
+  signature.flags = static_cast<int32_t>(settings_.inner_reduction) |
+                    (static_cast<int32_t>(settings_.cross_reduction) << 2) |
+                    (settings_.skip_incomplete_buckets << 4) | (settings_.stochastic_rounding << 5) |
+                    (settings_.intra_broadcast << 6) | (settings_.intra_compress << 7);
+  describe_call(tensors, codec, signature);
+  std::snprintf(signature.dtype, sizeof signature.dtype, "%s",
+                c10::toString(tensors[0].scalar_type()));
+  std::snprintf(signature.op, sizeof signature.op, "%s", op);
+  return signature;
 }
 
 void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
@@ -402,19 +556,7 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   std::optional<compression::LayoutCodec> uniform;
   if (!codec) codec = &uniform.emplace(compression::LayoutCodec::uniform(quantizer_params(), flat.numel()));
 
-  collectives::CallSignature signature;
-  signature.sequence = sequence;
-  signature.numel = flat.numel();
-  signature.bucket_size = settings_.bucket_size;
-  signature.bits = settings_.bits;
-  signature.flags = static_cast<int32_t>(settings_.inner_reduction) |
-                    (static_cast<int32_t>(settings_.cross_reduction) << 2) |
-                    (settings_.skip_incomplete_buckets << 4) | (settings_.stochastic_rounding << 5) |
-                    (settings_.intra_broadcast << 6) | (settings_.intra_compress << 7);
-  describe_call(tensors, *codec, signature);
-  std::snprintf(signature.dtype, sizeof signature.dtype, "%s",
-                c10::toString(tensors[0].scalar_type()));
-  std::snprintf(signature.op, sizeof signature.op, "%s", op_name(op));
+  const auto signature = signature_of(sequence, tensors, flat.numel(), *codec, op_name(op));
 
   const auto deadline = deadline_after(timeout_);
   transport::RoutedTransport& transport = *connection_.transport;
@@ -442,20 +584,12 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
                                                   options, *lane.scratch, *lane.cross_scratch);
   } else {
     // One host (inner algorithm), or one rank per host (cross algorithm).
-    const collectives::Phase phase{hosts.num_hosts() == 1 ? settings_.inner_reduction
-                                                           : settings_.cross_reduction,
-                                   seed, deadline, lane.executor};
+    const collectives::Phase phase{flat_algorithm(), seed, deadline, lane.executor};
     traffic = collectives::allreduce(transport, getRank(), getSize(), data, *codec,
                                      {0, codec->total()}, phase, *lane.scratch);
   }
-  {
-    std::lock_guard<std::mutex> lock(stats_mutex_);
-    stats_.calls += 1;
-    stats_.bytes_sent += traffic.bytes;
-    // In the callers' dtypes (2 bytes a value for float16 / bfloat16).
-    const double bytes_per_value = static_cast<double>(input_bytes) / flat.numel();
-    stats_.uncompressed_bytes += static_cast<uint64_t>(traffic.values * bytes_per_value);
-  }
+  // In the callers' dtypes (2 bytes a value for float16 / bfloat16).
+  count(&Stats::allreduce, traffic, static_cast<double>(input_bytes) / flat.numel());
   if (op == c10d::ReduceOp::AVG) flat.div_(getSize());
   if (in_place) return;
   int64_t offset = 0;

@@ -2,7 +2,8 @@
 //
 // Compressed path: allreduce / allreduce_coalesced of float32, float16 and bfloat16 CPU
 // or CUDA tensors with SUM or AVG and more than `minimal_size` elements in all, when
-// bits < 32; and allreduce_layout. The path of a call is chosen from what every rank must
+// bits < 32; allreduce_layout; and allgather_layout / reduce_scatter_layout (cgx.qsdp's
+// FSDP2 traffic). The path of a call is chosen from what every rank must
 // agree on (dtype, op, total size), never from how a rank's list is split, so ranks given
 // different calls all reach the call signature check before any data moves.
 // It runs on the group's worker thread (csrc/collectives over csrc/transport): flat on
@@ -17,8 +18,10 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "backend/completion_order.h"
@@ -27,6 +30,7 @@
 #include "backend/settings.h"
 #include "backend/worker.h"
 #include "collectives/allreduce.h"
+#include "collectives/call_signature.h"
 
 namespace cgx::backend {
 
@@ -56,11 +60,16 @@ class ProcessGroupCGX final : public c10d::Backend {
   void setSequenceNumberForGroup() override { exact_->setSequenceNumberForGroup(); }
   uint64_t getSequenceNumberForGroup() override { return exact_->getSequenceNumberForGroup(); }
 
-  // Totals over this rank's compressed calls (read from any thread).
-  struct Stats {
+  // Totals over this rank's compressed calls of one collective (read from any thread).
+  struct Counters {
     uint64_t calls = 0;
     uint64_t bytes_sent = 0;          // payload this rank put on the wire
     uint64_t uncompressed_bytes = 0;  // what the same algorithm sends without compression
+  };
+  struct Stats {
+    Counters allreduce;
+    Counters allgather;
+    Counters reduce_scatter;
     uint64_t cross_host_bytes = 0;    // all bytes this rank sent to other hosts
   };
   Stats stats() const;
@@ -76,6 +85,25 @@ class ProcessGroupCGX final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce_layout(at::Tensor tensor,
                                                   std::vector<compression::Segment> layout,
                                                   bool average);
+
+  // All-gather of equal shards (FSDP2's weights), compressed segment by segment as
+  // `shard_layout` says (one shard's plan; every shard has it): `input` is this rank's
+  // shard (it may be `output`'s own slice), `output` the size shards end to end. Every rank
+  // ends with bit-identical outputs, its own shard included. `seed`: stochastic rounding's
+  // stream for this rank's shard, where the layout asks for it.
+  c10::intrusive_ptr<c10d::Work> allgather_layout(at::Tensor output, at::Tensor input,
+                                                  std::vector<compression::Segment> shard_layout,
+                                                  uint64_t seed);
+  // Reduce-scatter (FSDP2's gradients): `input` is size shards, shard r this rank's
+  // contribution to rank r; `output` becomes the sum of every rank's contribution to this
+  // one, each quantized once as `shard_layout` says. op: SUM, AVG, or PREMUL_SUM with
+  // `factor` (applied to the sum). `residual` (float32, input's size), when given, is this
+  // rank's error feedback: added to the input before quantization, and left holding what
+  // quantization lost.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_layout(at::Tensor output, at::Tensor input,
+                                                       std::vector<compression::Segment> shard_layout,
+                                                       c10d::ReduceOp::RedOpType op, double factor,
+                                                       std::optional<at::Tensor> residual);
 
   // Exact path: forwarded to Gloo.
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -142,6 +170,13 @@ class ProcessGroupCGX final : public c10d::Backend {
   // Gloo allreduce, with AVG done as SUM followed by a division (Gloo has no AVG).
   c10::intrusive_ptr<c10d::Work> exact_allreduce(std::vector<at::Tensor>& tensors,
                                                  const c10d::ReduceOp& op, bool coalesced);
+  // Numbers a compressed call now and queues `body` on the worker thread; any failure of
+  // it but a same-step signature mismatch marks the group failed. `tensors`: the call's
+  // tensors (a CUDA call follows their caller's stream); `outputs`: the work's result.
+  using CompressedBody = std::function<void(uint64_t sequence, const Lane& lane)>;
+  c10::intrusive_ptr<c10d::Work> enqueue_compressed(const std::vector<at::Tensor>& tensors,
+                                                    std::vector<at::Tensor> outputs,
+                                                    c10d::OpType op_type, CompressedBody body);
   // Queues a compressed allreduce of `tensors` (reduced in place, the work's result).
   // `codec` null: the group's uniform settings.
   c10::intrusive_ptr<c10d::Work> compressed_allreduce(
@@ -149,6 +184,16 @@ class ProcessGroupCGX final : public c10d::Backend {
       std::shared_ptr<const compression::LayoutCodec> codec);
   void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op,
                       uint64_t sequence, const compression::LayoutCodec* codec, const Lane& lane);
+  // What every rank must agree on before a compressed call moves data; `op`: the
+  // collective and its reduction, as the mismatch message names them.
+  collectives::CallSignature signature_of(uint64_t sequence, const std::vector<at::Tensor>& tensors,
+                                          int64_t numel, const compression::LayoutCodec& codec,
+                                          const char* op) const;
+  // Adds a call's traffic to `counters`; `bytes_per_value`: the caller's element size.
+  void count(Counters Stats::*counters, const collectives::Traffic& traffic,
+             double bytes_per_value);
+  // The flat algorithm (the hierarchical path is for allreduces).
+  collectives::ReductionAlgorithm flat_algorithm() const;
 
   const Settings settings_;
   const std::chrono::milliseconds timeout_;

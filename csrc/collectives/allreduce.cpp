@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <new>
 #include <stdexcept>
+#include <string>
 
 namespace cgx::collectives {
 
@@ -50,6 +51,16 @@ Chunking::Chunking(const compression::LayoutCodec& codec, Range range, int parts
 Chunking Chunking::to_one(Range range, int parts, int owner) {
   std::vector<int64_t> offsets(parts + 1, range.begin);
   for (int i = owner + 1; i <= parts; ++i) offsets[i] = range.end;
+  return Chunking(std::move(offsets));
+}
+
+Chunking Chunking::even(Range range, int parts) {
+  const int64_t n = range.end - range.begin;
+  if (parts < 1 || n % parts != 0)
+    throw std::invalid_argument(std::to_string(n) + " elements do not split into " +
+                                std::to_string(parts) + " equal shards");
+  std::vector<int64_t> offsets(parts + 1);
+  for (int i = 0; i <= parts; ++i) offsets[i] = range.begin + n / parts * i;
   return Chunking(std::move(offsets));
 }
 

@@ -68,6 +68,9 @@ class Chunking {
   Chunking(const compression::LayoutCodec& codec, Range range, int parts);
   // All of `range` in chunk `owner`, the others empty (a reduction to one rank).
   static Chunking to_one(Range range, int parts, int owner);
+  // `parts` chunks of equal length (range's length must divide by `parts`): rank i's
+  // shard of an all-gather or reduce-scatter.
+  static Chunking even(Range range, int parts);
 
   int parts() const { return static_cast<int>(offsets_.size()) - 1; }
   int64_t offset(int i) const { return offsets_[i]; }
@@ -88,6 +91,9 @@ struct Phase {
   uint64_t seed = 0;
   transport::Clock::time_point deadline;
   compression::Executor* executor = &compression::host_executor();
+  // SRA's reduce_scatter only: where set, receives the decoded values of every chunk this
+  // rank contributes (the whole buffer), what its peers will add: error feedback's input.
+  float* sent = nullptr;
 };
 
 Traffic reduce_scatter(transport::Transport& transport, int rank, float* data,

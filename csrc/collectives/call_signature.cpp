@@ -59,7 +59,7 @@ void check_same_on_all_ranks(transport::Transport& transport, int rank, int size
   for (int p = 1; p < size; ++p) {
     auto [zero, other] = first_difference(theirs[0], theirs[p]);
     if (!zero.empty())
-      throw CallMismatchError("cgx allreduce: ranks were given different calls: rank 0 has " +
+      throw CallMismatchError("cgx: ranks were given different calls: rank 0 has " +
                                   zero + ", rank " + std::to_string(p) + " has " + other,
                               theirs[0].sequence != theirs[p].sequence);
   }

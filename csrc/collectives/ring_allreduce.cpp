@@ -9,6 +9,7 @@
 //     next unchanged and decode chunk (rank - s - 1) from prev. Bytes are never
 //     re-quantized on the way, so all ranks decode the same bytes: bit-identical results.
 #include <algorithm>
+#include <stdexcept>
 
 #include "collectives/allreduce.h"
 
@@ -21,6 +22,8 @@ int mod(int a, int m) { return ((a % m) + m) % m; }
 Traffic ring_reduce_scatter(transport::Transport& transport, int rank, float* data,
                             const compression::LayoutCodec& codec, const Chunking& chunks,
                             const Phase& phase, Scratch& scratch) {
+  // A ring hop sends partial sums, not this rank's own contribution.
+  if (phase.sent) throw std::invalid_argument("the ring reduce-scatter has no per-rank contribution to report");
   const int size = chunks.parts();
   const int next = mod(rank + 1, size);
   const int prev = mod(rank - 1, size);

@@ -37,6 +37,8 @@ Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* dat
     uint8_t* dst = p == rank ? buf[size + rank] : buf[p];
     executor.compress(codec, data, chunks.offset(p), chunks.offset(p + 1), dst,
                       stream_seed(phase.seed, rank, kScatterStage, p));
+    if (phase.sent)
+      executor.decompress(codec, dst, chunks.offset(p), chunks.offset(p + 1), phase.sent);
     if (p == rank) continue;
     sends.push_back({p, buf[p], sizes[p]});
     recvs.push_back({p, buf[size + p], mine});

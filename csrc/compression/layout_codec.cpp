@@ -48,6 +48,17 @@ LayoutCodec LayoutCodec::uniform(const QuantizerParams& params, int64_t total) {
   return LayoutCodec({s}, total);
 }
 
+LayoutCodec LayoutCodec::repeated(const LayoutCodec& one, int times) {
+  std::vector<Segment> segments;
+  segments.reserve(one.segments_.size() * std::max(times, 0));
+  for (int t = 0; t < times; ++t)
+    for (Segment s : one.segments_) {
+      s.offset += t * one.total_;
+      segments.push_back(s);
+    }
+  return LayoutCodec(std::move(segments), one.total_ * std::max(times, 0));
+}
+
 bool LayoutCodec::all_raw() const {
   return std::all_of(segments_.begin(), segments_.end(), [](const Segment& s) { return s.raw; });
 }

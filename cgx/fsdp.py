@@ -1,0 +1,294 @@
+"""QSDP: compressed FSDP2 traffic — weight all-gathers and gradient reduce-scatters.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) gathers each unit's weights before its
+forward and backward and reduce-scatters its gradients after backward. :func:`qsdp`
+installs cgx comms on every unit through FSDP2's own extension points
+(``set_custom_all_gather`` / ``set_custom_reduce_scatter``)::
+
+    import cgx
+    dist.init_process_group("cgx")
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    handle = cgx.qsdp(model, weight_bits=8, grad_bits=8)
+    ...
+    handle.stats()   # bytes sent vs uncompressed, per collective; units kept exact and why
+
+Each unit's layout (which slice of the flat buffer FSDP2 hands the comm is which
+parameter, and its bits and bucket size) is built from the unit's parameters once and
+travels with every call into the backend (``allgather_layout`` /
+``reduce_scatter_layout``). Only FSDP2's own traffic is compressed: ``full_tensor()``,
+state dicts and any other collective on the group stay exact.
+
+Weights: each rank quantizes its own shard once and every rank, the owner included,
+decodes the same bytes, so the full weights are bit-identical everywhere; the optimizer
+keeps updating the full-precision shard. Stochastic rounding is seeded by (unit, step),
+the step advancing at each forward of the module given to :func:`qsdp`: a unit gathered
+again in backward gets the same weights as in forward. Gradients: each contribution is
+quantized once with round-to-nearest and the owner sums them in float32; with
+``error_feedback`` each rank keeps what quantization lost (a float32 buffer the size of
+the unit's unsharded gradient) and adds it the next time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from cgx.backend import get_backend
+from cgx.layers import RAW_BITS, CompressionPolicy, Segment, _is_int
+
+__all__ = ["qsdp", "QSDP"]
+
+_ROUNDINGS = ("stochastic", "nearest")
+_KINDS = ("allgather", "reduce_scatter")
+
+
+def _check_bits(bits: Any, name: str) -> None:
+    if not (_is_int(bits) and (1 <= bits <= 8 or bits == RAW_BITS)):
+        raise ValueError(f"cgx.qsdp: {name} must be in 1..8, or 32 for uncompressed, got {bits!r}")
+
+
+class _Unit:
+    """One FSDP2 unit: its name, parameters' shard sizes and plans, error feedback."""
+
+    def __init__(self, index: int, name: str, module: FSDPModule, settings: dict, names: dict,
+                 weight_bits: int, grad_bits: int) -> None:
+        self.index = index
+        self.name = name
+        self.module = module
+        param_group = module._get_fsdp_state()._fsdp_param_group  # the unit's parameters, in buffer order
+        self.group = param_group.mesh_info.shard_process_group
+        weights: list[Segment] = []
+        grads: list[Segment] = []
+        offset = 0
+        for fsdp_param in param_group.fsdp_params:
+            numel = fsdp_param.padded_sharded_param_size.numel()
+            setting = settings[names[id(fsdp_param.sharded_param)]]
+            for plan, bits in ((weights, weight_bits), (grads, grad_bits)):
+                _add(plan, offset, numel, bits if setting.compressed else RAW_BITS, setting.bucket_size)
+            offset += numel
+        self.shard_numel = offset
+        self.plans = {"allgather": weights, "reduce_scatter": grads}
+        self.residual: torch.Tensor | None = None
+
+    def exact_reason(self, kind: str, tensor: torch.Tensor, numel: int) -> str | None:
+        """Why a call of this unit cannot take its plan (None: it can)."""
+        if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return (f"FSDP2 gathers this unit as {tensor.dtype} (its parameters have mixed "
+                    f"dtypes), so the values' boundaries are unknown")
+        if numel != self.shard_numel:
+            return (f"the {kind} buffer holds {numel} elements per rank, the unit's parameter "
+                    f"shards {self.shard_numel} (a tensor subclass with its own all-gather inputs?)")
+        if all(bits == RAW_BITS for _, _, bits, _ in self.plans[kind]):
+            return "no parameter of the unit is compressed by the policy"
+        return None
+
+
+def _add(plan: list[Segment], offset: int, numel: int, bits: int, bucket_size: int) -> None:
+    """Appends a segment, merging neighbouring raw runs."""
+    if numel == 0:
+        return
+    if bits == RAW_BITS and plan and plan[-1][2] == RAW_BITS:
+        o, n, _, _ = plan.pop()
+        plan.append((o, n + numel, RAW_BITS, 1))
+    else:
+        plan.append((offset, numel, bits, bucket_size if bits != RAW_BITS else 1))
+
+
+class QSDP:
+    """What :func:`qsdp` installed: the step that seeds weight rounding, per-rank error
+    feedback, and the traffic of its calls (:meth:`stats`)."""
+
+    def __init__(self, root: torch.nn.Module, units: list[_Unit], weight_bits: int, grad_bits: int,
+                 weight_rounding: str, error_feedback: bool, seed: int) -> None:
+        self.units = units
+        self.weight_bits = weight_bits
+        self.grad_bits = grad_bits
+        self.weight_rounding = weight_rounding
+        self.error_feedback = error_feedback
+        self.seed = seed
+        self.step = 0
+        self.exact_units: dict[str, dict[str, str]] = {kind: {} for kind in _KINDS}
+        self._exact = {kind: {"calls": 0, "bytes": 0} for kind in _KINDS}
+        # Before FSDP2's own pre-forward hook (which gathers the root unit): every gather of
+        # this step, prefetched or re-gathered in backward, sees the new step.
+        self._hook = root.register_forward_pre_hook(self._advance, prepend=True)
+
+    def _advance(self, *_: Any) -> None:
+        self.step += 1
+
+    def weight_seed(self, unit: _Unit) -> int:
+        """Stochastic rounding's seed for `unit`'s weights in the current step."""
+        digest = hashlib.blake2b(f"{self.seed}/{unit.index}/{self.step}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    def _exact_call(self, kind: str, unit: _Unit, reason: str, nbytes: int) -> None:
+        self.exact_units[kind].setdefault(unit.name, reason)
+        self._exact[kind]["calls"] += 1
+        self._exact[kind]["bytes"] += nbytes
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's traffic per collective: compressed calls, bytes_sent and
+        uncompressed_bytes (from the backend, over the groups the units use), calls kept
+        exact and their bytes, and which units stayed exact and why."""
+        groups = {id(u.group): u.group for u in self.units}.values()
+        per_group = [get_backend(g).stats() for g in groups]
+        out: dict[str, Any] = {}
+        for kind in _KINDS:
+            counters = {key: sum(s[kind][key] for s in per_group)
+                        for key in ("calls", "bytes_sent", "uncompressed_bytes")}
+            counters["exact_calls"] = self._exact[kind]["calls"]
+            counters["exact_bytes"] = self._exact[kind]["bytes"]
+            out[kind] = counters
+        out["exact_units"] = {kind: dict(units) for kind, units in self.exact_units.items()}
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's step and error-feedback residuals (they differ between ranks: every
+        rank saves and loads its own)."""
+        return {"step": self.step,
+                "residuals": {u.name: u.residual.clone() for u in self.units if u.residual is not None}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        by_name = {u.name: u for u in self.units}
+        unknown = set(state["residuals"]) - set(by_name)
+        if unknown:
+            raise ValueError(f"cgx.QSDP.load_state_dict: no unit named {sorted(unknown)} in this model")
+        for name, residual in state["residuals"].items():
+            unit = by_name[name]
+            expected = unit.shard_numel * unit.group.size()
+            if residual.numel() != expected:
+                raise ValueError(f"cgx.QSDP.load_state_dict: the residual of unit {name!r} has "
+                                 f"{residual.numel()} elements, the unit's gradients {expected}")
+        self.step = int(state["step"])
+        for unit in self.units:
+            saved = state["residuals"].get(unit.name)
+            unit.residual = None if saved is None else saved.to(torch.float32).clone()
+
+
+class _Comm:
+    def __init__(self, handle: QSDP, unit: _Unit) -> None:
+        self.handle = handle
+        self.unit = unit
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _AllGather(_Comm, AllGather):
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False):
+        unit, handle = self.unit, self.handle
+        reason = unit.exact_reason("allgather", input_tensor, input_tensor.numel())
+        if reason:
+            handle._exact_call("allgather", unit, reason, input_tensor.nbytes * (group.size() - 1))
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        work = get_backend(group).allgather_layout(
+            output_tensor, input_tensor, unit.plans["allgather"],
+            stochastic=handle.weight_rounding == "stochastic", seed=handle.weight_seed(unit))
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+class _ReduceScatter(_Comm, ReduceScatter):
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op, async_op: bool = False):
+        unit, handle = self.unit, self.handle
+        kind = getattr(op, "op", op)  # a ReduceOp (PREMUL_SUM carries its factor) or its type
+        reason = unit.exact_reason("reduce_scatter", input_tensor, input_tensor.numel() // group.size())
+        if reason is None and kind not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM):
+            reason = f"FSDP2 asked for {kind}, not SUM, AVG or PREMUL_SUM"
+        if reason:
+            handle._exact_call("reduce_scatter", unit, reason, input_tensor.nbytes * (group.size() - 1) // group.size())
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        residual = None
+        if handle.error_feedback:
+            if unit.residual is None:
+                unit.residual = torch.zeros(input_tensor.numel(), dtype=torch.float32, device=input_tensor.device)
+            residual = unit.residual
+        name = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PREMUL_SUM: "premul_sum"}[kind]
+        factor = float(op.factor) if kind == dist.ReduceOp.PREMUL_SUM else 1.0
+        work = get_backend(group).reduce_scatter_layout(
+            output_tensor, input_tensor, unit.plans["reduce_scatter"], op=name, factor=factor,
+            residual=residual)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+def qsdp(
+    module: torch.nn.Module,
+    weight_bits: int = 8,
+    grad_bits: int = 8,
+    *,
+    policy: CompressionPolicy | None = None,
+    weight_rounding: str = "stochastic",
+    error_feedback: bool = False,
+    seed: int = 0,
+) -> QSDP:
+    """Compresses the weight all-gathers and gradient reduce-scatters of every FSDP2 unit
+    in `module` (call after ``fully_shard``; the units' groups must be cgx groups).
+
+    Args:
+        weight_bits: bits of the gathered weights (1..8; 32 leaves the all-gather exact).
+        grad_bits: bits of the reduce-scattered gradients (1..8; 32 leaves it exact).
+        policy: which parameters are compressed, and with what bucket size
+            (:class:`cgx.CompressionPolicy`): a parameter it leaves raw (1-D parameters,
+            layers at or under its minimal size, rules with bits=32) stays exact in both
+            directions; the others take weight_bits / grad_bits. Default:
+            ``CompressionPolicy()`` (bucket size 512).
+        weight_rounding: "stochastic" (unbiased, QSDP's condition for its convergence
+            guarantee) or "nearest".
+        error_feedback: keep each rank's gradient quantization residual and add it the next
+            step (memory: a float32 unsharded gradient per unit).
+        seed: mixed into the weights' stochastic rounding.
+    """
+    _check_bits(weight_bits, "weight_bits")
+    _check_bits(grad_bits, "grad_bits")
+    if weight_rounding not in _ROUNDINGS:
+        raise ValueError(f"cgx.qsdp: weight_rounding must be one of {_ROUNDINGS}, got {weight_rounding!r}")
+    if not _is_int(seed) or seed < 0:
+        raise ValueError(f"cgx.qsdp: seed must be an integer >= 0, got {seed!r}")
+    if policy is not None and not isinstance(policy, CompressionPolicy):
+        raise TypeError(f"cgx.qsdp: policy must be a cgx.CompressionPolicy, got {type(policy).__name__}")
+    fsdp_units = [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+    if not fsdp_units:
+        raise ValueError(
+            f"cgx.qsdp: {type(module).__name__} has no FSDP2 unit: call "
+            f"torch.distributed.fsdp.fully_shard on its blocks and on it first")
+    policy = policy or CompressionPolicy()
+    settings = policy.resolve(module)  # also refuses rules that match nothing
+    owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
+    names = {}
+    for name, param in module.named_parameters():
+        names[id(param)] = name
+        if name not in settings:  # frozen parameters are gathered too
+            settings[name] = policy.setting_for(name, owners[id(param)], param)
+    units = []
+    for index, (name, unit_module) in enumerate(fsdp_units):
+        state = unit_module._get_fsdp_state()
+        if state._fsdp_param_group is None:
+            continue  # a unit that manages no parameter moves nothing
+        unit = _Unit(index, name or "<root>", unit_module, settings, names, weight_bits, grad_bits)
+        try:
+            get_backend(unit.group)
+        except ValueError as e:
+            raise ValueError(f"cgx.qsdp: FSDP2 unit {unit.name!r} shards over a group that is not cgx's: {e}") from None
+        units.append(unit)
+    handle = QSDP(module, units, weight_bits, grad_bits, weight_rounding, error_feedback, seed)
+    for unit in units:
+        if weight_bits != RAW_BITS:
+            unit.module.set_custom_all_gather(_AllGather(handle, unit))
+        if grad_bits != RAW_BITS:
+            unit.module.set_custom_reduce_scatter(_ReduceScatter(handle, unit))
+    return handle

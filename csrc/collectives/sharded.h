@@ -1,0 +1,54 @@
+// The collectives of a sharded model (FSDP2 under cgx.qsdp), written against Transport and
+// the codec only. Every rank holds one shard of `shard.total()` values; the full buffer is
+// `size` shards end to end, shard r belonging to rank r, each laid out as `shard` says
+// (one segment per parameter, its bits and bucket size, or raw).
+//
+//   compressed_allgather: each rank quantizes its own shard once and decodes it in place;
+//     every rank decodes every other shard from the bytes its owner sent. All ranks, the
+//     owner included, end with bit-identical full buffers: the weights a step computes
+//     with are the same everywhere. One quantization stage per value.
+//   compressed_reduce_scatter: each rank quantizes the shard meant for each rank once
+//     (its own included) and sends it; the owner decodes the contributions and sums them
+//     in float32 in rank order (SRA's first phase). One stage per contribution.
+#pragma once
+
+#include <cstdint>
+
+#include "collectives/allreduce.h"
+
+namespace cgx::collectives {
+
+struct AllgatherOptions {
+  const compression::LayoutCodec* shard = nullptr;  // the layout of one shard
+  // SRA: every owner sends its bytes to every peer; Ring: bytes are forwarded around the
+  // ring unchanged. The same bytes are decoded either way.
+  ReductionAlgorithm algorithm = ReductionAlgorithm::SRA;
+  // Stochastic rounding's stream (mixed with the rank): the same seed and shard give the
+  // same bytes, so a forward and a backward gather of one step agree.
+  uint64_t seed = 0;
+  transport::Clock::time_point deadline;
+  compression::Executor* executor = &compression::host_executor();
+};
+
+// `data`: the full buffer (size shards), this rank's values in shard `rank`; afterwards
+// every shard holds its owner's values as decoded. Throws TimeoutError at the deadline.
+Traffic compressed_allgather(transport::Transport& transport, int rank, int size, float* data,
+                             const AllgatherOptions& options, Scratch& scratch);
+
+struct ReduceScatterOptions {
+  const compression::LayoutCodec* shard = nullptr;
+  uint64_t seed = 0;
+  transport::Clock::time_point deadline;
+  compression::Executor* executor = &compression::host_executor();
+  // Where set (size shards): receives what this rank's contributions decode to at their
+  // owners, for error feedback.
+  float* sent = nullptr;
+};
+
+// `data`: this rank's contributions, shard r for rank r; afterwards shard `rank` holds the
+// sum over ranks (the other shards are left as they were). Throws TimeoutError at the
+// deadline.
+Traffic compressed_reduce_scatter(transport::Transport& transport, int rank, int size, float* data,
+                                  const ReduceScatterOptions& options, Scratch& scratch);
+
+}  // namespace cgx::collectives
