@@ -35,7 +35,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -45,8 +44,8 @@ import cgx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from launch import run_job  # noqa: E402
-from netemu import EmulatedHosts, link_counters  # noqa: E402
+from launch import run_worker  # noqa: E402
+from netemu import link_counters  # noqa: E402
 from plotting import pyplot  # noqa: E402
 
 CGX_METHODS = [f"cgx-{bits}-{alg}" for alg in ("SRA", "Ring") for bits in (8, 4, 2)]
@@ -193,24 +192,12 @@ def run_matrix(args):
     for world in args.world_sizes:
         for rate in args.rates:
             print(f"[world {world}, {rate}]", flush=True)
-            with tempfile.TemporaryDirectory(prefix="cgx-bench-") as tmp:
-                cfg = {"methods": args.methods, "sizes_mib": args.sizes_mib,
-                       "repeats": args.repeats, "bucket_size": args.bucket_size,
-                       "device": args.device,
-                       "out": os.path.join(tmp, "rows.json"), "emulated": rate != "loopback"}
-                cfg_path = os.path.join(tmp, "config.json")
-                with open(cfg_path, "w") as f:
-                    json.dump(cfg, f)
-                argv = [sys.executable, "-P", os.path.abspath(__file__), "--worker", cfg_path]
-                if rate == "loopback":
-                    run_job(argv, world, timeout_s=args.timeout_s)
-                else:
-                    with EmulatedHosts(world // args.ranks_per_host, rate=rate) as hosts:
-                        run_job(argv, world, hosts=hosts, timeout_s=args.timeout_s)
-                with open(cfg["out"]) as f:
-                    for row in json.load(f):
-                        results.append(dict(row, world_size=world, rate=rate,
-                                            ranks_per_host=args.ranks_per_host))
+            cfg = {"methods": args.methods, "sizes_mib": args.sizes_mib, "repeats": args.repeats,
+                   "bucket_size": args.bucket_size, "device": args.device,
+                   "emulated": rate != "loopback"}
+            for row in run_worker(__file__, cfg, world, rate, ranks_per_host=args.ranks_per_host,
+                                  timeout_s=args.timeout_s):
+                results.append(dict(row, world_size=world, rate=rate, ranks_per_host=args.ranks_per_host))
     return results
 
 

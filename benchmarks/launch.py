@@ -10,16 +10,18 @@ to the host's interface with GLOO_SOCKET_IFNAME.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Sequence
 
 from netemu import EmulatedHosts
 
-__all__ = ["RankFailure", "run_job"]
+__all__ = ["RankFailure", "run_job", "run_worker"]
 
 
 class RankFailure(RuntimeError):
@@ -69,6 +71,26 @@ def run_job(argv: Sequence[str], world_size: int, *, hosts: EmulatedHosts | None
             p.wait()
         for log in logs:
             log.close()
+
+
+def run_worker(script: str, cfg: dict, world_size: int, rate: str, *, ranks_per_host: int = 1,
+               timeout_s: float = 600.0) -> list:
+    """Runs `script --worker CONFIG` as `world_size` ranks: all on this host for rate
+    "loopback", else `ranks_per_host` per emulated host behind links of `rate`. CONFIG is
+    `cfg` plus "out", the file the ranks write their rows to (JSON); returns the rows."""
+    with tempfile.TemporaryDirectory(prefix="cgx-bench-") as tmp:
+        cfg = dict(cfg, out=os.path.join(tmp, "rows.json"))
+        cfg_path = os.path.join(tmp, "config.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+        argv = [sys.executable, "-P", os.path.abspath(script), "--worker", cfg_path]
+        if rate == "loopback":
+            run_job(argv, world_size, timeout_s=timeout_s)
+        else:
+            with EmulatedHosts(world_size // ranks_per_host, rate=rate) as hosts:
+                run_job(argv, world_size, hosts=hosts, timeout_s=timeout_s)
+        with open(cfg["out"]) as f:
+            return json.load(f)
 
 
 def _tail(log, limit: int = 4000) -> str:

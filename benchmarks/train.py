@@ -9,6 +9,9 @@ underneath, uncompressed unless a method compresses), once per method:
   cgx8 / cgx4   cgx_hook, 8 / 4 bits, error feedback
   cgx2          cgx_hook, 2 bits, error feedback
   cgx-adaptive  cgx_hook with L-GreCo bit selection (candidates 2..8 bits, budget = 4 bits')
+  fsdp          FSDP2 (fully_shard per block and on the root), exact
+  qsdp-wAgB     FSDP2 with cgx.qsdp: weights gathered at A bits (stochastic rounding),
+                gradients reduce-scattered at B bits; -nearest: weights rounded to nearest
 
 Tasks:
   gpt     a small GPT-style transformer on real text: CPython's own standard-library
@@ -47,7 +50,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P: the
 
 from plotting import pyplot  # noqa: E402
 
-METHODS = ("allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx-adaptive")
+DDP_METHODS = ("allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx-adaptive")
+FSDP_METHODS = ("fsdp", "qsdp-w8g8", "qsdp-w8g4", "qsdp-w4g4", "qsdp-w8g8-nearest", "qsdp-w4g4-nearest")
+METHODS = DDP_METHODS + FSDP_METHODS
 WARMUP_STEPS = 10  # uncompressed first steps, for every compressing method alike
 
 
@@ -181,6 +186,34 @@ def attach_method(method, ddp, model):
     return lambda step: state.compression_stats()["bytes_sent"]
 
 
+def shard_method(method, model):
+    """FSDP2 on every block and the root, and cgx.qsdp for a qsdp method; returns a
+    function giving (payload bytes, float32 bytes) so far (None for plain FSDP, whose
+    float32 traffic is what the qsdp runs count as uncompressed)."""
+    import cgx
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if method == "fsdp":
+        return lambda step: (None, None)
+    _, bits, *rounding = method.split("-")
+    weight_bits, grad_bits = (int(b) for b in bits[1:].split("g"))
+    handle = cgx.qsdp(model, weight_bits=weight_bits, grad_bits=grad_bits,
+                      weight_rounding="nearest" if rounding else "stochastic")
+
+    def traffic(step):
+        stats = handle.stats()
+        kinds = [stats[k] for k in ("allgather", "reduce_scatter")]
+        exact = sum(k["exact_bytes"] for k in kinds)
+        return (sum(k["bytes_sent"] for k in kinds) + exact,
+                sum(k["uncompressed_bytes"] for k in kinds) + exact)
+    return traffic
+
+
 def run_method(rank, world, task_name, task_options, method, steps, seed, init_method, out_path):
     import cgx  # noqa: F401  (backend "cgx")
 
@@ -194,8 +227,14 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
     # callbacks, and with several buckets their order differs between ranks (Gloo then
     # aborts with a size mismatch, with or without cgx underneath).
     dist._DEFAULT_FIRST_BUCKET_BYTES = 1 << 30
-    ddp = DDP(model, bucket_cap_mb=1024)
-    bytes_so_far = attach_method(method, ddp, model)
+    if method in FSDP_METHODS:
+        ddp = model
+        traffic = shard_method(method, model)
+    else:
+        ddp = DDP(model, bucket_cap_mb=1024)
+        bytes_so_far = attach_method(method, ddp, model)
+        float32 = sum(p.numel() * 4 for p in model.parameters())
+        traffic = lambda step: (bytes_so_far(step), float32 * step)  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=task.lr)
     losses = []
     start = time.perf_counter()
@@ -209,11 +248,12 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
         dist.all_reduce(avg, op=dist.ReduceOp.AVG)  # an interleaved allreduce, as in real scripts
         losses.append(avg.item())
     elapsed = time.perf_counter() - start
+    sent, float32 = traffic(steps)
+    evaluation = task.evaluate(model)  # every rank: FSDP2 gathers its units in forward
     if rank == 0:
         result = {"method": method, "losses": losses, "seconds": elapsed, "steps": steps,
-                  "bytes_per_step": bytes_so_far(steps) / steps,
-                  "float32_bytes_per_step": sum(p.numel() * 4 for p in model.parameters()),
-                  **task.evaluate(model)}
+                  "bytes_per_step": sent and sent / steps,
+                  "float32_bytes_per_step": float32 and float32 / steps, **evaluation}
         with open(out_path, "w") as f:
             json.dump(result, f)
     dist.barrier()
@@ -296,6 +336,11 @@ def main():
                          nprocs=args.world_size)
                 with open(out) as f:
                     results.append(json.load(f))
+    # Plain FSDP2 sends what the qsdp runs count as uncompressed.
+    float32 = next((r["float32_bytes_per_step"] for r in results if r["float32_bytes_per_step"]), None)
+    for r in results:
+        if r["bytes_per_step"] is None:
+            r["bytes_per_step"] = r["float32_bytes_per_step"] = float32
     base = results[0]
     metric = "val_accuracy" if args.task == "digits" else "val_loss"
     print(f"\n{args.task}, {args.world_size} ranks, {args.steps} steps, seed {args.seed}, "
@@ -306,8 +351,11 @@ def main():
     for r in results:
         rel = r["val_loss"] / base["val_loss"] - 1
         wire = f"{r['wire_bytes'] / r['steps'] / 2**20:.2f}" if "wire_bytes" in r else ""
-        print(f"| {r['method']} | {r[metric]:.4f} | {rel:+.2%} | {r['bytes_per_step']:,.0f} | "
-              f"{r['float32_bytes_per_step'] / r['bytes_per_step']:.2f} | {r['seconds']:.1f} | "
+        payload, ratio = "n/a", "n/a"  # plain FSDP2 alone: nothing counted its bytes
+        if r["bytes_per_step"]:
+            payload = f"{r['bytes_per_step']:,.0f}"
+            ratio = f"{r['float32_bytes_per_step'] / r['bytes_per_step']:.2f}"
+        print(f"| {r['method']} | {r[metric]:.4f} | {rel:+.2%} | {payload} | {ratio} | {r['seconds']:.1f} | "
               f"{r['steps'] / r['seconds']:.2f} | {base['seconds'] / r['seconds']:.2f} | {wire} |")
     stem = os.path.join(args.out, args.task + (f"-seed{args.seed}" if args.seed else ""))
     with open(stem + ".json", "w") as f:
