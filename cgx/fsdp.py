@@ -23,7 +23,8 @@ state dicts and any other collective on the group stay exact.
 
 Weights: each rank quantizes its own shard once and every rank, the owner included,
 decodes the same bytes, so the full weights are bit-identical everywhere; the optimizer
-keeps updating the full-precision shard. Stochastic rounding is seeded by (unit, step),
+keeps updating the full-precision shard. Rounding is to nearest unless asked otherwise;
+stochastic rounding is seeded by (unit, step),
 the step advancing at each forward of the module given to :func:`qsdp`: a unit gathered
 again in backward gets the same weights as in forward. Gradients: each contribution is
 quantized once with round-to-nearest and the owner sums them in float32; with
@@ -232,7 +233,7 @@ def qsdp(
     grad_bits: int = 8,
     *,
     policy: CompressionPolicy | None = None,
-    weight_rounding: str = "stochastic",
+    weight_rounding: str = "nearest",
     error_feedback: bool = False,
     seed: int = 0,
 ) -> QSDP:
@@ -247,8 +248,8 @@ def qsdp(
             layers at or under its minimal size, rules with bits=32) stays exact in both
             directions; the others take weight_bits / grad_bits. Default:
             ``CompressionPolicy()`` (bucket size 512).
-        weight_rounding: "stochastic" (unbiased, QSDP's condition for its convergence
-            guarantee) or "nearest".
+        weight_rounding: "nearest" (the default: measured better, docs/fsdp.md) or
+            "stochastic" (unbiased, QSDP's condition for its convergence guarantee).
         error_feedback: keep each rank's gradient quantization residual and add it the next
             step (memory: a float32 unsharded gradient per unit).
         seed: mixed into the weights' stochastic rounding.
