@@ -512,3 +512,35 @@ def test_qsdp_bad_arguments_raise_value_error_naming_them():
         assert "weight_rounding" in errors["rounding"]
         assert "has no FSDP2 unit" in errors["no unit"]
         assert "matches no trainable parameter" in errors["rule"]
+
+
+def _error_feedback(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import cgx
+
+    init_cgx(rank, world)
+    model = _model(0)
+    _shard(model, init_device_mesh("cpu", (world,)))
+    handle = cgx.qsdp(model, weight_bits=8, grad_bits=2, error_feedback=True)
+    losses = _train(model, rank, 3)
+    state = handle.state_dict()
+    sizes = {u.name: u.shard_numel * world for u in handle.units}
+    handle.step = 0
+    handle.load_state_dict(state)
+    try:
+        handle.load_state_dict({"step": 1, "residuals": {"blocks.0": torch.zeros(3)}})
+        bad = None
+    except ValueError as e:
+        bad = str(e)
+    return losses, state, sizes, handle.step, bad
+
+
+def test_qsdp_error_feedback_residuals_checkpoint():
+    for losses, state, sizes, step, bad in values(run_ranks(_error_feedback, 2)):
+        assert all(l == l for l in losses)
+        assert step == state["step"] == 3  # one forward per step advances it
+        assert set(state["residuals"]) == set(sizes)
+        for name, residual in state["residuals"].items():
+            assert residual.numel() == sizes[name] and float(residual.abs().max()) > 0, name
+        assert "has 3 elements" in bad
