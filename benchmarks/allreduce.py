@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import platform
@@ -44,7 +43,7 @@ import cgx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from launch import run_worker  # noqa: E402
+from launch import join_worker, run_worker  # noqa: E402
 from netemu import link_counters  # noqa: E402
 from plotting import pyplot  # noqa: E402
 
@@ -120,10 +119,7 @@ def _allreduce(method, group, x):
 
 
 def worker(config_path):
-    with open(config_path) as f:
-        cfg = json.load(f)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    cfg = join_worker(config_path)
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = _groups(cfg["methods"], cfg["bucket_size"])
     device = torch.device("cpu")

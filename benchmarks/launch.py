@@ -21,7 +21,7 @@ from typing import Sequence
 
 from netemu import EmulatedHosts
 
-__all__ = ["RankFailure", "run_job", "run_worker"]
+__all__ = ["RankFailure", "run_job", "run_worker", "join_worker"]
 
 
 class RankFailure(RuntimeError):
@@ -91,6 +91,21 @@ def run_worker(script: str, cfg: dict, world_size: int, rate: str, *, ranks_per_
                 run_job(argv, world_size, hosts=hosts, timeout_s=timeout_s)
         with open(cfg["out"]) as f:
             return json.load(f)
+
+
+def join_worker(config_path: str) -> dict:
+    """The rank side of run_worker: one thread for torch ops (ranks share the cores), the
+    job's default Gloo group joined over env://; returns the config."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    with open(config_path) as f:
+        cfg = json.load(f)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    return cfg
 
 
 def _tail(log, limit: int = 4000) -> str:

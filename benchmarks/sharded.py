@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import platform
@@ -33,7 +32,7 @@ import cgx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from launch import run_worker  # noqa: E402
+from launch import join_worker, run_worker  # noqa: E402
 
 KINDS = ("allgather", "reduce_scatter")
 BUCKET_SIZE = 512
@@ -64,10 +63,7 @@ def _call(kind, method, backend, full, shard, plan):
 
 
 def worker(config_path):
-    with open(config_path) as f:
-        cfg = json.load(f)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    cfg = join_worker(config_path)
     rank, world = dist.get_rank(), dist.get_world_size()
     config = dataclasses.replace(cgx.from_env(), minimal_size=0)
     backend = cgx.get_backend(dist.new_group(backend="cgx", pg_options=config))

@@ -43,17 +43,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from cgx.backend import get_backend
-from cgx.layers import RAW_BITS, CompressionPolicy, Segment, _is_int
+from cgx.layers import RAW_BITS, CompressionPolicy, Segment, _is_int, append_segment, check_bits
 
 __all__ = ["qsdp", "QSDP"]
 
 _ROUNDINGS = ("stochastic", "nearest")
 _KINDS = ("allgather", "reduce_scatter")
-
-
-def _check_bits(bits: Any, name: str) -> None:
-    if not (_is_int(bits) and (1 <= bits <= 8 or bits == RAW_BITS)):
-        raise ValueError(f"cgx.qsdp: {name} must be in 1..8, or 32 for uncompressed, got {bits!r}")
 
 
 class _Unit:
@@ -73,7 +68,7 @@ class _Unit:
             numel = fsdp_param.padded_sharded_param_size.numel()
             setting = settings[names[id(fsdp_param.sharded_param)]]
             for plan, bits in ((weights, weight_bits), (grads, grad_bits)):
-                _add(plan, offset, numel, bits if setting.compressed else RAW_BITS, setting.bucket_size)
+                append_segment(plan, offset, numel, bits if setting.compressed else RAW_BITS, setting.bucket_size)
             offset += numel
         self.shard_numel = offset
         self.plans = {"allgather": weights, "reduce_scatter": grads}
@@ -92,26 +87,13 @@ class _Unit:
         return None
 
 
-def _add(plan: list[Segment], offset: int, numel: int, bits: int, bucket_size: int) -> None:
-    """Appends a segment, merging neighbouring raw runs."""
-    if numel == 0:
-        return
-    if bits == RAW_BITS and plan and plan[-1][2] == RAW_BITS:
-        o, n, _, _ = plan.pop()
-        plan.append((o, n + numel, RAW_BITS, 1))
-    else:
-        plan.append((offset, numel, bits, bucket_size if bits != RAW_BITS else 1))
-
-
 class QSDP:
     """What :func:`qsdp` installed: the step that seeds weight rounding, per-rank error
     feedback, and the traffic of its calls (:meth:`stats`)."""
 
-    def __init__(self, root: torch.nn.Module, units: list[_Unit], weight_bits: int, grad_bits: int,
-                 weight_rounding: str, error_feedback: bool, seed: int) -> None:
+    def __init__(self, root: torch.nn.Module, units: list[_Unit], weight_rounding: str,
+                 error_feedback: bool, seed: int) -> None:
         self.units = units
-        self.weight_bits = weight_bits
-        self.grad_bits = grad_bits
         self.weight_rounding = weight_rounding
         self.error_feedback = error_feedback
         self.seed = seed
@@ -254,8 +236,8 @@ def qsdp(
             step (memory: a float32 unsharded gradient per unit).
         seed: mixed into the weights' stochastic rounding.
     """
-    _check_bits(weight_bits, "weight_bits")
-    _check_bits(grad_bits, "grad_bits")
+    check_bits(weight_bits, "cgx.qsdp weight_bits")
+    check_bits(grad_bits, "cgx.qsdp grad_bits")
     if weight_rounding not in _ROUNDINGS:
         raise ValueError(f"cgx.qsdp: weight_rounding must be one of {_ROUNDINGS}, got {weight_rounding!r}")
     if not _is_int(seed) or seed < 0:
@@ -286,7 +268,7 @@ def qsdp(
         except ValueError as e:
             raise ValueError(f"cgx.qsdp: FSDP2 unit {unit.name!r} shards over a group that is not cgx's: {e}") from None
         units.append(unit)
-    handle = QSDP(module, units, weight_bits, grad_bits, weight_rounding, error_feedback, seed)
+    handle = QSDP(module, units, weight_rounding, error_feedback, seed)
     for unit in units:
         if weight_bits != RAW_BITS:
             unit.module.set_custom_all_gather(_AllGather(handle, unit))

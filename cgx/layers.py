@@ -207,23 +207,25 @@ def bucket_plan(
     segments: list[Segment] = []
     compressed = []
     cursor = 0
-
-    def add_raw(offset: int, numel: int) -> None:
-        if numel <= 0:
-            return
-        if segments and segments[-1][2] == RAW_BITS:  # merge neighbouring raw runs
-            o, n, b, k = segments.pop()
-            segments.append((o, n + numel, b, k))
-        else:
-            segments.append((offset, numel, RAW_BITS, 1))
-
     for offset, numel, name, setting in pieces:
-        add_raw(cursor, offset - cursor)  # padding DDP may leave between views
+        append_segment(segments, cursor, offset - cursor, RAW_BITS, 1)  # padding DDP may leave between views
         if setting.compressed and numel > 0:
-            segments.append((offset, numel, setting.bits, setting.bucket_size))
             compressed.append((name, offset, numel, setting))
-        else:
-            add_raw(offset, numel)
+        append_segment(segments, offset, numel, setting.bits, setting.bucket_size)
         cursor = max(cursor, offset + numel)
-    add_raw(cursor, total - cursor)
+    append_segment(segments, cursor, total - cursor, RAW_BITS, 1)
     return segments, compressed
+
+
+def append_segment(plan: list[Segment], offset: int, numel: int, bits: int, bucket_size: int) -> None:
+    """Appends a segment to a plan that ends at `offset`; a raw run next to a raw run
+    merges with it (fewer, longer segments on every call); nothing for numel <= 0."""
+    if numel <= 0:
+        return
+    if bits != RAW_BITS:
+        plan.append((offset, numel, bits, bucket_size))
+    elif plan and plan[-1][2] == RAW_BITS:
+        o, n, _, _ = plan.pop()
+        plan.append((o, n + numel, RAW_BITS, 1))
+    else:
+        plan.append((offset, numel, RAW_BITS, 1))

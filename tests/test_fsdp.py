@@ -198,8 +198,13 @@ def _mismatch(rank, world, what):
     shard = SHARD if rank == 0 or what != "size" else SHARD + 8
     out = torch.empty(shard * world)
     try:
-        backend.allgather_layout(out, out.narrow(0, rank * shard, shard),
-                                 plan if shard == SHARD else [(0, shard, 4, 128)]).wait()
+        if what == "factor":  # a PREMUL_SUM factor the ranks disagree on
+            x = torch.ones(SHARD * world)
+            backend.reduce_scatter_layout(torch.empty(SHARD), x, PLAN, op="premul_sum",
+                                          factor=0.5 if rank == 1 else 0.25).wait()
+        else:
+            backend.allgather_layout(out, out.narrow(0, rank * shard, shard),
+                                     plan if shard == SHARD else [(0, shard, 4, 128)]).wait()
         outcome = "no error"
     except RuntimeError as e:
         outcome = str(e)
@@ -210,12 +215,12 @@ def _mismatch(rank, world, what):
     return outcome, float(y[0])
 
 
-@pytest.mark.parametrize("what", ["plan", "size"])
+@pytest.mark.parametrize("what", ["plan", "size", "factor"])
 def test_mismatched_buffers_raise_on_every_rank(what):
     results = values(run_ranks(_mismatch, 3, args=(what,)))
     for message, after in results:
         assert "ranks were given different calls" in message, message
-        assert ("per-layer plan" if what == "plan" else "elements") in message, message
+        assert {"plan": "per-layer plan", "size": "elements", "factor": "scale 0.25"}[what] in message, message
         assert after == 6.0
 
 
@@ -507,8 +512,8 @@ def _bad_qsdp(rank, world):
 
 def test_qsdp_bad_arguments_raise_value_error_naming_them():
     for errors in values(run_ranks(_bad_qsdp, 2)):
-        assert "weight_bits must be in 1..8" in errors["weight_bits"]
-        assert "grad_bits must be in 1..8" in errors["grad_bits"]
+        assert "weight_bits: bits must be in 1..8" in errors["weight_bits"]
+        assert "grad_bits: bits must be in 1..8" in errors["grad_bits"]
         assert "weight_rounding" in errors["rounding"]
         assert "has no FSDP2 unit" in errors["no unit"]
         assert "matches no trainable parameter" in errors["rule"]

@@ -389,12 +389,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_layout(
       options.sent = sent.data_ptr<float>();
     }
     options.shard = codec.get();
-    options.seed = collectives::stream_seed(settings_.seed, 0, 0, 0) ^ sequence;
+    options.seed = call_seed(sequence);
     options.deadline = deadline_after(timeout_);
     options.executor = lane.executor;
     const std::vector<at::Tensor> tensors{output};
     collectives::check_same_on_all_ranks(*connection_.transport, getRank(), getSize(),
-                                         signature_of(sequence, tensors, flat.numel(), *codec, op_text),
+                                         signature_of(sequence, tensors, flat.numel(), *codec, op_text,
+                                                      op == c10d::ReduceOp::PREMUL_SUM ? factor : 1.0),
                                          options.deadline, *lane.scratch);
     const auto traffic = collectives::compressed_reduce_scatter(
         *connection_.transport, getRank(), getSize(), flat.data_ptr<float>(), options, *lane.scratch);
@@ -512,8 +513,9 @@ collectives::CallSignature ProcessGroupCGX::signature_of(uint64_t sequence,
                                                          const std::vector<at::Tensor>& tensors,
                                                          int64_t numel,
                                                          const compression::LayoutCodec& codec,
-                                                         const char* op) const {
+                                                         const char* op, double scale) const {
   collectives::CallSignature signature;
+  signature.scale = scale;
   signature.sequence = sequence;
   signature.numel = numel;
   signature.bucket_size = settings_.bucket_size;
@@ -527,6 +529,10 @@ collectives::CallSignature ProcessGroupCGX::signature_of(uint64_t sequence,
                 c10::toString(tensors[0].scalar_type()));
   std::snprintf(signature.op, sizeof signature.op, "%s", op);
   return signature;
+}
+
+uint64_t ProcessGroupCGX::call_seed(uint64_t sequence) const {
+  return collectives::stream_seed(settings_.seed, 0, 0, 0) ^ sequence;
 }
 
 void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
@@ -561,7 +567,7 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   const auto deadline = deadline_after(timeout_);
   transport::RoutedTransport& transport = *connection_.transport;
   const topology::HostMap& hosts = connection_.hosts;
-  const uint64_t seed = collectives::stream_seed(settings_.seed, 0, 0, 0) ^ sequence;
+  const uint64_t seed = call_seed(sequence);
   float* data = flat.data_ptr<float>();
 
   collectives::Traffic traffic;

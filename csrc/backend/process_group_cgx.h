@@ -185,10 +185,13 @@ class ProcessGroupCGX final : public c10d::Backend {
   void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op,
                       uint64_t sequence, const compression::LayoutCodec* codec, const Lane& lane);
   // What every rank must agree on before a compressed call moves data; `op`: the
-  // collective and its reduction, as the mismatch message names them.
+  // collective and its reduction, as the mismatch message names them; `scale`: what the
+  // sum is multiplied by.
   collectives::CallSignature signature_of(uint64_t sequence, const std::vector<at::Tensor>& tensors,
                                           int64_t numel, const compression::LayoutCodec& codec,
-                                          const char* op) const;
+                                          const char* op, double scale = 1.0) const;
+  // Stochastic rounding's seed for the call numbered `sequence`.
+  uint64_t call_seed(uint64_t sequence) const;
   // Adds a call's traffic to `counters`; `bytes_per_value`: the caller's element size.
   void count(Counters Stats::*counters, const collectives::Traffic& traffic,
              double bytes_per_value);

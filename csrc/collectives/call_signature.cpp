@@ -32,6 +32,9 @@ std::pair<std::string, std::string> first_difference(const CallSignature& a,
   if (a.plan != b.plan) return text("the per-layer plan ", a.plan_text, b.plan_text);
   if (std::strncmp(a.op, b.op, sizeof a.op) != 0)
     return {std::string("op ") + a.op, std::string("op ") + b.op};
+  // Compared as bits: a NaN factor must not read as equal to itself.
+  if (std::memcmp(&a.scale, &b.scale, sizeof a.scale) != 0)
+    return {"scale " + str(a.scale), "scale " + str(b.scale)};
   if (a.bits != b.bits) return {str(a.bits) + " bits", str(b.bits) + " bits"};
   if (a.bucket_size != b.bucket_size)
     return {"bucket size " + str(a.bucket_size), "bucket size " + str(b.bucket_size)};

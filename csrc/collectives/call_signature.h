@@ -22,10 +22,11 @@ struct CallSignature {
   int32_t flags = 0;       // settings that must agree (algorithm, rounding, ...)
   char dtype[16] = {};     // name, for the message
   char op[8] = {};
+  double scale = 1.0;      // what the reduced sum is multiplied by (PREMUL_SUM's factor)
   // For the message, cut to fit (set_text): the tensors' shapes, "[100, 4], [10]", and
   // the layout's segments, "4096:4b/512 128:raw".
-  char shapes_text[44] = {};
-  char plan_text[44] = {};
+  char shapes_text[40] = {};
+  char plan_text[40] = {};
 };
 
 static_assert(sizeof(CallSignature) == 160, "sent as raw bytes: no padding");
