@@ -117,13 +117,13 @@ at::Tensor compress(const at::Tensor& input, const py::object& bits, int64_t buc
     const c10::cuda::CUDAGuard guard(device);
     cgx::compression::cuda::compress(p, values.data_ptr(), cuda_dtype(values.scalar_type()),
                                      values.numel(), dst.data_ptr<uint8_t>(), seed,
-                                     c10::cuda::getCurrentCUDAStream().stream());
+                                     /*stream_offset=*/0, c10::cuda::getCurrentCUDAStream().stream());
     return dst.narrow(0, 0, bytes);
   }
 #endif
   py::gil_scoped_release no_gil;
   cgx::compression::compress(p, values.data_ptr<float>(), values.numel(), dst.data_ptr<uint8_t>(),
-                             seed);
+                             seed, /*stream_offset=*/0);
   return dst.narrow(0, 0, bytes);
 }
 

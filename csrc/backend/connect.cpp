@@ -7,7 +7,7 @@
 #include <set>
 
 #include "backend/store_adapter.h"
-#include "transport/c10d_transport.h"
+#include "backend/c10d_transport.h"
 #include "transport/shm_transport.h"
 #ifdef CGX_WITH_MPI
 #include "transport/mpi_transport.h"
@@ -99,7 +99,7 @@ Connection connect(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
         inner = shared_memory(kv, rank, c.hosts, settings);
         break;
       case InnerCommunicator::GLOO:
-        inner = std::make_unique<transport::C10dTransport>(exact, rank, local);
+        inner = std::make_unique<C10dTransport>(exact, rank, local);
         break;
       case InnerCommunicator::MPI:
 #ifdef CGX_WITH_MPI
@@ -108,10 +108,10 @@ Connection connect(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
         break;
     }
   }
-  std::unique_ptr<transport::AsyncTransport> cross;
+  std::unique_ptr<transport::Transport> cross;
   if (any_remote) {
     if (settings.cross_communicator == CrossCommunicator::GLOO) {
-      cross = std::make_unique<transport::C10dTransport>(exact, rank, remote);
+      cross = std::make_unique<C10dTransport>(exact, rank, remote);
     } else {
 #ifdef CGX_WITH_MPI
       cross = std::make_unique<transport::MpiTransport>(comm, rank, remote);

@@ -8,6 +8,7 @@
 #include <optional>
 #include <utility>
 
+#include "backend/c10d_transport.h"
 #include "backend/cgx_work.h"
 #include "backend/connect.h"
 #include "collectives/call_signature.h"
@@ -18,9 +19,6 @@
 namespace cgx::backend {
 
 namespace {
-
-// Our transport tags start at 2^30; user send/recv tags must stay below.
-constexpr int kMaxUserTag = (1 << 30) - 1;
 
 // Read where a call is issued, on the caller's thread, so a request covers exactly the
 // calls made inside the caller's `with cgx.exact():` block.
@@ -50,56 +48,9 @@ transport::Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
   return timeout < room ? now + timeout : transport::Clock::time_point::max();
 }
 
-// FNV-1a over 64-bit values.
-class Hash {
- public:
-  void mix(int64_t v) {
-    for (int i = 0; i < 8; ++i)
-      h_ = (h_ ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xff)) * 0x100000001b3ULL;
-  }
-  uint64_t value() const { return h_; }
-
- private:
-  uint64_t h_ = 0xcbf29ce484222325ULL;
-};
-
-// What a call's tensors and plan are, hashed and in words, so that ranks given different
-// calls are caught even where the total size agrees, and told what differs. The words
-// stop where the signature's fields would cut them (a DDP bucket has many layers, and
-// this runs on every call).
-void describe_call(const std::vector<at::Tensor>& tensors, const compression::LayoutCodec& codec,
-                   collectives::CallSignature& signature) {
-  Hash shapes;
-  std::string shapes_text;
-  shapes.mix(static_cast<int64_t>(tensors.size()));
-  for (const auto& t : tensors) {
-    shapes.mix(t.dim());
-    for (const auto size : t.sizes()) shapes.mix(size);
-    if (shapes_text.size() < sizeof signature.shapes_text)
-      shapes_text += (shapes_text.empty() ? "" : ", ") + c10::str(t.sizes());
-  }
-  Hash plan;
-  std::string plan_text;
-  for (const auto& segment : codec.segments()) {
-    const auto& p = segment.params;
-    plan.mix(segment.numel);
-    plan.mix(segment.raw ? 32 : p.bits);
-    plan.mix(p.bucket_size);
-    plan.mix(p.skip_incomplete_buckets + 2 * p.stochastic);
-    if (plan_text.size() < sizeof signature.plan_text)
-      plan_text += (plan_text.empty() ? "" : " ") + std::to_string(segment.numel) + ":" +
-                 (segment.raw ? std::string("raw")
-                              : c10::str(p.bits, "b/", p.bucket_size));
-  }
-  signature.shapes = shapes.value();
-  signature.plan = plan.value();
-  collectives::set_text(signature.shapes_text, shapes_text);
-  collectives::set_text(signature.plan_text, plan_text);
-}
-
 void check_tag(int tag) {
-  TORCH_CHECK_VALUE(tag >= 0 && tag <= kMaxUserTag, "cgx: send/recv tags must be in 0..",
-                    kMaxUserTag, " (higher tags are cgx's own), got ", tag);
+  TORCH_CHECK_VALUE(tag >= 0 && tag < kFirstCgxTag, "cgx: send/recv tags must be in 0..",
+                    kFirstCgxTag - 1, " (higher tags are cgx's own), got ", tag);
 }
 
 c10::intrusive_ptr<c10d::Backend> checked_exact(c10::intrusive_ptr<c10d::Backend> exact, int rank,
@@ -150,6 +101,7 @@ bool ProcessGroupCGX::set_exact_on_this_thread(bool exact) {
 void ProcessGroupCGX::shutdown() {
   if (shut_down_.exchange(true)) return;
   worker_.stop();
+  cross_worker_.stop();
   // NCCL's communicators are released by its shutdown (torch warns when they are not).
   if (exact_cuda_ != exact_) exact_cuda_->shutdown();
 }
@@ -514,21 +466,17 @@ collectives::CallSignature ProcessGroupCGX::signature_of(uint64_t sequence,
                                                          int64_t numel,
                                                          const compression::LayoutCodec& codec,
                                                          const char* op, double scale) const {
-  collectives::CallSignature signature;
-  signature.scale = scale;
-  signature.sequence = sequence;
-  signature.numel = numel;
-  signature.bucket_size = settings_.bucket_size;
-  signature.bits = settings_.bits;
-  signature.flags = static_cast<int32_t>(settings_.inner_reduction) |
-                    (static_cast<int32_t>(settings_.cross_reduction) << 2) |
-                    (settings_.skip_incomplete_buckets << 4) | (settings_.stochastic_rounding << 5) |
-                    (settings_.intra_broadcast << 6) | (settings_.intra_compress << 7);
-  describe_call(tensors, codec, signature);
-  std::snprintf(signature.dtype, sizeof signature.dtype, "%s",
-                c10::toString(tensors[0].scalar_type()));
-  std::snprintf(signature.op, sizeof signature.op, "%s", op);
-  return signature;
+  std::vector<std::vector<int64_t>> shapes;
+  shapes.reserve(tensors.size());
+  for (const auto& t : tensors) shapes.emplace_back(t.sizes().begin(), t.sizes().end());
+  const int32_t flags = static_cast<int32_t>(settings_.inner_reduction) |
+                        (static_cast<int32_t>(settings_.cross_reduction) << 2) |
+                        (settings_.skip_incomplete_buckets << 4) |
+                        (settings_.stochastic_rounding << 5) | (settings_.intra_broadcast << 6) |
+                        (settings_.intra_compress << 7);
+  return collectives::CallSignature(sequence, shapes, numel, codec,
+                                    c10::toString(tensors[0].scalar_type()), op, settings_.bits,
+                                    settings_.bucket_size, flags, scale);
 }
 
 uint64_t ProcessGroupCGX::call_seed(uint64_t sequence) const {
@@ -562,38 +510,24 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   std::optional<compression::LayoutCodec> uniform;
   if (!codec) codec = &uniform.emplace(compression::LayoutCodec::uniform(quantizer_params(), flat.numel()));
 
-  const auto signature = signature_of(sequence, tensors, flat.numel(), *codec, op_name(op));
-
-  const auto deadline = deadline_after(timeout_);
-  transport::RoutedTransport& transport = *connection_.transport;
-  const topology::HostMap& hosts = connection_.hosts;
-  const uint64_t seed = call_seed(sequence);
-  float* data = flat.data_ptr<float>();
-
-  collectives::Traffic traffic;
-  collectives::check_same_on_all_ranks(transport, getRank(), getSize(), signature, deadline,
-                                       scratch_);
-  if (hierarchical()) {
-    collectives::HierarchicalOptions options;
-    options.inner = settings_.inner_reduction;
-    options.cross = settings_.cross_reduction;
-    options.intra_compress = settings_.intra_compress;
-    options.leader_form = settings_.intra_broadcast;
-    options.seed = seed;
-    options.deadline = deadline;
-    options.executor = lane.executor;
-    options.cross_executor = lane.cross_executor;
-    // The cross executor may start first (a host with one rank): it must see the values
-    // as the caller's executor has them now.
-    lane.executor->sync();
-    traffic = collectives::hierarchical_allreduce(transport, getRank(), hosts, data, *codec,
-                                                  options, *lane.scratch, *lane.cross_scratch);
-  } else {
-    // One host (inner algorithm), or one rank per host (cross algorithm).
-    const collectives::Phase phase{flat_algorithm(), seed, deadline, lane.executor};
-    traffic = collectives::allreduce(transport, getRank(), getSize(), data, *codec,
-                                     {0, codec->total()}, phase, *lane.scratch);
-  }
+  collectives::AllreduceOptions options;
+  options.codec = codec;
+  options.inner = settings_.inner_reduction;
+  options.cross = settings_.cross_reduction;
+  options.leader_form = settings_.intra_broadcast;
+  options.intra_compress = settings_.intra_compress;
+  options.seed = call_seed(sequence);
+  options.deadline = deadline_after(timeout_);
+  options.executor = lane.executor;
+  options.cross_executor = lane.cross_executor;
+  options.scratch = lane.scratch;
+  options.cross_scratch = lane.cross_scratch;
+  options.run_cross = [this](std::function<void()> job) { cross_worker_.enqueue(std::move(job)); };
+  collectives::check_same_on_all_ranks(*connection_.transport, getRank(), getSize(),
+                                       signature_of(sequence, tensors, flat.numel(), *codec, op_name(op)),
+                                       options.deadline, *lane.scratch);
+  const auto traffic = collectives::allreduce(*connection_.transport, getRank(), connection_.hosts,
+                                              flat.data_ptr<float>(), options);
   // In the callers' dtypes (2 bytes a value for float16 / bfloat16).
   count(&Stats::allreduce, traffic, static_cast<double>(input_bytes) / flat.numel());
   if (op == c10d::ReduceOp::AVG) flat.div_(getSize());

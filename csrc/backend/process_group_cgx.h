@@ -225,6 +225,9 @@ class ProcessGroupCGX final : public c10d::Backend {
   // Compressed collectives' completions, which barriers follow (shared with the settling
   // tasks, which may outlive the group).
   std::shared_ptr<CompletionOrder> completions_ = std::make_shared<CompletionOrder>();
+  // The hierarchical allreduce's cross phases, beside the worker's call (persistent, so
+  // that no call starts a thread). Stopped after the worker: a call waits for its job.
+  Worker cross_worker_;
   Worker worker_;  // last: stopped before the members its tasks use are destroyed
 };
 

@@ -1,124 +1,30 @@
 #include "collectives/allreduce.h"
 
-#include <algorithm>
-#include <new>
 #include <stdexcept>
-#include <string>
+
+#include "collectives/hierarchical_allreduce.h"
 
 namespace cgx::collectives {
 
-Scratch::~Scratch() {
-  for (const Arena& a : arenas_) memory_.release(a.memory);
-}
+Traffic allreduce(transport::Transport& transport, int rank, const topology::HostMap& hosts,
+                  float* data, const AllreduceOptions& options) {
+  if (!options.codec || !options.scratch || !options.cross_scratch)
+    throw std::invalid_argument("allreduce: the options need a codec and scratch buffers");
+  const compression::LayoutCodec& codec = *options.codec;
+  const int size = hosts.size();
+  if (size == 1 || codec.total() == 0) return {};
+  if (is_hierarchical(hosts)) return hierarchical_allreduce(transport, rank, hosts, data, options);
 
-std::vector<uint8_t*> Scratch::buffers(const std::vector<size_t>& sizes, int arena) {
-  // 64-byte aligned slices of one arena.
-  constexpr size_t kAlign = 64;
-  size_t total = kAlign;
-  for (size_t s : sizes) total += (s + kAlign - 1) / kAlign * kAlign;
-  if (static_cast<int>(arenas_.size()) <= arena) arenas_.resize(arena + 1);
-  Arena& a = arenas_[arena];
-  if (a.bytes < total) {
-    // Grown, never shrunk; the old contents need not survive.
-    memory_.release(a.memory);
-    a = {};
-    a.memory = memory_.allocate(total);
-    if (!a.memory) throw std::bad_alloc();
-    a.bytes = total;
-  }
-  auto base = reinterpret_cast<uintptr_t>(a.memory);
-  uintptr_t cursor = (base + kAlign - 1) / kAlign * kAlign;
-  std::vector<uint8_t*> out;
-  out.reserve(sizes.size());
-  for (size_t s : sizes) {
-    out.push_back(reinterpret_cast<uint8_t*>(cursor));
-    cursor += (s + kAlign - 1) / kAlign * kAlign;
-  }
-  return out;
-}
-
-Chunking::Chunking(const compression::LayoutCodec& codec, Range range, int parts)
-    : offsets_(parts + 1, range.begin) {
-  const int64_t n = range.end - range.begin;
-  for (int i = 1; i <= parts; ++i)
-    offsets_[i] = std::min(
-        range.end,
-        std::max(offsets_[i - 1],
-                 codec.align_up(range.begin + n / parts * i + n % parts * i / parts)));
-  offsets_[parts] = range.end;
-}
-
-Chunking Chunking::to_one(Range range, int parts, int owner) {
-  std::vector<int64_t> offsets(parts + 1, range.begin);
-  for (int i = owner + 1; i <= parts; ++i) offsets[i] = range.end;
-  return Chunking(std::move(offsets));
-}
-
-Chunking Chunking::even(Range range, int parts) {
-  const int64_t n = range.end - range.begin;
-  if (parts < 1 || n % parts != 0)
-    throw std::invalid_argument(std::to_string(n) + " elements do not split into " +
-                                std::to_string(parts) + " equal shards");
-  std::vector<int64_t> offsets(parts + 1);
-  for (int i = 0; i <= parts; ++i) offsets[i] = range.begin + n / parts * i;
-  return Chunking(std::move(offsets));
-}
-
-uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk) {
-  // splitmix64 over the packed coordinates: cheap, and well mixed in every bit.
-  uint64_t z = call_seed ^ (uint64_t(uint32_t(rank)) << 40) ^ (uint64_t(uint32_t(stage)) << 20) ^
-               uint64_t(uint32_t(chunk));
-  z += 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-void quantize_owned_chunk(compression::Executor& executor, const compression::LayoutCodec& codec,
-                          float* data, Range chunk, uint8_t* dst, uint64_t seed) {
-  executor.compress(codec, data, chunk.begin, chunk.end, dst, seed);
-  executor.decompress(codec, dst, chunk.begin, chunk.end, data);
-}
-
-Traffic reduce_scatter(transport::Transport& transport, int rank, float* data,
-                       const compression::LayoutCodec& codec, const Chunking& chunks,
-                       const Phase& phase, Scratch& scratch) {
-  switch (phase.algorithm) {
-    case ReductionAlgorithm::SRA:
-      return sra_reduce_scatter(transport, rank, data, codec, chunks, phase, scratch);
-    case ReductionAlgorithm::Ring:
-      return ring_reduce_scatter(transport, rank, data, codec, chunks, phase, scratch);
-  }
-  throw std::invalid_argument("unknown reduction algorithm");
-}
-
-std::vector<size_t> compressed_sizes(const compression::LayoutCodec& codec, const Chunking& chunks) {
-  std::vector<size_t> sizes(chunks.parts());
-  for (int c = 0; c < chunks.parts(); ++c)
-    sizes[c] = codec.compressed_bytes(chunks.offset(c), chunks.offset(c + 1));
-  return sizes;
-}
-
-Traffic allgather(transport::Transport& transport, int rank, float* data,
-                  const compression::LayoutCodec& codec, const Chunking& chunks,
-                  const Phase& phase, const std::vector<uint8_t*>& buffers) {
-  switch (phase.algorithm) {
-    case ReductionAlgorithm::SRA:
-      return sra_allgather(transport, rank, data, codec, chunks, phase, buffers);
-    case ReductionAlgorithm::Ring:
-      return ring_allgather(transport, rank, data, codec, chunks, phase, buffers);
-  }
-  throw std::invalid_argument("unknown reduction algorithm");
-}
-
-Traffic allreduce(transport::Transport& transport, int rank, int size, float* data,
-                  const compression::LayoutCodec& codec, Range range, const Phase& phase,
-                  Scratch& scratch) {
-  if (size == 1 || range.end == range.begin) return {};
-  const Chunking chunks(codec, range, size);
-  Traffic traffic = reduce_scatter(transport, rank, data, codec, chunks, phase, scratch);
+  Phase phase;
+  phase.algorithm = hosts.num_hosts() == 1 ? options.inner : options.cross;
+  phase.seed = options.seed;
+  phase.deadline = options.deadline;
+  phase.executor = options.executor;
+  phase.piece_values = options.piece_values;
+  const Chunking chunks(codec, {0, codec.total()}, size);
+  Traffic traffic = reduce_scatter(transport, rank, data, codec, chunks, phase, *options.scratch);
   traffic += allgather(transport, rank, data, codec, chunks, phase,
-                       scratch.buffers(compressed_sizes(codec, chunks)));
+                       options.scratch->buffers(phase.pieces(codec, chunks).chunk_bytes()));
   return traffic;
 }
 

@@ -1,140 +1,46 @@
-// Compressed allreduce of a float32 buffer, written against Transport and the codec only.
+// The compressed allreduce: one entry point, which picks the algorithm.
 //
-// An allreduce is two phases over `size` ranks, each rank owning one chunk:
-//   reduce_scatter: rank r ends holding chunk r summed over all ranks, at full precision
-//     (contributions are quantized on the way: once with SRA, at every hop with Ring);
-//   allgather: each owner quantizes its chunk once and keeps the decoded values, and
-//     every rank decodes every chunk from the same bytes: all end bit-identical.
-// The hierarchical allreduce (hierarchical_allreduce.h) combines phases over the ranks of
-// a host and across hosts.
+//   one rank:                        nothing moves;
+//   one host, or one rank per host:  flat, the host's (inner) or the network's (cross)
+//                                    algorithm over the whole group (phases.h);
+//   several hosts, some with several ranks: hierarchical (hierarchical_allreduce.h).
+//
+// data[0, codec.total()) on every rank becomes the sum over ranks, each segment quantized
+// as the codec's layout says (docs/algorithms.md); afterwards every rank holds
+// bit-identical values.
 #pragma once
 
-#include <cstdint>
-#include <vector>
+#include <functional>
 
-#include "compression/executor.h"
-#include "compression/layout_codec.h"
-#include "transport/transport.h"
+#include "collectives/phases.h"
+#include "topology/host_map.h"
 
 namespace cgx::collectives {
 
-enum class ReductionAlgorithm { SRA, Ring };
-
-// What one rank put on the wire: bytes, and the values they carried (the uncompressed
-// algorithm would send values * element size).
-struct Traffic {
-  uint64_t bytes = 0;
-  uint64_t values = 0;
-  Traffic& operator+=(const Traffic& o) {
-    bytes += o.bytes;
-    values += o.values;
-    return *this;
-  }
-};
-
-// Buffers reused across calls so that the hot path does not allocate.
-class Scratch {
- public:
-  explicit Scratch(compression::HostMemory memory = compression::plain_memory())
-      : memory_(memory) {}
-  ~Scratch();
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-
-  // Byte buffers of the given sizes from arena `arena`, valid until the next call for the
-  // same arena (phases use arena 0; a caller keeping bytes across phases uses another).
-  std::vector<uint8_t*> buffers(const std::vector<size_t>& sizes, int arena = 0);
-
- private:
-  struct Arena {
-    void* memory = nullptr;
-    size_t bytes = 0;
-  };
-  compression::HostMemory memory_;
-  std::vector<Arena> arenas_;
-};
-
-// A part [begin, end) of the flat buffer.
-struct Range {
-  int64_t begin = 0;
-  int64_t end = 0;
-};
-
-// Splits `range` into `parts` chunks; chunk i is [offset(i), offset(i+1)).
-class Chunking {
- public:
-  // About equal chunks, cut only where no quantization bucket is split: a chunk
-  // quantizes each layer on the layer's own bucket grid, whoever compresses it.
-  Chunking(const compression::LayoutCodec& codec, Range range, int parts);
-  // All of `range` in chunk `owner`, the others empty (a reduction to one rank).
-  static Chunking to_one(Range range, int parts, int owner);
-  // `parts` chunks of equal length (range's length must divide by `parts`): rank i's
-  // shard of an all-gather or reduce-scatter.
-  static Chunking even(Range range, int parts);
-
-  int parts() const { return static_cast<int>(offsets_.size()) - 1; }
-  int64_t offset(int i) const { return offsets_[i]; }
-  int64_t length(int i) const { return offsets_[i + 1] - offsets_[i]; }
-  Range range(int i) const { return {offsets_[i], offsets_[i + 1]}; }
-
- private:
-  explicit Chunking(std::vector<int64_t> offsets) : offsets_(std::move(offsets)) {}
-  std::vector<int64_t> offsets_;
-};
-
-// One phase of an allreduce among `chunks.parts()` ranks of `transport` (this one is
-// `rank`). `seed` picks the stochastic-rounding streams: allgather's must be the same
-// wherever the same chunk is to come out bit-identical. `executor` holds the values
-// (`data` points into its memory); a phase returns with its work on them complete.
-struct Phase {
-  ReductionAlgorithm algorithm = ReductionAlgorithm::SRA;
-  uint64_t seed = 0;
+struct AllreduceOptions {
+  const compression::LayoutCodec* codec = nullptr;  // the whole buffer's layout
+  ReductionAlgorithm inner = ReductionAlgorithm::SRA;  // among the ranks of a host
+  ReductionAlgorithm cross = ReductionAlgorithm::SRA;  // across hosts
+  // Hierarchical: through one leader per host (CGX_INTRA_BROADCAST); compress inside a
+  // host too (CGX_INTRA_COMPRESS).
+  bool leader_form = false;
+  bool intra_compress = true;
+  uint64_t seed = 0;  // the call's stochastic-rounding seed
   transport::Clock::time_point deadline;
+  int64_t piece_values = kPieceValues;  // 0: no pipeline
+  // Where the values are, and buffers reused across calls: the caller's thread's, and
+  // the hierarchical cross phases' (which run on `run_cross`'s thread).
   compression::Executor* executor = &compression::host_executor();
-  // SRA's reduce_scatter only: where set, receives the decoded values of every chunk this
-  // rank contributes (the whole buffer), what its peers will add: error feedback's input.
-  float* sent = nullptr;
+  compression::Executor* cross_executor = &compression::host_executor();
+  Scratch* scratch = nullptr;
+  Scratch* cross_scratch = nullptr;
+  // Runs a job on a persistent second thread (hierarchical only; unset: no overlap of the
+  // cross phases with the host's).
+  std::function<void(std::function<void()>)> run_cross;
 };
 
-Traffic reduce_scatter(transport::Transport& transport, int rank, float* data,
-                       const compression::LayoutCodec& codec, const Chunking& chunks,
-                       const Phase& phase, Scratch& scratch);
-// `buffers[c]` has room for chunk c compressed (compressed_sizes); afterwards it holds
-// the bytes every rank decoded chunk c from, for a caller that forwards them.
-Traffic allgather(transport::Transport& transport, int rank, float* data,
-                  const compression::LayoutCodec& codec, const Chunking& chunks,
-                  const Phase& phase, const std::vector<uint8_t*>& buffers);
-
-// Bytes of each chunk compressed.
-std::vector<size_t> compressed_sizes(const compression::LayoutCodec& codec, const Chunking& chunks);
-
-// The phases of each algorithm (one file each).
-Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* data,
-                           const compression::LayoutCodec& codec, const Chunking& chunks,
-                           const Phase& phase, Scratch& scratch);
-Traffic sra_allgather(transport::Transport& transport, int rank, float* data,
-                      const compression::LayoutCodec& codec, const Chunking& chunks,
-                      const Phase& phase, const std::vector<uint8_t*>& buffers);
-Traffic ring_reduce_scatter(transport::Transport& transport, int rank, float* data,
-                            const compression::LayoutCodec& codec, const Chunking& chunks,
-                            const Phase& phase, Scratch& scratch);
-Traffic ring_allgather(transport::Transport& transport, int rank, float* data,
-                       const compression::LayoutCodec& codec, const Chunking& chunks,
-                       const Phase& phase, const std::vector<uint8_t*>& buffers);
-
-// data[range] on each of `size` ranks becomes the sum over ranks, each segment quantized
-// as the codec's layout says (docs/algorithms.md); afterwards every rank holds
-// bit-identical values. Throws TimeoutError (transport) at the deadline.
-Traffic allreduce(transport::Transport& transport, int rank, int size, float* data,
-                  const compression::LayoutCodec& codec, Range range, const Phase& phase,
-                  Scratch& scratch);
-
-// A distinct stochastic-rounding seed for each (call, compressing rank, stage, chunk).
-uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk);
-
-// The owner of a chunk quantizes it once and decodes it in place, so that it keeps exactly
-// what the others will decode from `dst` (the first step of both allgathers).
-void quantize_owned_chunk(compression::Executor& executor, const compression::LayoutCodec& codec,
-                          float* data, Range chunk, uint8_t* dst, uint64_t seed);
+// Throws TimeoutError / TransportError (transport.h) when the transport fails.
+Traffic allreduce(transport::Transport& transport, int rank, const topology::HostMap& hosts,
+                  float* data, const AllreduceOptions& options);
 
 }  // namespace cgx::collectives

@@ -10,6 +10,19 @@ namespace cgx::collectives {
 
 namespace {
 
+// FNV-1a over 64-bit values.
+class Hash {
+ public:
+  void mix(int64_t v) {
+    for (int i = 0; i < 8; ++i)
+      h_ = (h_ ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xff)) * 0x100000001b3ULL;
+  }
+  uint64_t value() const { return h_; }
+
+ private:
+  uint64_t h_ = 0xcbf29ce484222325ULL;
+};
+
 // The first field in which `a` and `b` differ, printed for each, or "" when equal.
 std::pair<std::string, std::string> first_difference(const CallSignature& a,
                                                      const CallSignature& b) {
@@ -43,6 +56,48 @@ std::pair<std::string, std::string> first_difference(const CallSignature& a,
 }
 
 }  // namespace
+
+// The shapes and plan are hashed, and put in words for the message. The words stop where
+// the fields would cut them (a DDP bucket has many layers, and this runs on every call).
+CallSignature::CallSignature(uint64_t sequence, const std::vector<std::vector<int64_t>>& shapes,
+                             int64_t numel, const compression::LayoutCodec& codec,
+                             const std::string& dtype, const std::string& op, int32_t bits,
+                             int64_t bucket_size, int32_t flags, double scale)
+    : sequence(sequence), numel(numel), bucket_size(bucket_size), bits(bits), flags(flags),
+      scale(scale) {
+  Hash shape_hash;
+  std::string shape_words;
+  shape_hash.mix(static_cast<int64_t>(shapes.size()));
+  for (const auto& sizes : shapes) {
+    shape_hash.mix(static_cast<int64_t>(sizes.size()));
+    std::string words = "[";
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      shape_hash.mix(sizes[d]);
+      words += (d ? ", " : "") + std::to_string(sizes[d]);
+    }
+    if (shape_words.size() < sizeof shapes_text)
+      shape_words += (shape_words.empty() ? "" : ", ") + words + "]";
+  }
+  Hash plan_hash;
+  std::string plan_words;
+  for (const auto& segment : codec.segments()) {
+    const auto& p = segment.params;
+    plan_hash.mix(segment.numel);
+    plan_hash.mix(segment.raw ? 32 : p.bits);
+    plan_hash.mix(p.bucket_size);
+    plan_hash.mix(p.skip_incomplete_buckets + 2 * p.stochastic);
+    if (plan_words.size() < sizeof plan_text)
+      plan_words += (plan_words.empty() ? "" : " ") + std::to_string(segment.numel) + ":" +
+                    (segment.raw ? std::string("raw")
+                                 : std::to_string(p.bits) + "b/" + std::to_string(p.bucket_size));
+  }
+  this->shapes = shape_hash.value();
+  plan = plan_hash.value();
+  set_text(shapes_text, shape_words);
+  set_text(plan_text, plan_words);
+  set_text(this->dtype, dtype);
+  set_text(this->op, op);
+}
 
 void check_same_on_all_ranks(transport::Transport& transport, int rank, int size,
                              const CallSignature& mine, transport::Clock::time_point deadline,

@@ -6,13 +6,23 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
-#include "collectives/allreduce.h"
+#include "collectives/phases.h"
 #include "transport/transport.h"
 
 namespace cgx::collectives {
 
 struct CallSignature {
+  CallSignature() = default;  // to receive a peer's into
+  // A call of the group numbered `sequence`: `shapes` are its tensors' sizes, `numel`
+  // the values it moves, `codec` its compression layout, `dtype` and `op` names for the
+  // message; `bits`, `bucket_size` and `flags` the group settings that must agree.
+  CallSignature(uint64_t sequence, const std::vector<std::vector<int64_t>>& shapes, int64_t numel,
+                const compression::LayoutCodec& codec, const std::string& dtype,
+                const std::string& op, int32_t bits, int64_t bucket_size, int32_t flags,
+                double scale = 1.0);
+
   uint64_t sequence = 0;   // per-group count of calls, exact ones included
   int64_t numel = 0;
   int64_t bucket_size = 0;

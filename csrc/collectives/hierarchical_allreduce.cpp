@@ -4,7 +4,6 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
-#include <thread>
 
 #include "transport/subset_transport.h"
 
@@ -23,13 +22,23 @@ int index_of(const std::vector<int>& ranks, int rank) {
 }
 
 // Progress shared by the two threads of one call: pieces whose host reduction (A) and
-// whose cross phase (B) are done, and the first failure of either thread.
+// whose cross phase (B) are done, the first failure of either thread, and whether the
+// cross thread's job has returned (it uses this call's stack until then).
 class Pipeline {
  public:
   void finished_host_reduction(int piece) { advance(reduced_, piece); }
   void finished_cross_phase(int piece) { advance(crossed_, piece); }
   void wait_host_reduction(int piece) { wait(reduced_, piece); }
   void wait_cross_phase(int piece) { wait(crossed_, piece); }
+  void cross_job_returned() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    returned_ = true;
+    changed_.notify_all();
+  }
+  void wait_cross_job() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return returned_; });
+  }
   void fail(std::exception_ptr error) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!error_) error_ = error;
@@ -57,6 +66,7 @@ class Pipeline {
   std::condition_variable changed_;
   int reduced_ = 0;
   int crossed_ = 0;
+  bool returned_ = false;
   std::exception_ptr error_;
 };
 
@@ -68,11 +78,15 @@ bool is_hierarchical(const topology::HostMap& hosts) {
 
 Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
                                const topology::HostMap& hosts, float* data,
-                               const compression::LayoutCodec& codec,
-                               const HierarchicalOptions& options, Scratch& scratch,
-                               Scratch& cross_scratch) {
+                               const AllreduceOptions& options) {
+  const compression::LayoutCodec& codec = *options.codec;
+  Scratch& scratch = *options.scratch;
+  Scratch& cross_scratch = *options.cross_scratch;
   const int64_t total = codec.total();
   if (total == 0) return {};
+  // The cross executor may start first (a host with one rank): it must see the values as
+  // the caller's executor has them now.
+  options.executor->sync();
   const std::vector<int>& local = hosts.ranks_on_host_of(rank);
   const int k = static_cast<int>(local.size());
   const int i = index_of(local, rank);
@@ -102,7 +116,8 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
     parts.emplace_back();
     for (int j = 0; j < k; ++j) {
       parts[p].emplace_back(codec, chunks[p].range(j), num_hosts);
-      for (size_t bytes : compressed_sizes(codec, parts[p][j])) part_bytes.push_back(bytes);
+      for (size_t bytes : PieceLayout(codec, parts[p][j], 1).chunk_bytes())
+        part_bytes.push_back(bytes);
     }
   }
   // The compressed parts as the cross phase leaves them, kept to be forwarded (arena 1:
@@ -157,7 +172,7 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
     return t;
   };
 
-  if (num_pieces == 1 || !crosses) {
+  if (num_pieces == 1 || !crosses || !options.run_cross) {
     Traffic traffic = reduce_on_host(0);
     for (int p = 0; p < num_pieces; ++p) {
       if (p + 1 < num_pieces) traffic += reduce_on_host(p + 1);
@@ -168,12 +183,13 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
   }
 
   // Pipelined: this thread reduces and shares on the host (A0, A1, C0, A2, C1, ...: the
-  // same order on every local rank), a second one runs the cross phases (B0, B1, ...) as
-  // soon as their piece is reduced, so that the link is busy while the host computes.
-  // The two use disjoint peers, transports and scratch.
+  // same order on every local rank), the cross thread runs the cross phases (B0, B1, ...)
+  // as soon as their piece is reduced, so that the link is busy while the host computes.
+  // The two use disjoint peers, transports and scratch. (The phases themselves keep one
+  // piece per chunk: this pipeline already overlaps them.)
   Pipeline pipeline;
   Traffic cross_traffic;
-  std::thread cross_thread([&] {
+  options.run_cross([&] {
     try {
       options.cross_executor->bind_thread();
       for (int p = 0; p < num_pieces; ++p) {
@@ -184,6 +200,7 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
     } catch (...) {
       pipeline.fail(std::current_exception());
     }
+    pipeline.cross_job_returned();
   });
   Traffic traffic;
   try {
@@ -200,7 +217,7 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
   } catch (...) {
     pipeline.fail(std::current_exception());
   }
-  cross_thread.join();  // bounded: its waits end at the deadline or on our failure
+  pipeline.wait_cross_job();  // bounded: its waits end at the deadline or on our failure
   if (auto error = pipeline.error()) std::rethrow_exception(error);
   traffic += cross_traffic;
   return traffic;

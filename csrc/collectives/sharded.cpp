@@ -8,9 +8,10 @@ Traffic compressed_allgather(transport::Transport& transport, int rank, int size
   const Range all{0, codec.total()};
   if (size == 1 || all.end == 0) return {};
   const Chunking shards = Chunking::even(all, size);
-  const Phase phase{options.algorithm, options.seed, options.deadline, options.executor};
+  Phase phase{options.algorithm, options.seed, options.deadline, options.executor};
+  phase.piece_values = options.piece_values;
   return allgather(transport, rank, data, codec, shards, phase,
-                   scratch.buffers(compressed_sizes(codec, shards)));
+                   scratch.buffers(phase.pieces(codec, shards).chunk_bytes()));
 }
 
 Traffic compressed_reduce_scatter(transport::Transport& transport, int rank, int size, float* data,
@@ -21,6 +22,7 @@ Traffic compressed_reduce_scatter(transport::Transport& transport, int rank, int
   const Chunking shards = Chunking::even(all, size);
   Phase phase{ReductionAlgorithm::SRA, options.seed, options.deadline, options.executor};
   phase.sent = options.sent;
+  phase.piece_values = options.piece_values;
   return sra_reduce_scatter(transport, rank, data, codec, shards, phase, scratch);
 }
 

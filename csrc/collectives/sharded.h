@@ -28,6 +28,7 @@ struct AllgatherOptions {
   uint64_t seed = 0;
   transport::Clock::time_point deadline;
   compression::Executor* executor = &compression::host_executor();
+  int64_t piece_values = kPieceValues;  // 0: no pipeline
 };
 
 // `data`: the full buffer (size shards), this rank's values in shard `rank`; afterwards
@@ -40,6 +41,7 @@ struct ReduceScatterOptions {
   uint64_t seed = 0;
   transport::Clock::time_point deadline;
   compression::Executor* executor = &compression::host_executor();
+  int64_t piece_values = kPieceValues;  // 0: no pipeline
   // Where set (size shards): receives what this rank's contributions decode to at their
   // owners, for error feedback.
   float* sent = nullptr;

@@ -8,7 +8,8 @@
 // bucket grid, and summed in rank order: with round-to-nearest the result depends on the
 // values and the layout only, not on which rank owns which chunk (so not on how DDP lays
 // out its buckets). Every rank decodes the same bytes: all ranks end bit-identical.
-#include "collectives/allreduce.h"
+#include "collectives/phases.h"
+#include "collectives/pipeline.h"
 
 namespace cgx::collectives {
 
@@ -17,39 +18,49 @@ constexpr int kScatterStage = 0;
 constexpr int kGatherStage = 1;
 }  // namespace
 
+// Step q moves piece q of every chunk: each rank's contribution to each owner, then the
+// owners' sums.
 Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* data,
                            const compression::LayoutCodec& codec, const Chunking& chunks,
                            const Phase& phase, Scratch& scratch) {
   const int size = chunks.parts();
-  const Range own = chunks.range(rank);
-  const size_t mine = codec.compressed_bytes(own.begin, own.end);
+  const PieceLayout pieces = phase.pieces(codec, chunks);
   // [0, size): outgoing chunk for each peer; [size, 2 size): each rank's contribution to
   // our chunk, ours included.
-  std::vector<size_t> sizes = compressed_sizes(codec, chunks);
-  sizes.resize(2 * size, mine);
+  std::vector<size_t> sizes = pieces.chunk_bytes();
+  sizes.resize(2 * size, sizes[rank]);
   const std::vector<uint8_t*> buf = scratch.buffers(sizes);
+  auto contribution = [&](int p, int q) { return buf[size + p] + pieces.offset(rank, q); };
 
   compression::Executor& executor = *phase.executor;
+  Steps steps;
+  steps.count = pieces.count();
+  steps.encode = [&](int q) {
+    StepExchange x;
+    for (int p = 0; p < size; ++p) {
+      const Range piece = pieces.range(p, q);
+      uint8_t* dst = p == rank ? contribution(rank, q) : buf[p] + pieces.offset(p, q);
+      executor.compress(codec, data, piece.begin, piece.end, dst,
+                        stream_seed(phase.seed, rank, kScatterStage, p));
+      if (phase.sent) executor.decompress(codec, dst, piece.begin, piece.end, phase.sent);
+      if (p == rank) continue;
+      x.sends.push_back({p, dst, pieces.bytes(p, q)});
+      x.recvs.push_back({p, contribution(p, q), pieces.bytes(rank, q)});
+    }
+    return x;
+  };
+  steps.decode = [&](int q) {
+    // Rank 0's contribution is written, the others added in rank order (no pass zeroing).
+    const Range own = pieces.range(rank, q);
+    executor.decompress(codec, contribution(0, q), own.begin, own.end, data);
+    for (int p = 1; p < size; ++p)
+      executor.decompress_add(codec, contribution(p, q), own.begin, own.end, data);
+  };
+  run_steps(transport, executor, phase.deadline, steps);
+
   Traffic traffic;
-  std::vector<transport::Send> sends;
-  std::vector<transport::Recv> recvs;
-  for (int p = 0; p < size; ++p) {
-    uint8_t* dst = p == rank ? buf[size + rank] : buf[p];
-    executor.compress(codec, data, chunks.offset(p), chunks.offset(p + 1), dst,
-                      stream_seed(phase.seed, rank, kScatterStage, p));
-    if (phase.sent)
-      executor.decompress(codec, dst, chunks.offset(p), chunks.offset(p + 1), phase.sent);
-    if (p == rank) continue;
-    sends.push_back({p, buf[p], sizes[p]});
-    recvs.push_back({p, buf[size + p], mine});
-    traffic += {sizes[p], static_cast<uint64_t>(chunks.length(p))};
-  }
-  executor.sync();
-  transport.exchange(sends, recvs, phase.deadline);
-  executor.zero(data, own.begin, own.end);
   for (int p = 0; p < size; ++p)
-    executor.decompress_add(codec, buf[size + p], own.begin, own.end, data);
-  executor.sync();
+    if (p != rank) traffic += {sizes[p], static_cast<uint64_t>(chunks.length(p))};
   return traffic;
 }
 
@@ -58,25 +69,35 @@ Traffic sra_allgather(transport::Transport& transport, int rank, float* data,
                       const Phase& phase, const std::vector<uint8_t*>& buf) {
   const int size = chunks.parts();
   // buf[p]: chunk p compressed (ours by us, the others as received).
-  const std::vector<size_t> sizes = compressed_sizes(codec, chunks);
+  const PieceLayout pieces = phase.pieces(codec, chunks);
   compression::Executor& executor = *phase.executor;
-  quantize_owned_chunk(executor, codec, data, chunks.range(rank), buf[rank],
-                       stream_seed(phase.seed, rank, kGatherStage, rank));
+  Steps steps;
+  steps.count = pieces.count();
+  steps.encode = [&](int q) {
+    uint8_t* own = buf[rank] + pieces.offset(rank, q);
+    quantize_owned_chunk(executor, codec, data, pieces.range(rank, q), own,
+                         stream_seed(phase.seed, rank, kGatherStage, rank));
+    StepExchange x;
+    for (int p = 0; p < size; ++p) {
+      if (p == rank) continue;
+      x.sends.push_back({p, own, pieces.bytes(rank, q)});
+      x.recvs.push_back({p, buf[p] + pieces.offset(p, q), pieces.bytes(p, q)});
+    }
+    return x;
+  };
+  steps.decode = [&](int q) {
+    for (int p = 0; p < size; ++p) {
+      if (p == rank) continue;
+      const Range piece = pieces.range(p, q);
+      executor.decompress(codec, buf[p] + pieces.offset(p, q), piece.begin, piece.end, data);
+    }
+  };
+  run_steps(transport, executor, phase.deadline, steps);
 
+  const uint64_t own_bytes = pieces.chunk_bytes()[rank];
   Traffic traffic;
-  std::vector<transport::Send> sends;
-  std::vector<transport::Recv> recvs;
-  for (int p = 0; p < size; ++p) {
-    if (p == rank) continue;
-    sends.push_back({p, buf[rank], sizes[rank]});
-    recvs.push_back({p, buf[p], sizes[p]});
-    traffic += {sizes[rank], static_cast<uint64_t>(chunks.length(rank))};
-  }
-  executor.sync();
-  transport.exchange(sends, recvs, phase.deadline);
   for (int p = 0; p < size; ++p)
-    if (p != rank) executor.decompress(codec, buf[p], chunks.offset(p), chunks.offset(p + 1), data);
-  executor.sync();
+    if (p != rank) traffic += {own_bytes, static_cast<uint64_t>(chunks.length(rank))};
   return traffic;
 }
 

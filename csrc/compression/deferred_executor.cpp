@@ -28,10 +28,6 @@ void DeferredExecutor::decompress_add(const LayoutCodec& codec, const uint8_t* s
       [&codec, src, begin, end, data] { codec.decompress_add(src, begin, end, data); });
 }
 
-void DeferredExecutor::zero(float* data, int64_t begin, int64_t end) {
-  queue_.push_back([data, begin, end] { std::fill(data + begin, data + end, 0.0f); });
-}
-
 void DeferredExecutor::sync() {
   for (auto& op : queue_) op();
   queue_.clear();

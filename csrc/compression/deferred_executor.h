@@ -20,7 +20,6 @@ class DeferredExecutor final : public Executor {
                   float* data) override;
   void decompress_add(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
                       float* data) override;
-  void zero(float* data, int64_t begin, int64_t end) override;
   void sync() override;
 
  private:

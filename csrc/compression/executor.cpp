@@ -5,10 +5,6 @@
 
 namespace cgx::compression {
 
-void HostExecutor::zero(float* data, int64_t begin, int64_t end) {
-  std::fill(data + begin, data + end, 0.0f);
-}
-
 HostExecutor& host_executor() {
   static HostExecutor executor;
   return executor;

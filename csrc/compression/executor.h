@@ -25,8 +25,6 @@ class Executor {
                           int64_t end, float* data) = 0;
   virtual void decompress_add(const LayoutCodec& codec, const uint8_t* src, int64_t begin,
                               int64_t end, float* data) = 0;
-  // data[begin, end) = 0.
-  virtual void zero(float* data, int64_t begin, int64_t end) = 0;
   // Readies the calling thread, before its first use of the executor or of memory it
   // needs (a CUDA executor makes its device current there).
   virtual void bind_thread() {}
@@ -50,7 +48,6 @@ class HostExecutor final : public Executor {
                       float* data) override {
     codec.decompress_add(src, begin, end, data);
   }
-  void zero(float* data, int64_t begin, int64_t end) override;
   void sync() override {}
 };
 

@@ -1,5 +1,7 @@
 #include "compression/layout_codec.h"
 
+#include "common/mix.h"
+
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -7,16 +9,9 @@
 
 namespace cgx::compression {
 
-namespace {
-constexpr size_t round_up16(size_t x) { return (x + 15) & ~size_t{15}; }
-}  // namespace
-
 uint64_t LayoutCodec::segment_seed(uint64_t seed, size_t segment) {
-  // A distinct stream per segment (splitmix64 finalizer).
-  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (segment + 1);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
+  // A distinct stream per segment.
+  return splitmix64(seed + 0x9e3779b97f4a7c15ULL * segment);
 }
 
 LayoutCodec::LayoutCodec(std::vector<Segment> segments, int64_t total)
@@ -113,7 +108,7 @@ void LayoutCodec::compress(const float* data, int64_t begin, int64_t end, uint8_
       std::memset(dst + n * sizeof(float), 0, bytes - n * sizeof(float));
     } else {
       const size_t used = compression::compressed_bytes(s.params, n);
-      compression::compress(s.params, data + from, n, dst, segment_seed(seed, i));
+      compression::compress(s.params, data + from, n, dst, segment_seed(seed, i), from - s.offset);
       std::memset(dst + used, 0, bytes - used);
     }
     dst += bytes;

@@ -10,6 +10,7 @@
 // per level, then dequantizes it bucket by bucket.
 #include "quantizer.h"
 #include "stream_hash.h"
+#include "common/mix.h"
 
 #include <algorithm>
 #include <cfloat>
@@ -44,8 +45,6 @@ static_assert(kChunk % 8 == 0, "chunks must start on a byte boundary of the leve
 #define CGX_AVX2_CLONE
 #endif
 #define CGX_INLINE inline __attribute__((always_inline))
-
-constexpr size_t round_up16(size_t x) { return (x + 15) & ~size_t{15}; }
 
 using Layout = WireLayout;
 
@@ -256,7 +255,8 @@ CGX_INLINE void unpack(int bits, const uint8_t* in, int64_t groups, uint8_t* lev
 
 // Meta and level sections of a buffer: bucket by bucket, chunk by chunk.
 CGX_AVX2_CLONE void encode_levels(const QuantizerParams& params, const Layout& layout,
-                                  const float* src, uint64_t seed, uint8_t* dst) {
+                                  const float* src, uint64_t seed, uint32_t stream_offset,
+                                  uint8_t* dst) {
   const int64_t bucket = params.bucket_size;
   const float max_level = static_cast<float>((1 << params.bits) - 1);
   const uint32_t key = stream_key(seed);
@@ -280,8 +280,8 @@ CGX_AVX2_CLONE void encode_levels(const QuantizerParams& params, const Layout& l
       if (!code.finite) {
         std::memset(out, 0, static_cast<size_t>(end - i));
       } else if (params.stochastic) {
-        quantize_stochastic(src + i, end - i, code, max_level, static_cast<uint32_t>(i), key,
-                            out);
+        quantize_stochastic(src + i, end - i, code, max_level,
+                            stream_offset + static_cast<uint32_t>(i), key, out);
       } else {
         quantize_nearest(src + i, end - i, code, max_level, out);
       }
@@ -378,12 +378,12 @@ size_t compressed_bytes(const QuantizerParams& params, int64_t n) {
 }
 
 void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_t* dst,
-              uint64_t seed) {
+              uint64_t seed, uint64_t stream_offset) {
   validate(params);
   check_count(n);
   const Layout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
-  encode_levels(params, layout, src, seed, dst);
+  encode_levels(params, layout, src, seed, static_cast<uint32_t>(stream_offset), dst);
 
   // Padding bytes are zero so that equal inputs give equal buffers.
   const size_t meta_bytes = static_cast<size_t>(layout.buckets) * 2 * sizeof(float);

@@ -45,10 +45,12 @@ WireLayout wire_layout(const QuantizerParams& params, int64_t n);
 size_t compressed_bytes(const QuantizerParams& params, int64_t n);
 
 // Compresses n float32 values into dst (compressed_bytes(params, n) bytes).
-// With stochastic rounding, `seed` selects the random stream: the same seed and input
-// give the same bytes. Round-to-nearest ignores it.
+// With stochastic rounding, `seed` selects the random stream and `stream_offset` is the
+// position of src[0] in it (docs/wire-format.md): the same seed, offset and input give the
+// same bytes, and compressing [0, n) in pieces, each at its own offset, draws as compressing
+// it whole. Round-to-nearest ignores both.
 void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_t* dst,
-              uint64_t seed);
+              uint64_t seed, uint64_t stream_offset);
 
 // dst[i] = decoded value i.
 void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst);

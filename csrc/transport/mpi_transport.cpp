@@ -33,11 +33,11 @@ std::unique_ptr<Pending> MpiTransport::post(const std::vector<Send>& sends,
                                             const std::vector<Recv>& recvs) {
   auto posted = std::make_unique<PostedRequests>();
   const mpi::Use use;
-  if (!use.ok()) throw TimeoutError("cgx transport over MPI failed: MPI is being finalized");
+  if (!use.ok()) throw TransportError("cgx transport over MPI failed: MPI is being finalized");
   const MPI_Comm comm = comm_->get();
   auto fail = [&](const std::string& why) {
     abandon(*posted, Clock::now());
-    throw TimeoutError("cgx transport over MPI failed: " + why);
+    throw TransportError("cgx transport over MPI failed: " + why);
   };
   if (comm == MPI_COMM_NULL) fail("MPI was finalized");
   for (const auto& r : recvs) {
@@ -73,10 +73,11 @@ void MpiTransport::wait(Pending& pending, Clock::time_point deadline) {
   const mpi::Use use;
   if (!use.ok()) {
     requests.clear();  // MPI finalises with them: nothing may touch them any more
-    throw TimeoutError("cgx transport over MPI failed: MPI is being finalized");
+    throw TransportError("cgx transport over MPI failed: MPI is being finalized");
   }
   std::vector<int> indices(requests.size());
   std::string error;
+  bool timed_out = false;
   auto backoff = std::chrono::microseconds(0);
   while (!requests.empty()) {
     int completed = 0;
@@ -92,6 +93,7 @@ void MpiTransport::wait(Pending& pending, Clock::time_point deadline) {
     }
     if (Clock::now() >= deadline) {
       error = "timed out waiting for peers (dead, stuck, or out of step)";
+      timed_out = true;
       break;
     }
     if (mpi::finalizing()) {
@@ -126,7 +128,8 @@ void MpiTransport::wait(Pending& pending, Clock::time_point deadline) {
     if (request != MPI_REQUEST_NULL && !done) MPI_Request_free(&request);
   }
   requests.clear();
-  throw TimeoutError("cgx transport over MPI failed: " + error);
+  if (timed_out) throw TimeoutError("cgx transport over MPI failed: " + error);
+  throw TransportError("cgx transport over MPI failed: " + error);
 }
 
 }  // namespace cgx::transport

@@ -14,7 +14,7 @@
 
 namespace cgx::transport {
 
-class MpiTransport final : public AsyncTransport {
+class MpiTransport final : public Transport {
  public:
   // `reachable[p]`: whether this transport is used for group rank p.
   MpiTransport(std::shared_ptr<mpi::Communicator> comm, int rank, std::vector<bool> reachable);

@@ -6,15 +6,23 @@
 namespace cgx::transport {
 
 RoutedTransport::RoutedTransport(std::unique_ptr<Transport> local,
-                                 std::unique_ptr<AsyncTransport> remote)
+                                 std::unique_ptr<Transport> remote)
     : local_(std::move(local)), remote_(std::move(remote)) {}
 
 bool RoutedTransport::reaches(int peer) const {
   return (local_ && local_->reaches(peer)) || (remote_ && remote_->reaches(peer));
 }
 
-void RoutedTransport::exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
-                               Clock::time_point deadline) {
+namespace {
+// The parts of one exchange on each transport (either may be absent).
+struct RoutedPending final : Pending {
+  std::unique_ptr<Pending> remote;
+  std::unique_ptr<Pending> local;
+};
+}  // namespace
+
+std::unique_ptr<Pending> RoutedTransport::post(const std::vector<Send>& sends,
+                                               const std::vector<Recv>& recvs) {
   std::vector<Send> local_sends, remote_sends;
   std::vector<Recv> local_recvs, remote_recvs;
   auto is_local = [&](int peer) {
@@ -25,21 +33,35 @@ void RoutedTransport::exchange(const std::vector<Send>& sends, const std::vector
   for (const auto& s : sends) (is_local(s.peer) ? local_sends : remote_sends).push_back(s);
   for (const auto& r : recvs) (is_local(r.peer) ? local_recvs : remote_recvs).push_back(r);
 
-  std::unique_ptr<Pending> pending;
+  // The cross-host part first: it moves in the background while the local one is posted.
+  auto pending = std::make_unique<RoutedPending>();
   if (!remote_sends.empty() || !remote_recvs.empty()) {
-    pending = remote_->post(remote_sends, remote_recvs);
+    pending->remote = remote_->post(remote_sends, remote_recvs);
     for (const auto& s : remote_sends) cross_host_bytes_ += s.bytes;
   }
   if (!local_sends.empty() || !local_recvs.empty()) {
     try {
-      local_->exchange(local_sends, local_recvs, deadline);
+      pending->local = local_->post(local_sends, local_recvs);
     } catch (...) {
       // The posted ops point into the caller's buffers: settle them before unwinding.
-      if (pending) remote_->abandon(*pending, deadline);
+      if (pending->remote) remote_->abandon(*pending->remote, Clock::now());
       throw;
     }
   }
-  if (pending) remote_->wait(*pending, deadline);
+  return pending;
+}
+
+void RoutedTransport::wait(Pending& pending, Clock::time_point deadline) {
+  auto& routed = static_cast<RoutedPending&>(pending);
+  if (routed.local) {
+    try {
+      local_->wait(*routed.local, deadline);
+    } catch (...) {
+      if (routed.remote) remote_->abandon(*routed.remote, deadline);
+      throw;
+    }
+  }
+  if (routed.remote) remote_->wait(*routed.remote, deadline);
 }
 
 }  // namespace cgx::transport

@@ -14,10 +14,11 @@ namespace cgx::transport {
 class RoutedTransport final : public Transport {
  public:
   // `local` may be null (no local peers); `remote` may be null (no remote peers).
-  RoutedTransport(std::unique_ptr<Transport> local, std::unique_ptr<AsyncTransport> remote);
+  RoutedTransport(std::unique_ptr<Transport> local, std::unique_ptr<Transport> remote);
 
-  void exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
-                Clock::time_point deadline) override;
+  std::unique_ptr<Pending> post(const std::vector<Send>& sends,
+                                const std::vector<Recv>& recvs) override;
+  void wait(Pending& pending, Clock::time_point deadline) override;
   bool reaches(int peer) const override;
 
   // Bytes this rank has sent to peers on other hosts (any thread may read it).
@@ -25,7 +26,7 @@ class RoutedTransport final : public Transport {
 
  private:
   std::unique_ptr<Transport> local_;
-  std::unique_ptr<AsyncTransport> remote_;
+  std::unique_ptr<Transport> remote_;
   std::atomic<uint64_t> cross_host_bytes_{0};
 };
 

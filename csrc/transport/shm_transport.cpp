@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <ctime>
+#include <deque>
 #include <new>
 #include <span>
 #include <stdexcept>
@@ -312,6 +313,17 @@ std::string store_key(const std::string& name_prefix, const char* stage, int ran
 }  // namespace
 
 struct ShmTransport::Impl {
+  // One posted exchange; it leaves the queue when complete, or when dropped unwaited.
+  struct Posted final : Pending {
+    explicit Posted(Impl& owner) : owner(owner) {}
+    ~Posted() override {
+      if (queued) owner.forget(this);
+    }
+    Impl& owner;
+    std::vector<PeerWork> work;
+    bool queued = true;
+  };
+
   struct Peer {
     int rank;
     Segment segment;
@@ -330,6 +342,14 @@ struct ShmTransport::Impl {
   ControlBlock* control = nullptr;
   std::vector<Peer> peers;  // the local ranks other than `rank`, in increasing order
   bool broken = false;      // an exchange failed part way: the streams are out of step
+  std::deque<Posted*> posted;  // not yet complete, in posting order
+
+  // A posted exchange dropped without a wait: its buffers are going away, and what it
+  // has moved is lost, so the streams are out of step.
+  void forget(Posted* pending) {
+    posted.erase(std::find(posted.begin(), posted.end(), pending));
+    broken = true;
+  }
 
   Impl(int my_rank, const std::vector<int>& local_ranks, const std::string& name_prefix,
        size_t ring_bytes, KeyValueStore& store)
@@ -446,7 +466,7 @@ struct ShmTransport::Impl {
     // EAGAIN: rung before we slept; EINTR: a signal; ETIMEDOUT: the caller rechecks.
     if (wait_error != 0 && wait_error != EAGAIN && wait_error != EINTR &&
         wait_error != ETIMEDOUT) {
-      throw std::runtime_error(std::string("cgx shm: futex wait failed: ") +
+      throw TransportError(std::string("cgx shm: futex wait failed: ") +
                                std::strerror(wait_error));
     }
     return progress;
@@ -471,25 +491,41 @@ struct ShmTransport::Impl {
     return message;
   }
 
-  void exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
-                Clock::time_point deadline) {
+  std::unique_ptr<Pending> post(const std::vector<Send>& sends, const std::vector<Recv>& recvs) {
     if (broken) {
-      throw std::runtime_error("cgx shm: transport unusable after an earlier failed exchange");
+      throw TransportError("cgx shm: transport unusable after an earlier failed exchange");
     }
-    std::vector<PeerWork> work(peers.size());
+    auto pending = std::make_unique<Posted>(*this);
+    pending->work.resize(peers.size());
     for (const Send& send : sends) {
-      work[peer_index(send.peer, "send to")].sends.add(static_cast<const std::byte*>(send.data),
-                                                       send.bytes);
+      pending->work[peer_index(send.peer, "send to")].sends.add(
+          static_cast<const std::byte*>(send.data), send.bytes);
     }
     for (const Recv& recv : recvs) {
-      work[peer_index(recv.peer, "receive from")].recvs.add(static_cast<std::byte*>(recv.data),
-                                                            recv.bytes);
+      pending->work[peer_index(recv.peer, "receive from")].recvs.add(
+          static_cast<std::byte*>(recv.data), recv.bytes);
     }
-    try {
-      complete(work, deadline);
-    } catch (...) {
-      broken = true;
-      throw;
+    posted.push_back(pending.get());
+    // Fill the rings now where no earlier exchange is ahead of this one: the peer can
+    // start reading while our caller goes on.
+    if (posted.size() == 1) make_progress(pending->work);
+    return pending;
+  }
+
+  // Completes the posted exchanges in order, up to and including `pending`.
+  void wait(Posted& pending, Clock::time_point deadline) {
+    while (pending.queued) {
+      Posted& first = *posted.front();
+      try {
+        complete(first.work, deadline);
+      } catch (...) {
+        broken = true;
+        for (Posted* p : posted) p->queued = false;
+        posted.clear();
+        throw;
+      }
+      first.queued = false;
+      posted.pop_front();
     }
   }
 
@@ -520,9 +556,13 @@ ShmTransport::ShmTransport(int rank, std::vector<int> local_ranks,
 
 ShmTransport::~ShmTransport() = default;
 
-void ShmTransport::exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
-                            Clock::time_point deadline) {
-  impl_->exchange(sends, recvs, deadline);
+std::unique_ptr<Pending> ShmTransport::post(const std::vector<Send>& sends,
+                                            const std::vector<Recv>& recvs) {
+  return impl_->post(sends, recvs);
+}
+
+void ShmTransport::wait(Pending& pending, Clock::time_point deadline) {
+  impl_->wait(static_cast<Impl::Posted&>(pending), deadline);
 }
 
 bool ShmTransport::reaches(int peer) const {

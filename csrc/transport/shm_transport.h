@@ -6,6 +6,9 @@
 // bump (and futex-wake) when they move data to or from this rank. Segments are unlinked as
 // soon as every local peer has attached, so nothing is left in /dev/shm even if a process
 // dies later. Every wait is bounded by the exchange deadline.
+//
+// The caller's thread moves the bytes: post() fills the rings as far as they have room,
+// wait() moves the rest (exchanges complete in posting order).
 #pragma once
 
 #include <memory>
@@ -31,8 +34,9 @@ class ShmTransport final : public Transport {
   ShmTransport(const ShmTransport&) = delete;
   ShmTransport& operator=(const ShmTransport&) = delete;
 
-  void exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
-                Clock::time_point deadline) override;
+  std::unique_ptr<Pending> post(const std::vector<Send>& sends,
+                                const std::vector<Recv>& recvs) override;
+  void wait(Pending& pending, Clock::time_point deadline) override;
   bool reaches(int peer) const override;
 
  private:

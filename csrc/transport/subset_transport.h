@@ -16,13 +16,16 @@ class SubsetTransport final : public Transport {
 
   int size() const { return static_cast<int>(members_.size()); }
 
-  void exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
-                Clock::time_point deadline) override {
+  std::unique_ptr<Pending> post(const std::vector<Send>& sends,
+                                const std::vector<Recv>& recvs) override {
     std::vector<Send> mapped_sends(sends);
     std::vector<Recv> mapped_recvs(recvs);
     for (auto& s : mapped_sends) s.peer = members_.at(s.peer);
     for (auto& r : mapped_recvs) r.peer = members_.at(r.peer);
-    base_.exchange(mapped_sends, mapped_recvs, deadline);
+    return base_.post(mapped_sends, mapped_recvs);
+  }
+  void wait(Pending& pending, Clock::time_point deadline) override {
+    base_.wait(pending, deadline);
   }
   bool reaches(int peer) const override {
     return peer >= 0 && peer < size() && base_.reaches(members_[peer]);

@@ -25,27 +25,17 @@ struct Recv {
   size_t bytes;
 };
 
-// A wait passed its deadline: a peer is dead, stuck or out of step. The transport is
-// unusable afterwards (messages may be half delivered).
-class TimeoutError : public std::runtime_error {
+// A transport failed: a peer closed its connection, MPI is being finalized, a send was
+// refused. The transport is unusable afterwards (messages may be half delivered).
+class TransportError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
 
-class Transport {
+// A wait passed its deadline: a peer is dead, stuck or out of step.
+class TimeoutError : public TransportError {
  public:
-  virtual ~Transport() = default;
-
-  // Delivers every send to its peer and fills every recv from its peer, making progress
-  // on all of them at once (so that two ranks sending each other large messages cannot
-  // deadlock). Messages between two ranks arrive in the order they were posted, across
-  // calls too; the receiver names the exact size. Returns when all are done; throws
-  // TimeoutError at `deadline`. A rank never sends to itself.
-  virtual void exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
-                        Clock::time_point deadline) = 0;
-
-  // Whether exchange() can reach `peer` (group rank).
-  virtual bool reaches(int peer) const = 0;
+  using TransportError::TransportError;
 };
 
 // The operations of one exchange, posted and not yet waited for (transport specific).
@@ -54,15 +44,30 @@ class Pending {
   virtual ~Pending() = default;
 };
 
-// A transport whose operations progress in the background once posted, so that another
-// transport can run meanwhile (RoutedTransport posts the cross-host part first).
-class AsyncTransport : public Transport {
+// Every transport is non-blocking: post() starts an exchange and returns, wait() finishes
+// it. Algorithms keep one exchange on the wire while they encode the next and decode the
+// last (collectives/pipeline.h).
+class Transport {
  public:
+  virtual ~Transport() = default;
+
+  // Starts delivering every send to its peer and filling every recv from its peer. All
+  // of them make progress together (two ranks sending each other large messages cannot
+  // deadlock). Messages between two ranks arrive in the order they were posted, across
+  // exchanges too; the receiver names the exact size; a rank never sends to itself. The
+  // buffers must stay valid, the sends unchanged, until wait() returns. How much moves
+  // before wait() is the transport's affair (Gloo and MPI move everything in the
+  // background; shared memory moves what its rings hold and the rest in wait()).
   virtual std::unique_ptr<Pending> post(const std::vector<Send>& sends,
                                         const std::vector<Recv>& recvs) = 0;
-  // Waits for every posted op (all of them, even after one fails; none outlives this
-  // call), then throws TimeoutError with the first failure.
+  // Returns when every op of `pending` is done; exchanges posted earlier are finished
+  // first. Waits for every op even after one fails (none outlives this call), then throws
+  // TimeoutError at `deadline` or TransportError for any other failure.
   virtual void wait(Pending& pending, Clock::time_point deadline) = 0;
+
+  // Whether the transport can reach `peer` (group rank).
+  virtual bool reaches(int peer) const = 0;
+
   // wait() for a caller that is already failing: swallows the errors.
   void abandon(Pending& pending, Clock::time_point deadline) noexcept {
     try {
@@ -71,8 +76,9 @@ class AsyncTransport : public Transport {
       // The caller is already failing with its own cause.
     }
   }
+  // post() then wait().
   void exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs,
-                Clock::time_point deadline) override {
+                Clock::time_point deadline) {
     auto pending = post(sends, recvs);
     wait(*pending, deadline);
   }

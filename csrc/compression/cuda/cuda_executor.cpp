@@ -71,7 +71,8 @@ void CudaExecutor::compress(const LayoutCodec& codec, const float* data, int64_t
       used = piece.numel * sizeof(float);
     } else {
       cuda::compress(segment.params, data + piece.begin, DType::Float32, piece.numel, out,
-                     LayoutCodec::segment_seed(seed, piece.segment), stream_);
+                     LayoutCodec::segment_seed(seed, piece.segment),
+                     piece.begin - segment.offset, stream_);
       used = compressed_bytes(segment.params, piece.numel);
     }
     // The padding to 16 bytes is zero, as the CPU codec writes it.
@@ -110,13 +111,6 @@ void CudaExecutor::decompress(const LayoutCodec& codec, const uint8_t* src, int6
 void CudaExecutor::decompress_add(const LayoutCodec& codec, const uint8_t* src, int64_t begin,
                                   int64_t end, float* data) {
   decode(codec, src, begin, end, data, /*add=*/true);
-}
-
-void CudaExecutor::zero(float* data, int64_t begin, int64_t end) {
-  if (end <= begin) return;
-  bind_thread();
-  check(cudaMemsetAsync(data + begin, 0, (end - begin) * sizeof(float), stream_),
-        "cudaMemsetAsync");
 }
 
 void CudaExecutor::sync() { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }

@@ -147,7 +147,7 @@ __global__ void bucket_meta(const T* __restrict__ src, int64_t quantized, int64_
 template <typename T>
 __global__ void quantize_pack(const T* __restrict__ src, int64_t quantized, int64_t bucket_size,
                               int bits, float max_level, bool stochastic, uint32_t key,
-                              const float2* __restrict__ meta, uint8_t* __restrict__ stream) {
+                              uint32_t stream_offset, const float2* __restrict__ meta, uint8_t* __restrict__ stream) {
   const int64_t groups = (quantized + 7) / 8;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
@@ -166,7 +166,7 @@ __global__ void quantize_pack(const T* __restrict__ src, int64_t quantized, int6
       if (!isfinite(inv)) inv = 0.0f;
       float offset = 0.5f;
       if (stochastic) {
-        const uint32_t h = lowbias32(static_cast<uint32_t>(i) ^ key);
+        const uint32_t h = lowbias32((stream_offset + static_cast<uint32_t>(i)) ^ key);
         offset = __fmul_rn(static_cast<float>(static_cast<int32_t>(h >> 8)), 0x1p-24f);
       }
       float y = __fadd_rn(__fmul_rn(__fsub_rn(v[j], code.x), inv), offset);
@@ -225,7 +225,7 @@ int blocks_for(int64_t work_items, int per_block) {
 
 template <typename T>
 void compress_as(const QuantizerParams& params, const T* src, int64_t n, uint8_t* dst,
-                 uint64_t seed, cudaStream_t stream) {
+                 uint64_t seed, uint64_t stream_offset, cudaStream_t stream) {
   const WireLayout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
   const float max_level = static_cast<float>((1 << params.bits) - 1);
@@ -241,7 +241,7 @@ void compress_as(const QuantizerParams& params, const T* src, int64_t n, uint8_t
         src, layout.quantized, params.bucket_size, layout.buckets, max_level, meta);
     quantize_pack<T><<<blocks_for((layout.quantized + 7) / 8, kThreads), kThreads, 0, stream>>>(
         src, layout.quantized, params.bucket_size, params.bits, max_level, params.stochastic,
-        stream_key(seed), meta, dst + layout.levels_offset);
+        stream_key(seed), static_cast<uint32_t>(stream_offset), meta, dst + layout.levels_offset);
   }
   const int64_t raw_count = n - layout.quantized;
   if (raw_count > 0)
@@ -271,15 +271,15 @@ void decompress_as(const QuantizerParams& params, const uint8_t* src, int64_t n,
 }  // namespace
 
 void compress(const QuantizerParams& params, const void* src, DType dtype, int64_t n,
-              uint8_t* dst, uint64_t seed, cudaStream_t stream) {
+              uint8_t* dst, uint64_t seed, uint64_t stream_offset, cudaStream_t stream) {
   validate(params);
   switch (dtype) {
     case DType::Float32:
-      return compress_as(params, static_cast<const float*>(src), n, dst, seed, stream);
+      return compress_as(params, static_cast<const float*>(src), n, dst, seed, stream_offset, stream);
     case DType::Float16:
-      return compress_as(params, static_cast<const __half*>(src), n, dst, seed, stream);
+      return compress_as(params, static_cast<const __half*>(src), n, dst, seed, stream_offset, stream);
     case DType::BFloat16:
-      return compress_as(params, static_cast<const __nv_bfloat16*>(src), n, dst, seed, stream);
+      return compress_as(params, static_cast<const __nv_bfloat16*>(src), n, dst, seed, stream_offset, stream);
   }
 }
 

@@ -19,8 +19,9 @@ namespace cgx::compression::cuda {
 enum class DType { Float32, Float16, BFloat16 };
 
 // dst: compressed_bytes(params, n) bytes.
+// `seed` and `stream_offset` as compression::compress takes them (the same bytes).
 void compress(const QuantizerParams& params, const void* src, DType dtype, int64_t n,
-              uint8_t* dst, uint64_t seed, cudaStream_t stream);
+              uint8_t* dst, uint64_t seed, uint64_t stream_offset, cudaStream_t stream);
 
 // dst[i] = decoded value i, or dst[i] + decoded value i with `add` (one fused pass).
 void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, void* dst,

@@ -1,5 +1,5 @@
 // Transport over a wrapped torch backend (Gloo on CPU): uint8 tensors through its
-// point-to-point send/recv. Used for peers on other hosts (or all peers with
+// point-to-point send/recv. It knows c10d, so it lives with the backend. Used for peers on other hosts (or all peers with
 // CGX_INNER_COMMUNICATOR_TYPE=GLOO), or across hosts with
 // CGX_CROSS_COMMUNICATOR_TYPE=GLOO.
 #pragma once
@@ -10,16 +10,21 @@
 
 #include "transport/transport.h"
 
-namespace cgx::transport {
+namespace cgx::backend {
 
-class C10dTransport final : public AsyncTransport {
+// The tags of the wrapped backend's send/recv are split: below kFirstCgxTag for the
+// user's own send/recv on the group, from it up for this transport.
+constexpr int kFirstCgxTag = 1 << 30;
+
+
+class C10dTransport final : public transport::Transport {
  public:
   // `reachable[p]`: whether this transport is used for group rank p.
   C10dTransport(c10::intrusive_ptr<c10d::Backend> backend, int rank, std::vector<bool> reachable);
 
-  std::unique_ptr<Pending> post(const std::vector<Send>& sends,
-                                const std::vector<Recv>& recvs) override;
-  void wait(Pending& pending, Clock::time_point deadline) override;
+  std::unique_ptr<transport::Pending> post(const std::vector<transport::Send>& sends,
+                                           const std::vector<transport::Recv>& recvs) override;
+  void wait(transport::Pending& pending, transport::Clock::time_point deadline) override;
   bool reaches(int peer) const override;
 
  private:
@@ -34,4 +39,4 @@ class C10dTransport final : public AsyncTransport {
   std::vector<uint32_t> received_;
 };
 
-}  // namespace cgx::transport
+}  // namespace cgx::backend

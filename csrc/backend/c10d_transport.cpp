@@ -1,13 +1,16 @@
-#include "transport/c10d_transport.h"
+#include "backend/c10d_transport.h"
 
 #include <stdexcept>
 #include <string>
 
-namespace cgx::transport {
+namespace cgx::backend {
+
+using transport::Clock;
+using transport::Pending;
+using transport::Recv;
+using transport::Send;
 
 namespace {
-// Our tags live above the small tags user code passes to send/recv on the same group.
-constexpr int kTagBase = 1 << 30;
 constexpr uint32_t kTagSpan = 1u << 30;
 
 at::Tensor as_bytes(const void* data, size_t bytes) {
@@ -33,7 +36,7 @@ int C10dTransport::next_tag(std::vector<uint32_t>& counters, int peer) {
   if (!reaches(peer))
     throw std::invalid_argument("cgx transport: rank " + std::to_string(peer) +
                                 " is not reachable over the wrapped backend");
-  return kTagBase + static_cast<int>(counters[peer]++ % kTagSpan);
+  return kFirstCgxTag + static_cast<int>(counters[peer]++ % kTagSpan);
 }
 
 namespace {
@@ -60,7 +63,8 @@ std::unique_ptr<Pending> C10dTransport::post(const std::vector<Send>& sends,
   } catch (const std::exception& e) {
     // Settle what was posted before its buffers go away.
     abandon(*posted, Clock::now());
-    throw TimeoutError(std::string("cgx transport over the wrapped backend failed: ") + e.what());
+    throw transport::TransportError(std::string("cgx transport over the wrapped backend failed: ") +
+                                    e.what());
   }
   return posted;
 }
@@ -79,8 +83,10 @@ void C10dTransport::wait(Pending& pending, Clock::time_point deadline) {
     }
   }
   works.clear();
-  if (!first_error.empty())
-    throw TimeoutError("cgx transport over the wrapped backend failed: " + first_error);
+  if (first_error.empty()) return;
+  const std::string message = "cgx transport over the wrapped backend failed: " + first_error;
+  if (Clock::now() >= deadline) throw transport::TimeoutError(message);
+  throw transport::TransportError(message);
 }
 
-}  // namespace cgx::transport
+}  // namespace cgx::backend
