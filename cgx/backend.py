@@ -18,23 +18,21 @@ from cgx.config import VARIABLES, Config, from_env
 _SHARED_FIELDS = tuple(v.field for v in VARIABLES if v.field != "hostname")
 
 
+# The settings C++ holds as enums, by the name cgx.config gives them.
+_ENUMS = {"inner_communicator": _C.InnerCommunicator, "cross_communicator": _C.CrossCommunicator,
+          "inner_reduction": _C.ReductionAlgorithm, "cross_reduction": _C.ReductionAlgorithm}
+
+
 def to_settings(config: Config) -> _C.Settings:
+    """The C++ Settings of a config: every field of the table, set (C++ has no defaults)."""
     settings = _C.Settings()
-    settings.bits = config.bits
-    settings.bucket_size = config.bucket_size
-    settings.minimal_size = config.minimal_size
-    settings.skip_incomplete_buckets = config.skip_incomplete_buckets
-    settings.stochastic_rounding = config.stochastic_rounding
-    settings.seed = config.seed
-    settings.inner_communicator = _C.InnerCommunicator.__members__[config.inner_communicator]
-    settings.cross_communicator = _C.CrossCommunicator.__members__[config.cross_communicator]
-    settings.inner_reduction = _C.ReductionAlgorithm.__members__[config.inner_reduction]
-    settings.cross_reduction = _C.ReductionAlgorithm.__members__[config.cross_reduction]
-    settings.intra_broadcast = config.intra_broadcast
-    settings.intra_compress = config.intra_compress
-    settings.hostname = config.hostname or socket.gethostname()
-    settings.shm_ring_bytes = config.shm_ring_bytes
-    settings.deferred_execution = config.deferred_execution
+    for var in VARIABLES:
+        value = getattr(config, var.field)
+        if var.field in _ENUMS:
+            value = _ENUMS[var.field].__members__[value]
+        elif var.field == "hostname":
+            value = value or socket.gethostname()
+        setattr(settings, var.field, value)
     return settings
 
 

@@ -15,10 +15,25 @@ import re
 import socket
 from typing import Any, Callable, Mapping
 
+# The limits are C++ constants, each declared once (csrc/backend/settings.h).
+from cgx._C import (MAX_BITS, MAX_BUCKET_SIZE, MAX_MINIMAL_SIZE, MAX_SHM_RING_BYTES,
+                    MIN_SHM_RING_BYTES, RAW_BITS)
+
 __all__ = ["Variable", "VARIABLES", "Config", "from_env", "describe", "markdown_table"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+
+
+def _number(value: int) -> str:
+    """``value`` as the docs write it: a power of two above 2^16 as ``2^k``."""
+    if value > 1 << 16 and value & (value - 1) == 0:
+        return f"2^{value.bit_length() - 1}"
+    return str(value)
+
+
+def _int_range(low: int, high: int) -> str:
+    return f"{_number(low)}..{_number(high)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +59,8 @@ def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
 
 
 def _bits(text: str) -> int:
-    value = _int_in(1, 32)(text)
-    if 8 < value < 32:
+    value = _int_in(1, RAW_BITS)(text)
+    if MAX_BITS < value < RAW_BITS:
         raise ValueError
     return value
 
@@ -78,13 +93,15 @@ def _nonempty(text: str) -> str:
 
 
 VARIABLES: tuple[Variable, ...] = (
-    Variable("CGX_COMPRESSION_QUANTIZATION_BITS", "bits", 32, "1..8, or 32 (off)", _bits,
-             "Bits per value on the wire. 32 turns compression off: every allreduce is exact."),
-    Variable("CGX_COMPRESSION_BUCKET_SIZE", "bucket_size", 512, "integer in 1..2^30",
-             _int_in(1, 2**30),
+    Variable("CGX_COMPRESSION_QUANTIZATION_BITS", "bits", RAW_BITS,
+             f"1..{MAX_BITS}, or {RAW_BITS} (off)", _bits,
+             f"Bits per value on the wire. {RAW_BITS} turns compression off: every allreduce "
+             "is exact."),
+    Variable("CGX_COMPRESSION_BUCKET_SIZE", "bucket_size", 512,
+             f"integer in {_int_range(1, MAX_BUCKET_SIZE)}", _int_in(1, MAX_BUCKET_SIZE),
              "Values per quantization bucket (each bucket sends its own min and scale)."),
-    Variable("CGX_COMPRESSION_MINIMAL_SIZE", "minimal_size", 16, "integer in 0..2^62",
-             _int_in(0, 2**62),
+    Variable("CGX_COMPRESSION_MINIMAL_SIZE", "minimal_size", 16,
+             f"integer in {_int_range(0, MAX_MINIMAL_SIZE)}", _int_in(0, MAX_MINIMAL_SIZE),
              "Tensors with at most this many elements are reduced exactly (uncompressed)."),
     Variable("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "skip_incomplete_buckets", False,
              "0/1, true/false, yes/no, on/off", _bool,
@@ -125,8 +142,9 @@ VARIABLES: tuple[Variable, ...] = (
              _nonempty,
              "Host identity: ranks with the same value share memory. Set it to different "
              "values to force the cross-host path (tests, network namespaces)."),
-    Variable("CGX_SHM_RING_BYTES", "shm_ring_bytes", 4 << 20, "integer in 4096..2^36",
-             _int_in(4096, 2**36),
+    Variable("CGX_SHM_RING_BYTES", "shm_ring_bytes", 4 << 20,
+             f"integer in {_int_range(MIN_SHM_RING_BYTES, MAX_SHM_RING_BYTES)}",
+             _int_in(MIN_SHM_RING_BYTES, MAX_SHM_RING_BYTES),
              "Capacity of each shared-memory ring (one per ordered pair of local ranks); "
              "larger messages stream through it."),
     Variable("CGX_DEBUG_DEFERRED_EXECUTION", "deferred_execution", False,
@@ -137,46 +155,43 @@ VARIABLES: tuple[Variable, ...] = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    bits: int = 32
-    bucket_size: int = 512
-    minimal_size: int = 16
-    skip_incomplete_buckets: bool = False
-    stochastic_rounding: bool = False
-    seed: int = 0
-    inner_communicator: str = "SHM"
-    cross_communicator: str = "GLOO"
-    inner_reduction: str = "SRA"
-    cross_reduction: str = "SRA"
-    intra_broadcast: bool = False
-    intra_compress: bool = True
-    hostname: str | None = None  # None: this machine's hostname
-    shm_ring_bytes: int = 4 << 20
-    deferred_execution: bool = False
+def _check(self) -> None:
+    # Values given in Python pass the same checks as the environment's.
+    for var in VARIABLES:
+        value = getattr(self, var.field)
+        if value is None and var.default is None:
+            continue
+        try:
+            parsed = var.parse(str(value))
+        except ValueError:
+            raise ValueError(
+                f"cgx.Config.{var.field}={value!r} is not valid: expected {var.accepted} "
+                f"(as {var.name})"
+            ) from None
+        object.__setattr__(self, var.field, parsed)
 
-    def __post_init__(self) -> None:
-        # Values given in Python pass the same checks as the environment's.
-        for var in VARIABLES:
-            value = getattr(self, var.field)
-            if value is None and var.default is None:
-                continue
-            try:
-                parsed = var.parse(str(value))
-            except ValueError:
-                raise ValueError(
-                    f"cgx.Config.{var.field}={value!r} is not valid: expected {var.accepted} "
-                    f"(as {var.name})"
-                ) from None
-            object.__setattr__(self, var.field, parsed)
 
-    @property
-    def compression_enabled(self) -> bool:
-        return self.bits < 32
+def _annotation(var: Variable) -> Any:
+    # A default of None means "found at run time" (the hostname): a string otherwise.
+    return str | None if var.default is None else type(var.default)
 
-    @property
-    def uses_mpi(self) -> bool:
-        return "MPI" in (self.inner_communicator, self.cross_communicator)
+
+# One field per variable, in the table's order, with the table's default. Frozen; each
+# value is checked (and normalised, "ring" -> "Ring") as the environment's would be.
+Config = dataclasses.make_dataclass(
+    "Config",
+    [(v.field, _annotation(v), v.default) for v in VARIABLES],
+    frozen=True,
+    namespace={
+        "__module__": __name__,
+        "__doc__": "A group's settings: one field per CGX_* variable (VARIABLES), e.g. "
+                   "``cgx.Config(bits=4, bucket_size=1024)``; hostname None: this machine's.",
+        "__post_init__": _check,
+        "compression_enabled": property(lambda self: self.bits != RAW_BITS),
+        "uses_mpi": property(lambda self: "MPI" in (self.inner_communicator,
+                                                    self.cross_communicator)),
+    },
+)
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> Config:

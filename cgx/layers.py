@@ -30,9 +30,11 @@ from typing import Iterable
 
 import torch
 
+from cgx._C import MAX_BITS, MAX_BUCKET_SIZE, RAW_BITS
+from cgx.config import _int_range
+
 __all__ = ["LayerRule", "LayerSetting", "CompressionPolicy", "Segment"]
 
-RAW_BITS = 32
 Segment = tuple[int, int, int, int]  # (offset, numel, bits, bucket_size)
 
 
@@ -41,14 +43,15 @@ def _is_int(value) -> bool:
 
 
 def check_bits(bits: int, what: str, allow_raw: bool = True) -> None:
-    if not (_is_int(bits) and (1 <= bits <= 8 or (allow_raw and bits == RAW_BITS))):
-        allowed = "1..8, or 32 for uncompressed" if allow_raw else "1..8"
+    if not (_is_int(bits) and (1 <= bits <= MAX_BITS or (allow_raw and bits == RAW_BITS))):
+        allowed = f"1..{MAX_BITS}" + (f", or {RAW_BITS} for uncompressed" if allow_raw else "")
         raise ValueError(f"{what}: bits must be in {allowed}, got {bits!r}")
 
 
 def check_bucket_size(bucket_size: int, what: str) -> None:
-    if not (_is_int(bucket_size) and 1 <= bucket_size <= 2**30):
-        raise ValueError(f"{what}: bucket_size must be in 1..2^30, got {bucket_size!r}")
+    if not (_is_int(bucket_size) and 1 <= bucket_size <= MAX_BUCKET_SIZE):
+        raise ValueError(f"{what}: bucket_size must be in {_int_range(1, MAX_BUCKET_SIZE)}, "
+                         f"got {bucket_size!r}")
 
 
 @dataclass(frozen=True)

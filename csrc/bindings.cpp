@@ -84,7 +84,7 @@ std::vector<cgx::compression::Segment> segments(const ProcessGroupCGX& pg, const
     cgx::compression::Segment s;
     s.offset = offset;
     s.numel = numel;
-    s.raw = bits == 32;
+    s.raw = bits == cgx::backend::kRawBits;
     s.params.bits = bits;
     s.params.bucket_size = bucket_size;
     s.params.skip_incomplete_buckets = pg.settings().skip_incomplete_buckets;
@@ -183,6 +183,15 @@ PYBIND11_MODULE(_C, m) {
       .value("SRA", ReductionAlgorithm::SRA)
       .value("Ring", ReductionAlgorithm::Ring);
 
+  // The limits of the settings (backend/settings.h), read by cgx/config.py and cgx/layers.py.
+  m.attr("RAW_BITS") = cgx::backend::kRawBits;
+  m.attr("MAX_BITS") = cgx::backend::kMaxBits;
+  m.attr("MAX_BUCKET_SIZE") = cgx::backend::kMaxBucketSize;
+  m.attr("MAX_MINIMAL_SIZE") = cgx::backend::kMaxMinimalSize;
+  m.attr("MIN_SHM_RING_BYTES") = cgx::backend::kMinShmRingBytes;
+  m.attr("MAX_SHM_RING_BYTES") = cgx::backend::kMaxShmRingBytes;
+
+  // Filled field by field from a cgx.Config (cgx/backend.py to_settings): no defaults.
   py::class_<Settings>(m, "Settings")
       .def(py::init<>())
       .def_readwrite("bits", &Settings::bits)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
+import re
 import subprocess
 import sys
 
@@ -13,7 +15,7 @@ import torch.distributed as dist
 
 import cgx
 from cgx.backend import to_settings
-from cgx.config import VARIABLES, from_env
+from cgx.config import VARIABLES, from_env, markdown_table
 
 
 def test_defaults_follow_torch_cgx():
@@ -116,12 +118,18 @@ def test_every_setting_reaches_the_backend():
 
 
 def test_settings_round_trip_field_by_field():
-    config = cgx.Config(bits=6, bucket_size=1000, minimal_size=0, seed=2**63, hostname="x")
-    settings = to_settings(config)
-    for field in ("bits", "bucket_size", "minimal_size", "skip_incomplete_buckets",
-                  "stochastic_rounding", "seed", "hostname", "shm_ring_bytes",
-                  "intra_broadcast", "intra_compress"):
-        assert getattr(settings, field) == getattr(config, field), field
+    changed = cgx.Config(bits=6, bucket_size=1000, minimal_size=0, skip_incomplete_buckets=True,
+                         stochastic_rounding=True, seed=2**63, inner_communicator="GLOO",
+                         cross_communicator="MPI", inner_reduction="Ring", cross_reduction="Ring",
+                         intra_broadcast=True, intra_compress=False, hostname="x",
+                         shm_ring_bytes=8192, deferred_execution=True)
+    assert all(getattr(changed, v.field) != v.default for v in VARIABLES)
+    for config in (cgx.Config(hostname="x"), changed):
+        settings = to_settings(config)
+        for var in VARIABLES:
+            value = getattr(settings, var.field)
+            value = getattr(value, "name", value)  # the enums by name
+            assert value == getattr(config, var.field), var.field
 
 
 def test_wrong_pg_options_type_is_rejected():
@@ -153,13 +161,108 @@ def test_python_m_cgx_marks_a_bad_value_and_exits_1(tmp_path):
     assert "CGX_COMPRESSION_BUCKET_SIZE='12abc' is not valid: expected integer in 1..2^30" in out.stderr
 
 
-def test_docs_show_the_table_as_declared():
-    """docs/configuration.md holds the table the declarations give (python -m cgx
-    --markdown): accepted ranges and defaults cannot drift from the code."""
-    from cgx.config import markdown_table
+def _configuration_md() -> str:
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")) as f:
+        return f.read()
 
-    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")).read()
-    assert markdown_table() in docs
+
+def test_docs_show_the_table_as_declared():
+    """docs/configuration.md holds exactly the table the declarations give (python -m cgx
+    --markdown): no row, default or accepted range can drift from the code."""
+    lines = _configuration_md().splitlines()
+    start = lines.index("| Variable | Default | Accepted | Meaning |")
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    assert "\n".join(lines[start:end]) == markdown_table()
+
+
+def test_docs_name_every_config_field():
+    docs = " ".join(_configuration_md().split())
+    listed = re.search(r"`cgx\.Config` has one field per variable \(([^)]*)\)", docs).group(1)
+    assert re.findall(r"`(\w+)`", listed) == [f.name for f in dataclasses.fields(cgx.Config)]
+
+
+def test_config_fields_follow_the_table():
+    fields = dataclasses.fields(cgx.Config)
+    assert [(f.name, f.default) for f in fields] == [(v.field, v.default) for v in VARIABLES]
+    assert cgx.Config() == from_env({})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cgx.Config().bits = 4
+    assert cgx.Config(bits=4).compression_enabled and not cgx.Config().compression_enabled
+    assert cgx.Config(cross_communicator="mpi").uses_mpi and not cgx.Config().uses_mpi
+    # The C++ Settings has exactly the table's fields (to_settings sets each one).
+    names = {n for n in dir(cgx._C.Settings) if not n.startswith("_")}
+    assert names == {v.field for v in VARIABLES}
+
+
+def test_limits_are_the_cpp_constants():
+    """Declared once, in csrc/backend/settings.h: Python takes them from cgx._C."""
+    import cgx.config
+    import cgx.layers
+
+    for name in ("RAW_BITS", "MAX_BITS", "MAX_BUCKET_SIZE", "MAX_MINIMAL_SIZE",
+                 "MIN_SHM_RING_BYTES", "MAX_SHM_RING_BYTES"):
+        assert getattr(cgx.config, name) is getattr(cgx._C, name), name
+    assert cgx.layers.RAW_BITS is cgx._C.RAW_BITS
+    assert cgx.layers.MAX_BITS is cgx._C.MAX_BITS
+    assert cgx.layers.MAX_BUCKET_SIZE is cgx._C.MAX_BUCKET_SIZE
+    # The values the docs state.
+    assert (cgx._C.RAW_BITS, cgx._C.MAX_BITS, cgx._C.MAX_BUCKET_SIZE, cgx._C.MAX_MINIMAL_SIZE,
+            cgx._C.MIN_SHM_RING_BYTES, cgx._C.MAX_SHM_RING_BYTES) == (
+                32, 8, 2**30, 2**62, 4096, 2**36)
+
+
+# (field, the last value accepted, the first refused past it)
+_EDGES = [
+    ("bits", 1, 0),
+    ("bits", cgx._C.MAX_BITS, cgx._C.MAX_BITS + 1),
+    ("bits", cgx._C.RAW_BITS, cgx._C.RAW_BITS - 1),
+    ("bits", cgx._C.RAW_BITS, cgx._C.RAW_BITS + 1),
+    ("bucket_size", 1, 0),
+    ("bucket_size", cgx._C.MAX_BUCKET_SIZE, cgx._C.MAX_BUCKET_SIZE + 1),
+    ("minimal_size", 0, -1),
+    ("minimal_size", cgx._C.MAX_MINIMAL_SIZE, cgx._C.MAX_MINIMAL_SIZE + 1),
+    ("shm_ring_bytes", cgx._C.MIN_SHM_RING_BYTES, cgx._C.MIN_SHM_RING_BYTES - 1),
+    ("shm_ring_bytes", cgx._C.MAX_SHM_RING_BYTES, cgx._C.MAX_SHM_RING_BYTES + 1),
+]
+
+
+@pytest.mark.parametrize("field, last, refused", _EDGES)
+def test_out_of_range_raises_naming_the_variable(field, last, refused):
+    var = next(v for v in VARIABLES if v.field == field)
+    assert getattr(cgx.Config(**{field: last}), field) == last
+    assert getattr(from_env({var.name: str(last)}), field) == last
+    with pytest.raises(ValueError) as info:
+        cgx.Config(**{field: refused})
+    assert f"cgx.Config.{field}={refused!r}" in str(info.value) and var.name in str(info.value)
+    assert var.accepted in str(info.value)
+    with pytest.raises(ValueError, match=var.name):
+        from_env({var.name: str(refused)})
+
+
+@pytest.mark.parametrize("field, last, refused", _EDGES)
+def test_the_backend_checks_the_same_limits(field, last, refused):
+    """A Settings built in Python without cgx.Config meets the same limits in C++."""
+    settings = to_settings(cgx.Config())
+    setattr(settings, field, refused)
+    store = dist.HashStore()
+    timeout = datetime.timedelta(seconds=10)
+    exact = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), 0, 1, timeout)
+    with pytest.raises(ValueError, match=f"cgx: {field} must be in"):
+        cgx._C.ProcessGroupCGX(store, 0, 1, timeout, exact, None, settings)
+
+
+def test_layer_policy_checks_the_same_limits():
+    from cgx.layers import check_bits, check_bucket_size
+
+    check_bits(cgx._C.MAX_BITS, "t")
+    check_bits(cgx._C.RAW_BITS, "t")
+    check_bucket_size(cgx._C.MAX_BUCKET_SIZE, "t")
+    with pytest.raises(ValueError, match="bits must be in 1..8, or 32"):
+        check_bits(cgx._C.MAX_BITS + 1, "t")
+    with pytest.raises(ValueError, match="bits must be in 1..8, got 32"):
+        check_bits(cgx._C.RAW_BITS, "t", allow_raw=False)
+    with pytest.raises(ValueError, match=r"bucket_size must be in 1..2\^30"):
+        check_bucket_size(cgx._C.MAX_BUCKET_SIZE + 1, "t")
 
 
 def test_mpi_without_an_mpi_launch_is_a_value_error(monkeypatch):

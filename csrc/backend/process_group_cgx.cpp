@@ -25,14 +25,18 @@ namespace {
 thread_local bool exact_on_this_thread = false;
 
 void validate(const Settings& o) {
-  TORCH_CHECK_VALUE((o.bits >= 1 && o.bits <= 8) || o.bits == 32,
-                    "cgx: bits must be in 1..8 or 32 (no compression), got ", o.bits);
+  // cgx/config.py validates first, naming the variable; this guards direct C++ callers
+  // against the same limits (settings.h).
+  TORCH_CHECK_VALUE((o.bits >= 1 && o.bits <= kMaxBits) || o.bits == kRawBits,
+                    "cgx: bits must be in 1..", kMaxBits, " or ", kRawBits,
+                    " (no compression), got ", o.bits);
   TORCH_CHECK_VALUE(o.bucket_size >= 1 && o.bucket_size <= kMaxBucketSize,
                     "cgx: bucket_size must be in 1..", kMaxBucketSize, ", got ", o.bucket_size);
-  TORCH_CHECK_VALUE(o.minimal_size >= 0, "cgx: minimal_size must be >= 0, got ", o.minimal_size);
-  TORCH_CHECK_VALUE(o.shm_ring_bytes >= 4096 && o.shm_ring_bytes <= kMaxShmRingBytes,
-                    "cgx: shm_ring_bytes must be in 4096..", kMaxShmRingBytes, ", got ",
-                    o.shm_ring_bytes);
+  TORCH_CHECK_VALUE(o.minimal_size >= 0 && o.minimal_size <= kMaxMinimalSize,
+                    "cgx: minimal_size must be in 0..", kMaxMinimalSize, ", got ", o.minimal_size);
+  TORCH_CHECK_VALUE(o.shm_ring_bytes >= kMinShmRingBytes && o.shm_ring_bytes <= kMaxShmRingBytes,
+                    "cgx: shm_ring_bytes must be in ", kMinShmRingBytes, "..", kMaxShmRingBytes,
+                    ", got ", o.shm_ring_bytes);
   TORCH_CHECK_VALUE(!o.hostname.empty(), "cgx: hostname must not be empty");
 }
 

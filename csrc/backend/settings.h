@@ -12,26 +12,36 @@ namespace cgx::backend {
 enum class InnerCommunicator { SHM, MPI, GLOO };
 enum class CrossCommunicator { MPI, GLOO };
 
+// The limits of the settings, each declared once here. cgx/config.py and cgx/layers.py read
+// them from cgx._C (RAW_BITS, MAX_BITS, ...) to parse and check values, naming the variable;
+// validate() in process_group_cgx.cpp checks a Settings against the same constants.
+constexpr int kRawBits = 32;  // bits = 32: no compression, the values travel exactly
+constexpr int kMaxBits = 8;   // compressed: 1..kMaxBits bits per value
 // Larger buckets buy nothing (metadata is already negligible) and would overflow sizes.
 constexpr int64_t kMaxBucketSize = int64_t{1} << 30;
+constexpr int64_t kMaxMinimalSize = int64_t{1} << 62;
+constexpr int64_t kMinShmRingBytes = 4096;
 constexpr int64_t kMaxShmRingBytes = int64_t{1} << 36;
 
+// No defaults here: the defaults are cgx/config.py's (VARIABLES), and cgx/backend.py's
+// to_settings sets every field from a cgx.Config. The zeros below are "unset", and an unset
+// bits, bucket_size, shm_ring_bytes or hostname fails validate().
 struct Settings {
-  int bits = 32;  // 1..8, or 32 = no compression
-  int64_t bucket_size = 512;
-  int64_t minimal_size = 16;  // tensors with at most this many elements go exactly
-  bool skip_incomplete_buckets = false;
-  bool stochastic_rounding = false;
-  uint64_t seed = 0;
-  InnerCommunicator inner_communicator = InnerCommunicator::SHM;
-  CrossCommunicator cross_communicator = CrossCommunicator::GLOO;
-  collectives::ReductionAlgorithm inner_reduction = collectives::ReductionAlgorithm::SRA;
-  collectives::ReductionAlgorithm cross_reduction = collectives::ReductionAlgorithm::SRA;
-  bool intra_broadcast = false;  // hierarchical: through one leader per host
-  bool intra_compress = true;    // hierarchical: compress inside a host too
+  int bits{};  // 1..kMaxBits, or kRawBits = no compression
+  int64_t bucket_size{};
+  int64_t minimal_size{};  // tensors with at most this many elements go exactly
+  bool skip_incomplete_buckets{};
+  bool stochastic_rounding{};
+  uint64_t seed{};
+  InnerCommunicator inner_communicator{};
+  CrossCommunicator cross_communicator{};
+  collectives::ReductionAlgorithm inner_reduction{};
+  collectives::ReductionAlgorithm cross_reduction{};
+  bool intra_broadcast{};  // hierarchical: through one leader per host
+  bool intra_compress{};   // hierarchical: compress inside a host too
   std::string hostname;  // ranks with the same name share a host
-  int64_t shm_ring_bytes = 4 << 20;
-  bool deferred_execution = false;  // debugging: host codec work queued until sync()
+  int64_t shm_ring_bytes{};
+  bool deferred_execution{};  // debugging: host codec work queued until sync()
 };
 
 // Whether this build has the CUDA codec (a CUDA torch and nvcc at build time).
