@@ -315,7 +315,7 @@ std::string store_key(const std::string& name_prefix, const char* stage, int ran
 struct ShmTransport::Impl {
   // One posted exchange; it leaves the queue when complete, or when dropped unwaited.
   struct Posted final : Pending {
-    explicit Posted(Impl& owner) : owner(owner) {}
+    Posted(Impl& owner, std::vector<PeerWork> work) : owner(owner), work(std::move(work)) {}
     ~Posted() override {
       if (queued) owner.forget(this);
     }
@@ -495,16 +495,16 @@ struct ShmTransport::Impl {
     if (broken) {
       throw TransportError("cgx shm: transport unusable after an earlier failed exchange");
     }
-    auto pending = std::make_unique<Posted>(*this);
-    pending->work.resize(peers.size());
+    std::vector<PeerWork> work(peers.size());
     for (const Send& send : sends) {
-      pending->work[peer_index(send.peer, "send to")].sends.add(
-          static_cast<const std::byte*>(send.data), send.bytes);
+      work[peer_index(send.peer, "send to")].sends.add(static_cast<const std::byte*>(send.data),
+                                                       send.bytes);
     }
     for (const Recv& recv : recvs) {
-      pending->work[peer_index(recv.peer, "receive from")].recvs.add(
-          static_cast<std::byte*>(recv.data), recv.bytes);
+      work[peer_index(recv.peer, "receive from")].recvs.add(static_cast<std::byte*>(recv.data),
+                                                            recv.bytes);
     }
+    auto pending = std::make_unique<Posted>(*this, std::move(work));
     posted.push_back(pending.get());
     // Fill the rings now where no earlier exchange is ahead of this one: the peer can
     // start reading while our caller goes on.

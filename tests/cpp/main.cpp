@@ -1,0 +1,43 @@
+// Runs the tests registered with CGX_TEST (check.h); arguments select by substring.
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+
+#include "check.h"
+
+int main(int argc, char** argv) {
+  int run = 0, failed = 0;
+  for (const auto& test : cgx::test::registry()) {
+    bool selected = argc < 2;
+    for (int i = 1; i < argc; ++i) selected = selected || std::strstr(test.name, argv[i]);
+    if (!selected) continue;
+    ++run;
+    std::printf("[ RUN  ] %s\n", test.name);
+    std::fflush(stdout);
+    const auto start = std::chrono::steady_clock::now();
+    const char* error = nullptr;
+    std::string message;
+    try {
+      test.body();
+    } catch (const std::exception& e) {
+      message = e.what();
+      error = message.c_str();
+    } catch (...) {
+      error = "an exception that is not a std::exception";
+    }
+    const long ms = static_cast<long>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                          std::chrono::steady_clock::now() - start)
+                                          .count());
+    if (error) {
+      ++failed;
+      std::printf("%s\n[ FAIL ] %s (%ld ms)\n", error, test.name, ms);
+    } else {
+      std::printf("[   OK ] %s (%ld ms)\n", test.name, ms);
+    }
+    std::fflush(stdout);
+  }
+  std::printf("%d tests, %d failed\n", run, failed);
+  if (run == 0) std::printf("no test matches the arguments\n");
+  return failed == 0 && run > 0 ? 0 : 1;
+}

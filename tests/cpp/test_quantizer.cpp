@@ -1,0 +1,147 @@
+// compression/quantizer.h: the wire bytes, checked against the documented format
+// (docs/wire-format.md) computed here independently.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <vector>
+
+#include "check.h"
+#include "compression/quantizer.h"
+#include "fixtures.h"
+
+namespace cgx::test {
+namespace {
+
+using compression::QuantizerParams;
+
+float float_at(const std::vector<uint8_t>& bytes, size_t offset) {
+  float v;
+  std::memcpy(&v, bytes.data() + offset, sizeof(v));
+  return v;
+}
+
+// Level i of a little-endian bit stream of `bits`-bit fields.
+int level_at(const uint8_t* stream, int64_t i, int bits) {
+  int level = 0;
+  for (int b = 0; b < bits; ++b) {
+    const int64_t bit = i * bits + b;
+    level |= ((stream[bit / 8] >> (bit % 8)) & 1) << b;
+  }
+  return level;
+}
+
+uint32_t lowbias32(uint32_t x) {  // Chris Wellons' hash, as documented
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+CGX_TEST(quantizer_known_answer) {
+  // Bucket 0: {0, 1, 2, 3}, min 0, scale 1, levels 0 1 2 3. Bucket 1: {5, 7}, min 5,
+  // scale 2/3, levels 0 3.
+  const std::vector<float> x = {0, 1, 2, 3, 5, 7};
+  const QuantizerParams params{2, 4, false, false};
+  std::vector<uint8_t> bytes(compression::compressed_bytes(params, 6), 0xcd);
+  CHECK_EQ(bytes.size(), size_t{32});  // meta 16 | levels 2, padded to 16
+  compression::compress(params, x.data(), 6, bytes.data(), 0, 0);
+  CHECK_EQ(float_at(bytes, 0), 0.0f);
+  CHECK_EQ(float_at(bytes, 4), 1.0f);
+  CHECK_EQ(float_at(bytes, 8), 5.0f);
+  CHECK_EQ(float_at(bytes, 12), 2.0f / 3.0f);
+  CHECK_EQ(int(bytes[16]), 0xe4);  // 0 | 1 << 2 | 2 << 4 | 3 << 6
+  CHECK_EQ(int(bytes[17]), 0x0c);  // 0 | 3 << 2
+  for (size_t i = 18; i < bytes.size(); ++i) CHECK_EQ(int(bytes[i]), 0);
+  std::vector<float> y(6);
+  compression::decompress(params, bytes.data(), 6, y.data());
+  for (int i = 0; i < 4; ++i) CHECK_EQ(y[i], x[i]);
+  CHECK_EQ(y[4], 5.0f);
+  CHECK_EQ(y[5], 5.0f + 3.0f * (2.0f / 3.0f));
+}
+
+// Every level and (min, scale) pair equals the documented arithmetic: scale =
+// (max - min) / (2^bits - 1), level = min(2^bits - 1, trunc((x - min) * (1 / scale) + u)),
+// u = 0.5 or the stream hash of (index, seed).
+void check_against_reference(const QuantizerParams& params, int64_t n, uint64_t seed) {
+  const std::vector<float> x = random_values(n, static_cast<uint32_t>(n + params.bits));
+  std::vector<uint8_t> bytes(compression::compressed_bytes(params, n));
+  compression::compress(params, x.data(), n, bytes.data(), seed, 0);
+  const auto wire = compression::wire_layout(params, n);
+  const uint32_t key =
+      lowbias32(static_cast<uint32_t>(seed) ^ lowbias32(static_cast<uint32_t>(seed >> 32)));
+  const float max_level = static_cast<float>((1 << params.bits) - 1);
+  int mismatches = 0;
+  for (int64_t b = 0; b < wire.buckets; ++b) {
+    const auto first = x.begin() + b * params.bucket_size;
+    const auto last = x.begin() + std::min((b + 1) * params.bucket_size, wire.quantized);
+    const float mn = *std::min_element(first, last) + 0.0f;  // +0, never -0
+    const float mx = *std::max_element(first, last) + 0.0f;
+    const float scale = (mx - mn) / max_level;
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    CHECK_EQ(float_at(bytes, 8 * b), mn);
+    CHECK_EQ(float_at(bytes, 8 * b + 4), scale);
+    for (auto it = first; it != last; ++it) {
+      const int64_t i = it - x.begin();
+      float u = 0.5f;
+      if (params.stochastic)
+        u = static_cast<float>(lowbias32(static_cast<uint32_t>(i) ^ key) >> 8) * 0x1p-24f;
+      const float y = std::min((*it - mn) * inv + u, max_level);
+      mismatches += level_at(bytes.data() + wire.levels_offset, i, params.bits) !=
+                    static_cast<int>(y);
+    }
+  }
+  if (mismatches)
+    fail(__FILE__, __LINE__,
+         std::to_string(mismatches) + " levels differ from the reference (bits " +
+             std::to_string(params.bits) + ", stochastic " +
+             std::to_string(params.stochastic) + ")");
+  CHECK(std::memcmp(bytes.data() + wire.raw_offset, x.data() + wire.quantized,
+                    (n - wire.quantized) * sizeof(float)) == 0);
+}
+
+CGX_TEST(quantizer_bits_follow_the_documented_arithmetic) {
+  for (int bits = 1; bits <= 8; ++bits) {
+    check_against_reference({bits, 100, false, false}, 1003, 0);
+    check_against_reference({bits, 100, false, true}, 1003, 0x123456789abcdefull);
+    // Buckets across the codec's 4096-value chunks, and a raw tail.
+    check_against_reference({bits, 100, true, true}, 9050, 5);
+  }
+}
+
+CGX_TEST(quantizer_non_finite_bucket_decodes_to_nan_alone) {
+  std::vector<float> x = random_values(30, 1);
+  x[15] = std::numeric_limits<float>::infinity();
+  const QuantizerParams params{4, 10, false, false};
+  std::vector<uint8_t> bytes(compression::compressed_bytes(params, 30));
+  compression::compress(params, x.data(), 30, bytes.data(), 0, 0);
+  CHECK(std::isnan(float_at(bytes, 8)) && std::isnan(float_at(bytes, 12)));
+  std::vector<float> y(30);
+  compression::decompress(params, bytes.data(), 30, y.data());
+  for (int i = 0; i < 30; ++i) CHECK_EQ(std::isnan(y[i]), i >= 10 && i < 20);
+}
+
+CGX_TEST(quantizer_constant_bucket_decodes_exactly) {
+  const std::vector<float> x(100, 3.25f);
+  const QuantizerParams params{3, 32, false, true};
+  std::vector<uint8_t> bytes(compression::compressed_bytes(params, 100));
+  compression::compress(params, x.data(), 100, bytes.data(), 77, 0);
+  std::vector<float> y(100);
+  compression::decompress(params, bytes.data(), 100, y.data());
+  CHECK(y == x);
+}
+
+CGX_TEST(quantizer_rejects_bad_parameters) {
+  CHECK_THROWS(compression::validate({0, 64, false, false}), std::invalid_argument);
+  CHECK_THROWS(compression::validate({9, 64, false, false}), std::invalid_argument);
+  CHECK_THROWS(compression::validate({4, 0, false, false}), std::invalid_argument);
+  CHECK_THROWS(compression::compressed_bytes({4, 64, false, false}, -1), std::invalid_argument);
+  compression::validate({1, 1, false, false});
+  compression::validate({8, 1 << 20, true, true});
+}
+
+}  // namespace
+}  // namespace cgx::test
