@@ -60,9 +60,10 @@ class Transport {
   // background; shared memory moves what its rings hold and the rest in wait()).
   virtual std::unique_ptr<Pending> post(const std::vector<Send>& sends,
                                         const std::vector<Recv>& recvs) = 0;
-  // Returns when every op of `pending` is done; exchanges posted earlier are finished
-  // first. Waits for every op even after one fails (none outlives this call), then throws
-  // TimeoutError at `deadline` or TransportError for any other failure.
+  // Returns when every op of `pending` is done. Callers wait in posting order (shared
+  // memory completes exchanges in that order). Waits for every op even after one fails
+  // (none outlives this call), then throws TimeoutError at `deadline` or TransportError
+  // for any other failure.
   virtual void wait(Pending& pending, Clock::time_point deadline) = 0;
 
   // Whether the transport can reach `peer` (group rank).
