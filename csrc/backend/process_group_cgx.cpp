@@ -141,7 +141,7 @@ ProcessGroupCGX::Stats ProcessGroupCGX::stats() const {
 
 bool ProcessGroupCGX::compressible(const std::vector<at::Tensor>& tensors,
                                    const c10d::ReduceOp& op) const {
-  if (settings_.bits == 32 || exact_on_this_thread || tensors.empty() ||
+  if (settings_.bits == kRawBits || exact_on_this_thread || tensors.empty() ||
       !(op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG))
     return false;
   const auto dtype = tensors[0].scalar_type();

@@ -12,11 +12,11 @@ namespace cgx::backend {
 enum class InnerCommunicator { SHM, MPI, GLOO };
 enum class CrossCommunicator { MPI, GLOO };
 
-// The limits of the settings, each declared once here. cgx/config.py and cgx/layers.py read
+// The limits of the settings, each declared once (the bit widths at the codec). cgx/config.py and cgx/layers.py read
 // them from cgx._C (RAW_BITS, MAX_BITS, ...) to parse and check values, naming the variable;
 // validate() in process_group_cgx.cpp checks a Settings against the same constants.
-constexpr int kRawBits = 32;  // bits = 32: no compression, the values travel exactly
-constexpr int kMaxBits = 8;   // compressed: 1..kMaxBits bits per value
+using compression::kMaxBits;  // compressed: 1..kMaxBits bits per value
+using compression::kRawBits;  // no compression, the values travel exactly
 // Larger buckets buy nothing (metadata is already negligible) and would overflow sizes.
 constexpr int64_t kMaxBucketSize = int64_t{1} << 30;
 constexpr int64_t kMaxMinimalSize = int64_t{1} << 62;

@@ -70,20 +70,19 @@ CallSignature::CallSignature(uint64_t sequence, const std::vector<std::vector<in
   shape_hash.mix(static_cast<int64_t>(shapes.size()));
   for (const auto& sizes : shapes) {
     shape_hash.mix(static_cast<int64_t>(sizes.size()));
-    std::string words = "[";
-    for (size_t d = 0; d < sizes.size(); ++d) {
-      shape_hash.mix(sizes[d]);
-      words += (d ? ", " : "") + std::to_string(sizes[d]);
-    }
-    if (shape_words.size() < sizeof shapes_text)
-      shape_words += (shape_words.empty() ? "" : ", ") + words + "]";
+    for (const int64_t size : sizes) shape_hash.mix(size);
+    if (shape_words.size() >= sizeof shapes_text) continue;  // the words are full
+    shape_words += shape_words.empty() ? "[" : ", [";
+    for (size_t d = 0; d < sizes.size(); ++d)
+      shape_words += (d ? ", " : "") + std::to_string(sizes[d]);
+    shape_words += "]";
   }
   Hash plan_hash;
   std::string plan_words;
   for (const auto& segment : codec.segments()) {
     const auto& p = segment.params;
     plan_hash.mix(segment.numel);
-    plan_hash.mix(segment.raw ? 32 : p.bits);
+    plan_hash.mix(segment.raw ? compression::kRawBits : p.bits);
     plan_hash.mix(p.bucket_size);
     plan_hash.mix(p.skip_incomplete_buckets + 2 * p.stochastic);
     if (plan_words.size() < sizeof plan_text)

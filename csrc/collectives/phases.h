@@ -109,9 +109,10 @@ class PieceLayout {
   std::vector<size_t> offsets_;   // [chunk * (count + 1) + piece]
 };
 
-// Values per piece of the pipeline: 2 MiB of float32, 256 KiB at 4 bits. A piece
-// compresses in ~0.2 ms on one core, so the pipeline fills fast, and its exchange is long
-// enough to dwarf the per-message cost of the transports (benchmarks/allreduce.py).
+// Values per piece of the pipeline: 2 MiB of float32, 256 KiB at 4 bits, so the pipeline
+// fills after ~0.2 ms of compression (the codec's ~10 GB/s on one core). Measured on the
+// 2-core VM (docs/benchmarks.md): 2^19 gave 6.77x over Gloo at 1 Gbit/s, 4 bits, 64 MiB,
+// 2^21 gave 6.26x and was no better at 10 Gbit/s.
 constexpr int64_t kPieceValues = int64_t{1} << 19;
 
 // One phase of an allreduce among `chunks.parts()` ranks of `transport` (this one is

@@ -28,7 +28,8 @@ Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* dat
   // [0, size): outgoing chunk for each peer; [size, 2 size): each rank's contribution to
   // our chunk, ours included.
   std::vector<size_t> sizes = pieces.chunk_bytes();
-  sizes.resize(2 * size, sizes[rank]);
+  const size_t own_bytes = sizes[rank];
+  sizes.resize(2 * size, own_bytes);
   const std::vector<uint8_t*> buf = scratch.buffers(sizes);
   auto contribution = [&](int p, int q) { return buf[size + p] + pieces.offset(rank, q); };
 

@@ -364,8 +364,9 @@ WireLayout wire_layout(const QuantizerParams& params, int64_t n) {
 }
 
 void validate(const QuantizerParams& params) {
-  if (params.bits < 1 || params.bits > 8)
-    throw std::invalid_argument("bits must be in 1..8, got " + std::to_string(params.bits));
+  if (params.bits < 1 || params.bits > kMaxBits)
+    throw std::invalid_argument("bits must be in 1.." + std::to_string(kMaxBits) + ", got " +
+                                std::to_string(params.bits));
   if (params.bucket_size < 1)
     throw std::invalid_argument("bucket_size must be >= 1, got " +
                                 std::to_string(params.bucket_size));

@@ -19,14 +19,20 @@
 
 namespace cgx::compression {
 
+// Widths the codec quantizes to, 1..kMaxBits; a layer or group at kRawBits is not
+// quantized (its values travel exactly). Declared here, at the codec, and used by every
+// layer above (backend settings, cgx._C, cgx/config.py, cgx/layers.py).
+constexpr int kMaxBits = 8;
+constexpr int kRawBits = 32;
+
 struct QuantizerParams {
-  int bits = 8;                       // 1..8
+  int bits = 8;                       // 1..kMaxBits
   int64_t bucket_size = 512;          // >= 1
   bool skip_incomplete_buckets = false;
   bool stochastic = false;            // stochastic rounding instead of round-to-nearest
 };
 
-// Throws std::invalid_argument for bits outside 1..8 or bucket_size < 1.
+// Throws std::invalid_argument for bits outside 1..kMaxBits or bucket_size < 1.
 void validate(const QuantizerParams& params);
 
 // Where the sections of a compressed buffer of n values lie (docs/wire-format.md); shared
