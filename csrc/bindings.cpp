@@ -235,14 +235,17 @@ PYBIND11_MODULE(_C, m) {
                              "Whether compressed allreduces take the hierarchical path.")
       .def(
           "allreduce_layout",
-          [](ProcessGroupCGX& pg, const at::Tensor& tensor, const LayoutArg& layout, bool average) {
+          [](ProcessGroupCGX& pg, const at::Tensor& tensor, const LayoutArg& layout, bool average,
+             std::optional<at::Tensor> residual) {
             return pg.allreduce_layout(tensor, segments(pg, layout, pg.settings().stochastic_rounding),
-                                       average);
+                                       average, std::move(residual));
           },
           py::arg("tensor"), py::arg("layout"), py::kw_only(), py::arg("average") = false,
-          py::call_guard<py::gil_scoped_release>(),
+          py::arg("residual") = py::none(), py::call_guard<py::gil_scoped_release>(),
           "Allreduce of one tensor with a per-segment plan: layout = [(offset, numel, bits, "
-          "bucket_size), ...] covering the tensor in order; bits 32 sends a segment exactly.")
+          "bucket_size), ...] covering the tensor in order; bits 32 sends a segment exactly. "
+          "residual: this rank's error-feedback buffer (float32, the tensor's size), added to "
+          "the input, then holding what this rank's quantizations dropped (both stages).")
       .def(
           "allgather_layout",
           [](ProcessGroupCGX& pg, const at::Tensor& output, const at::Tensor& input,

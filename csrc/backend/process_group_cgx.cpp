@@ -236,13 +236,37 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_coalesced(
                               std::make_shared<compression::LayoutCodec>(per_tensor_codec(tensors)));
 }
 
+namespace {
+// An error-feedback buffer must match the values it feeds back into.
+void check_residual(const std::optional<at::Tensor>& residual, const at::Tensor& input,
+                    const char* what) {
+  if (!residual) return;
+  TORCH_CHECK_VALUE(residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+                        residual->numel() == input.numel() && residual->device() == input.device(),
+                    "cgx ", what, ": residual must be a contiguous float32 tensor of ",
+                    input.numel(), " elements on ", input.device());
+}
+
+// Adds the residual to the float32 values about to be reduced and clears it for the
+// collective to fill (Phase::residual); null without one.
+float* fold_residual(at::Tensor& flat, const std::optional<at::Tensor>& residual) {
+  if (!residual) return nullptr;
+  at::Tensor r = residual->detach().view(-1);
+  flat.add_(r);
+  r.zero_();
+  return r.data_ptr<float>();
+}
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
-    at::Tensor tensor, std::vector<compression::Segment> layout, bool average) {
+    at::Tensor tensor, std::vector<compression::Segment> layout, bool average,
+    std::optional<at::Tensor> residual) {
   std::vector<at::Tensor> tensors{tensor};
   check_tensors(tensors, "allreduce_layout", /*sparse_ok=*/false);
   const auto dtype = tensor.scalar_type();
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
                    "cgx allreduce_layout: expected float32, float16 or bfloat16, got ", dtype);
+  check_residual(residual, tensor, "allreduce_layout");
   std::shared_ptr<const compression::LayoutCodec> codec;
   try {
     codec = std::make_shared<compression::LayoutCodec>(std::move(layout), tensor.numel());
@@ -251,7 +275,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
   }
   const auto op = average ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
   // An all-raw plan too: whether a plan is all raw is not something ranks agree on first.
-  return compressed_allreduce(tensors, op, c10d::OpType::ALLREDUCE, std::move(codec));
+  return compressed_allreduce(tensors, op, c10d::OpType::ALLREDUCE, std::move(codec),
+                              std::move(residual));
 }
 
 namespace {
@@ -323,12 +348,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_layout(
                         op == c10d::ReduceOp::PREMUL_SUM,
                     "cgx reduce_scatter_layout: the op must be SUM, AVG or PREMUL_SUM, got ",
                     static_cast<int>(op));
-  if (residual) {
-    TORCH_CHECK_VALUE(residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
-                          residual->numel() == input.numel() && residual->device() == input.device(),
-                      "cgx reduce_scatter_layout: residual must be a contiguous float32 tensor of ",
-                      input.numel(), " elements on ", input.device());
-  }
+  check_residual(residual, input, "reduce_scatter_layout");
   const char* op_text = op == c10d::ReduceOp::SUM ? "rs:SUM" : op == c10d::ReduceOp::AVG ? "rs:AVG" : "rs:PRE";
   auto body = [this, output, input, codec, op, factor, residual, op_text](uint64_t sequence,
                                                                           const Lane& lane) {
@@ -336,14 +356,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_layout(
     const int64_t shard = output.numel();
     // The caller's input stays as it was (c10d's contract): the shards are summed in a copy.
     at::Tensor flat = input.detach().view(-1).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-    at::Tensor sent;
     collectives::ReduceScatterOptions options;
-    if (residual) {
-      residual->add_(flat);  // the values to quantize; what they lose is taken off below
-      flat.copy_(*residual);
-      sent = at::empty_like(flat);
-      options.sent = sent.data_ptr<float>();
-    }
     options.shard = codec.get();
     options.seed = call_seed(sequence);
     options.deadline = deadline_after(timeout_);
@@ -353,10 +366,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_layout(
                                          signature_of(sequence, tensors, flat.numel(), *codec, op_text,
                                                       op == c10d::ReduceOp::PREMUL_SUM ? factor : 1.0),
                                          options.deadline, *lane.scratch);
+    options.residual = fold_residual(flat, residual);  // once the call is known to go ahead
     const auto traffic = collectives::compressed_reduce_scatter(
         *connection_.transport, getRank(), getSize(), flat.data_ptr<float>(), options, *lane.scratch);
     count(&Stats::reduce_scatter, traffic, input.element_size());
-    if (residual) residual->sub_(sent);
     at::Tensor own = flat.narrow(0, getRank() * shard, shard);
     if (op == c10d::ReduceOp::AVG) own.div_(getSize());
     if (op == c10d::ReduceOp::PREMUL_SUM) own.mul_(factor);
@@ -411,10 +424,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
-    std::shared_ptr<const compression::LayoutCodec> codec) {
-  return enqueue_compressed(tensors, tensors, op_type,
-                            [this, tensors, op, codec](uint64_t sequence, const Lane& lane) mutable {
-                              run_compressed(tensors, op, sequence, codec.get(), lane);
+    std::shared_ptr<const compression::LayoutCodec> codec, std::optional<at::Tensor> residual) {
+  std::vector<at::Tensor> used = tensors;
+  if (residual) used.push_back(*residual);
+  return enqueue_compressed(used, tensors, op_type,
+                            [this, tensors, op, codec, residual](uint64_t sequence, const Lane& lane) mutable {
+                              run_compressed(tensors, op, sequence, codec.get(), lane, residual);
                             });
 }
 
@@ -489,7 +504,8 @@ uint64_t ProcessGroupCGX::call_seed(uint64_t sequence) const {
 
 void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
                                      c10d::ReduceOp::RedOpType op, uint64_t sequence,
-                                     const compression::LayoutCodec* codec, const Lane& lane) {
+                                     const compression::LayoutCodec* codec, const Lane& lane,
+                                     const std::optional<at::Tensor>& residual) {
   // Communication, not a differentiable op: write through detached views.
   at::NoGradGuard no_grad;
   // One contiguous float32 buffer holding every tensor; in place when the single tensor
@@ -530,6 +546,7 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   collectives::check_same_on_all_ranks(*connection_.transport, getRank(), getSize(),
                                        signature_of(sequence, tensors, flat.numel(), *codec, op_name(op)),
                                        options.deadline, *lane.scratch);
+  options.residual = fold_residual(flat, residual);  // once the call is known to go ahead
   const auto traffic = collectives::allreduce(*connection_.transport, getRank(), connection_.hosts,
                                               flat.data_ptr<float>(), options);
   // In the callers' dtypes (2 bytes a value for float16 / bfloat16).

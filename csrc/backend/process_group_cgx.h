@@ -82,9 +82,13 @@ class ProcessGroupCGX final : public c10d::Backend {
   // Allreduce of one float tensor compressed segment by segment as `layout` says (the
   // per-layer plan of a DDP bucket); raw segments travel unquantized (float32). The
   // layout is part of the call, compared across ranks like its size.
+  // `residual` (float32, the tensor's size, on its device): error feedback. It is added to
+  // the input first, then holds what this rank's quantizations dropped, both stages
+  // (docs/error-feedback.md).
   c10::intrusive_ptr<c10d::Work> allreduce_layout(at::Tensor tensor,
                                                   std::vector<compression::Segment> layout,
-                                                  bool average);
+                                                  bool average,
+                                                  std::optional<at::Tensor> residual = std::nullopt);
 
   // All-gather of equal shards (FSDP2's weights), compressed segment by segment as
   // `shard_layout` says (one shard's plan; every shard has it): `input` is this rank's
@@ -179,11 +183,14 @@ class ProcessGroupCGX final : public c10d::Backend {
                                                     c10d::OpType op_type, CompressedBody body);
   // Queues a compressed allreduce of `tensors` (reduced in place, the work's result).
   // `codec` null: the group's uniform settings.
+  // `residual`: allreduce_layout's.
   c10::intrusive_ptr<c10d::Work> compressed_allreduce(
       std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
-      std::shared_ptr<const compression::LayoutCodec> codec);
+      std::shared_ptr<const compression::LayoutCodec> codec,
+      std::optional<at::Tensor> residual = std::nullopt);
   void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op,
-                      uint64_t sequence, const compression::LayoutCodec* codec, const Lane& lane);
+                      uint64_t sequence, const compression::LayoutCodec* codec, const Lane& lane,
+                      const std::optional<at::Tensor>& residual);
   // What every rank must agree on before a compressed call moves data; `op`: the
   // collective and its reduction, as the mismatch message names them; `scale`: what the
   // sum is multiplied by.

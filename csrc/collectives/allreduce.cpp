@@ -18,6 +18,7 @@ Traffic allreduce(transport::Transport& transport, int rank, const topology::Hos
   Phase phase;
   phase.algorithm = hosts.num_hosts() == 1 ? options.inner : options.cross;
   phase.seed = options.seed;
+  phase.residual = options.residual;
   phase.deadline = options.deadline;
   phase.executor = options.executor;
   phase.piece_values = options.piece_values;

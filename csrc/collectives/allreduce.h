@@ -26,6 +26,10 @@ struct AllreduceOptions {
   bool leader_form = false;
   bool intra_compress = true;
   uint64_t seed = 0;  // the call's stochastic-rounding seed
+  // Where set (codec.total() values in the executors' memory): receives, added, what each
+  // quantization this rank makes dropped (Phase::residual). Summed over ranks it is
+  // exactly the input sum minus the result, up to float32 rounding of the sums.
+  float* residual = nullptr;
   transport::Clock::time_point deadline;
   int64_t piece_values = kPieceValues;  // 0: no pipeline
   // Where the values are, and buffers reused across calls: the caller's thread's, and

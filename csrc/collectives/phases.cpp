@@ -75,8 +75,9 @@ uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk) {
 }
 
 void quantize_owned_chunk(compression::Executor& executor, const compression::LayoutCodec& codec,
-                          float* data, Range chunk, uint8_t* dst, uint64_t seed) {
+                          float* data, Range chunk, uint8_t* dst, uint64_t seed, float* residual) {
   executor.compress(codec, data, chunk.begin, chunk.end, dst, seed);
+  if (residual) executor.add_error(codec, dst, chunk.begin, chunk.end, data, residual);
   executor.decompress(codec, dst, chunk.begin, chunk.end, data);
 }
 

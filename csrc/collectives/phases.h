@@ -124,9 +124,11 @@ struct Phase {
   uint64_t seed = 0;
   transport::Clock::time_point deadline;
   compression::Executor* executor = &compression::host_executor();
-  // SRA's reduce_scatter only: where set, receives the decoded values of every chunk this
-  // rank contributes (the whole buffer), what its peers will add: error feedback's input.
-  float* sent = nullptr;
+  // Where set (the whole buffer, in the executor's memory): every quantization this rank
+  // makes in the phase adds what it dropped at the values it quantized (add_error). Over
+  // an allreduce the ranks' residuals then sum to exactly what the result lacks: error
+  // feedback's record, for both stages (docs/error-feedback.md).
+  float* residual = nullptr;
   // Chunks travel in pieces of about this many values (0: each chunk in one piece).
   int64_t piece_values = 0;
 
@@ -161,8 +163,9 @@ Traffic ring_allgather(transport::Transport& transport, int rank, float* data,
 uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk);
 
 // The owner of a chunk quantizes it (or a piece of it) once and decodes it in place, so
-// that it keeps exactly what the others will decode from `dst` (both allgathers).
+// that it keeps exactly what the others will decode from `dst` (both allgathers); adds
+// what it dropped to `residual` where set (Phase::residual).
 void quantize_owned_chunk(compression::Executor& executor, const compression::LayoutCodec& codec,
-                          float* data, Range chunk, uint8_t* dst, uint64_t seed);
+                          float* data, Range chunk, uint8_t* dst, uint64_t seed, float* residual);
 
 }  // namespace cgx::collectives

@@ -14,7 +14,6 @@
 // re-quantized at hop s + 1 arrived at hop s, P steps earlier; with one piece (P = 1)
 // each step is finished before the next begins.
 #include <algorithm>
-#include <stdexcept>
 
 #include "collectives/phases.h"
 #include "collectives/pipeline.h"
@@ -28,8 +27,6 @@ int mod(int a, int m) { return ((a % m) + m) % m; }
 Traffic ring_reduce_scatter(transport::Transport& transport, int rank, float* data,
                             const compression::LayoutCodec& codec, const Chunking& chunks,
                             const Phase& phase, Scratch& scratch) {
-  // A ring hop sends partial sums, not this rank's own contribution.
-  if (phase.sent) throw std::invalid_argument("the ring reduce-scatter has no per-rank contribution to report");
   const int size = chunks.parts();
   const int next = mod(rank + 1, size);
   const int prev = mod(rank - 1, size);
@@ -54,6 +51,8 @@ Traffic ring_reduce_scatter(transport::Transport& transport, int rank, float* da
     const Range piece = pieces.range(out, q);
     executor.compress(codec, data, piece.begin, piece.end, outgoing(n),
                       stream_seed(phase.seed, rank, n / count, out));
+    if (phase.residual)
+      executor.add_error(codec, outgoing(n), piece.begin, piece.end, data, phase.residual);
     return StepExchange{{{next, outgoing(n), pieces.bytes(out, q)}},
                         {{prev, incoming(n), pieces.bytes(in, q)}}};
   };
@@ -92,7 +91,7 @@ Traffic ring_allgather(transport::Transport& transport, int rank, float* data,
     if (n < count)  // the first hop carries our own chunk, quantized here
       quantize_owned_chunk(executor, codec, data, pieces.range(rank, q),
                            buf[rank] + pieces.offset(rank, q),
-                           stream_seed(phase.seed, rank, size, rank));
+                           stream_seed(phase.seed, rank, size, rank), phase.residual);
     return StepExchange{{{next, buf[out] + pieces.offset(out, q), pieces.bytes(out, q)}},
                         {{prev, buf[in] + pieces.offset(in, q), pieces.bytes(in, q)}}};
   };

@@ -21,7 +21,7 @@ Traffic compressed_reduce_scatter(transport::Transport& transport, int rank, int
   if (all.end == 0) return {};
   const Chunking shards = Chunking::even(all, size);
   Phase phase{ReductionAlgorithm::SRA, options.seed, options.deadline, options.executor};
-  phase.sent = options.sent;
+  phase.residual = options.residual;
   phase.piece_values = options.piece_values;
   return sra_reduce_scatter(transport, rank, data, codec, shards, phase, scratch);
 }

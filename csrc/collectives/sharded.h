@@ -42,9 +42,9 @@ struct ReduceScatterOptions {
   transport::Clock::time_point deadline;
   compression::Executor* executor = &compression::host_executor();
   int64_t piece_values = kPieceValues;  // 0: no pipeline
-  // Where set (size shards): receives what this rank's contributions decode to at their
-  // owners, for error feedback.
-  float* sent = nullptr;
+  // Where set (size shards): receives, added, what quantizing this rank's contributions
+  // dropped (Phase::residual), for error feedback.
+  float* residual = nullptr;
 };
 
 // `data`: this rank's contributions, shard r for rank r; afterwards shard `rank` holds the

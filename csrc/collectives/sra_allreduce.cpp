@@ -43,7 +43,8 @@ Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* dat
       uint8_t* dst = p == rank ? contribution(rank, q) : buf[p] + pieces.offset(p, q);
       executor.compress(codec, data, piece.begin, piece.end, dst,
                         stream_seed(phase.seed, rank, kScatterStage, p));
-      if (phase.sent) executor.decompress(codec, dst, piece.begin, piece.end, phase.sent);
+      if (phase.residual)
+        executor.add_error(codec, dst, piece.begin, piece.end, data, phase.residual);
       if (p == rank) continue;
       x.sends.push_back({p, dst, pieces.bytes(p, q)});
       x.recvs.push_back({p, contribution(p, q), pieces.bytes(rank, q)});
@@ -77,7 +78,7 @@ Traffic sra_allgather(transport::Transport& transport, int rank, float* data,
   steps.encode = [&](int q) {
     uint8_t* own = buf[rank] + pieces.offset(rank, q);
     quantize_owned_chunk(executor, codec, data, pieces.range(rank, q), own,
-                         stream_seed(phase.seed, rank, kGatherStage, rank));
+                         stream_seed(phase.seed, rank, kGatherStage, rank), phase.residual);
     StepExchange x;
     for (int p = 0; p < size; ++p) {
       if (p == rank) continue;

@@ -28,6 +28,13 @@ void DeferredExecutor::decompress_add(const LayoutCodec& codec, const uint8_t* s
       [&codec, src, begin, end, data] { codec.decompress_add(src, begin, end, data); });
 }
 
+void DeferredExecutor::add_error(const LayoutCodec& codec, const uint8_t* src, int64_t begin,
+                                 int64_t end, const float* values, float* residual) {
+  queue_.push_back([&codec, src, begin, end, values, residual] {
+    codec.add_error(src, begin, end, values, residual);
+  });
+}
+
 void DeferredExecutor::sync() {
   for (auto& op : queue_) op();
   queue_.clear();

@@ -25,6 +25,9 @@ class Executor {
                           int64_t end, float* data) = 0;
   virtual void decompress_add(const LayoutCodec& codec, const uint8_t* src, int64_t begin,
                               int64_t end, float* data) = 0;
+  // LayoutCodec::add_error: residual += values - decoded, for error feedback.
+  virtual void add_error(const LayoutCodec& codec, const uint8_t* src, int64_t begin,
+                         int64_t end, const float* values, float* residual) = 0;
   // Readies the calling thread, before its first use of the executor or of memory it
   // needs (a CUDA executor makes its device current there).
   virtual void bind_thread() {}
@@ -47,6 +50,10 @@ class HostExecutor final : public Executor {
   void decompress_add(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
                       float* data) override {
     codec.decompress_add(src, begin, end, data);
+  }
+  void add_error(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
+                 const float* values, float* residual) override {
+    codec.add_error(src, begin, end, values, residual);
   }
   void sync() override {}
 };

@@ -3,6 +3,7 @@
 #include "common/mix.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -135,6 +136,23 @@ void LayoutCodec::decompress_add(const uint8_t* src, int64_t begin, int64_t end,
       for (int64_t k = 0; k < n; ++k) data[from + k] += values[k];
     } else {
       compression::decompress_add(s.params, src, n, data + from);
+    }
+    src += piece_bytes(s, n);
+  });
+}
+
+void LayoutCodec::add_error(const uint8_t* src, int64_t begin, int64_t end, const float* values,
+                            float* residual) const {
+  thread_local std::vector<float> decoded;
+  for_each_piece(begin, end, [&](size_t i, int64_t from, int64_t n) {
+    const auto& s = segments_[i];
+    if (!s.raw) {
+      decoded.resize(static_cast<size_t>(n));
+      compression::decompress(s.params, src, n, decoded.data());
+      for (int64_t k = 0; k < n; ++k) {
+        const float dropped = values[from + k] - decoded[k];
+        if (std::isfinite(dropped)) residual[from + k] += dropped;
+      }
     }
     src += piece_bytes(s, n);
   });

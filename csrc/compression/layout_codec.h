@@ -57,6 +57,12 @@ class LayoutCodec {
   void compress(const float* data, int64_t begin, int64_t end, uint8_t* dst, uint64_t seed) const;
   void decompress(const uint8_t* src, int64_t begin, int64_t end, float* data) const;
   void decompress_add(const uint8_t* src, int64_t begin, int64_t end, float* data) const;
+  // residual[i] += values[i] - decoded[i] over [begin, end), where `src` holds `values`
+  // compressed: what the quantization dropped, for error feedback. Raw pieces drop
+  // nothing; a value whose bucket is not finite (decodes to NaN) adds nothing, so that one
+  // overflowed step does not poison every later one.
+  void add_error(const uint8_t* src, int64_t begin, int64_t end, const float* values,
+                 float* residual) const;
 
  private:
   // Calls fn(segment index, piece begin, piece length) for each piece of [begin, end).

@@ -1,5 +1,6 @@
 #include "compression/cuda/cuda_executor.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -111,6 +112,31 @@ void CudaExecutor::decompress(const LayoutCodec& codec, const uint8_t* src, int6
 void CudaExecutor::decompress_add(const LayoutCodec& codec, const uint8_t* src, int64_t begin,
                                   int64_t end, float* data) {
   decode(codec, src, begin, end, data, /*add=*/true);
+}
+
+void CudaExecutor::add_error(const LayoutCodec& codec, const uint8_t* src, int64_t begin,
+                             int64_t end, const float* values, float* residual) {
+  const auto pieces = codec.pieces(begin, end);
+  const size_t bytes = total_bytes(pieces);
+  if (bytes == 0) return;
+  bind_thread();
+  // Staging holds the bytes, then (16-byte aligned: pieces are padded so) room for the
+  // largest piece decoded.
+  int64_t largest = 0;
+  for (const auto& piece : pieces) largest = std::max(largest, piece.numel);
+  uint8_t* in = staging(bytes + static_cast<size_t>(largest) * sizeof(float));
+  auto* decoded = reinterpret_cast<float*>(in + bytes);
+  check(cudaMemcpyAsync(staging_, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to device");
+  for (const auto& piece : pieces) {
+    const Segment& segment = codec.segments()[piece.segment];
+    if (!segment.raw) {  // raw values travel exactly: nothing dropped
+      cuda::decompress(segment.params, in, piece.numel, decoded, DType::Float32, /*add=*/false,
+                       stream_);
+      add_error_floats(values + piece.begin, decoded, piece.numel, residual + piece.begin,
+                       stream_);
+    }
+    in += piece.bytes;
+  }
 }
 
 void CudaExecutor::sync() { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }

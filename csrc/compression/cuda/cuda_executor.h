@@ -29,6 +29,8 @@ class CudaExecutor final : public Executor {
                   float* data) override;
   void decompress_add(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
                       float* data) override;
+  void add_error(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
+                 const float* values, float* residual) override;
   void sync() override;
   // Makes `device` current for the calling thread (and leaves it so: restoring a device
   // the thread never used would create a context there).

@@ -218,6 +218,16 @@ __global__ void raw_from_wire(const float* __restrict__ raw, int64_t count, bool
     dst[k] = from_float<T>(add ? __fadd_rn(to_float(dst[k]), raw[k]) : raw[k]);
 }
 
+__global__ void add_finite_difference(const float* __restrict__ values,
+                                      const float* __restrict__ decoded, int64_t count,
+                                      float* __restrict__ residual) {
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < count;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float dropped = __fsub_rn(values[k], decoded[k]);
+    if (isfinite(dropped)) residual[k] = __fadd_rn(residual[k], dropped);
+  }
+}
+
 int blocks_for(int64_t work_items, int per_block) {
   const int64_t blocks = (work_items + per_block - 1) / per_block;
   return static_cast<int>(blocks < 65535 * 16 ? (blocks > 0 ? blocks : 1) : 65535 * 16);
@@ -300,6 +310,14 @@ void copy_floats(const float* src, int64_t n, float* dst, bool add, cudaStream_t
   if (n <= 0) return;
   raw_from_wire<float><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(src, n, add, dst);
   check(cudaGetLastError(), "copy launch");
+}
+
+void add_error_floats(const float* values, const float* decoded, int64_t n, float* residual,
+                      cudaStream_t stream) {
+  if (n <= 0) return;
+  add_finite_difference<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(values, decoded, n,
+                                                                          residual);
+  check(cudaGetLastError(), "add_error launch");
 }
 
 }  // namespace cgx::compression::cuda

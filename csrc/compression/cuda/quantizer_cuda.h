@@ -30,4 +30,8 @@ void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, vo
 // dst[i] = src[i], or dst[i] + src[i] with `add`: float32 values that travel raw.
 void copy_floats(const float* src, int64_t n, float* dst, bool add, cudaStream_t stream);
 
+// residual[i] += values[i] - decoded[i] where that is finite (LayoutCodec::add_error).
+void add_error_floats(const float* values, const float* decoded, int64_t n, float* residual,
+                      cudaStream_t stream);
+
 }  // namespace cgx::compression::cuda
