@@ -19,12 +19,15 @@ bucket's per-layer plan (which slice is which parameter, with its bits and bucke
 travels with the call, so other allreduces on the same group in between (metrics, loss
 averaging, a distributed loss) cannot disturb it.
 
-Error feedback (on by default) keeps, per compressed parameter, the part of its gradient
-that quantization dropped (``g - Q(g)``, computed locally with the layer's and the group's
-settings) and adds it to the next step's gradient. It costs one float32 per compressed
-gradient element and a local compress/decompress of the compressed layers each step. It
-needs round-to-nearest: with stochastic rounding the dropped part is not known locally
-(and the rounding is unbiased already), so such a group needs ``error_feedback=False``.
+Error feedback (on by default) keeps, per compressed parameter, what quantization dropped
+and adds it to the next step's gradient. Two-level (the default) feeds back both stages:
+the collective records, on each rank, what every quantization that rank made dropped:
+its own contributions, and the sums it re-quantized as a chunk's owner (or a ring hop).
+The ranks' residuals then add up to exactly what the averaged gradient lacked, so over
+steps nothing is lost, whoever owned which chunk (docs/error-feedback.md). It costs one
+float32 per compressed gradient element, kept per parameter name. ``two_level=False``
+feeds back the first stage only, estimated locally (``g - Q(g)``, one extra local
+compress/decompress per step); that form needs round-to-nearest.
 """
 
 
@@ -61,6 +64,9 @@ class CGXState:
             ``compression_params["bits"]`` and ``["bucket_size"]`` (each defaulting to
             the group's setting).
         error_feedback: keep and re-add each layer's quantization residual.
+        two_level: with error_feedback, feed back the owners' re-quantization of the sums
+            too, as the collective measures it (both stages); False: each rank's own
+            quantization only, estimated locally.
         warmup_steps: the first steps are reduced uncompressed (an all-raw plan).
         stats_every: every this many steps, measure each compressed layer's relative
             quantization error ``|Q(g) - g| / |g|`` (0 turns the sampling off).
@@ -74,6 +80,7 @@ class CGXState:
         "policy",
         "layers_from_buckets",
         "error_feedback",
+        "two_level",
         "warmup_steps",
         "stats_every",
         "adaptive",
@@ -99,6 +106,7 @@ class CGXState:
         layer_min_size: int | None = None,
         compression_params: dict[str, int] | None = None,
         error_feedback: bool = True,
+        two_level: bool = True,
         warmup_steps: int = 0,
         stats_every: int = 10,
         adaptive: AdaptiveBits | None = None,
@@ -127,6 +135,7 @@ class CGXState:
         if self.layers_from_buckets:
             _check_needs_no_model(self.policy)
         self.error_feedback = bool(error_feedback)
+        self.two_level = bool(two_level)
         self.warmup_steps = warmup_steps
         self.stats_every = stats_every
         self.adaptive = adaptive
@@ -255,18 +264,20 @@ class CGXState:
         self.process_group = None
         self._params = {}
         self._settings_by_param = {}
+        self.two_level = True  # a state pickled before two-level feedback existed
         for slot, value in state.items():
             setattr(self, slot, value)
 
     # ---- per bucket
 
     def _prepare(self, buffer: torch.Tensor, compressed: list, group_settings, decides: bool) -> None:
-        """Adds each compressed layer's residual to its gradient and keeps the new one;
-        samples the layers' quantization error; feeds adaptive selection on the rank
-        that decides (`decides`)."""
+        """Samples the layers' quantization error; feeds adaptive selection on the rank
+        that decides (`decides`); for one-level feedback, adds each compressed layer's
+        residual to its gradient and keeps the new one."""
         sample = self.stats_every > 0 and self.step % self.stats_every == 0
         adaptive = self.adaptive if decides else None
-        if not (self.error_feedback or sample or adaptive):
+        local_feedback = self.error_feedback and not self.two_level
+        if not (local_feedback or sample or adaptive):
             return
         # The group's rounding settings, so that Q(g) here is what goes on the wire.
         skip = group_settings.skip_incomplete_buckets
@@ -278,20 +289,38 @@ class CGXState:
                 grad = grad.clone()  # keep the unquantized values apart from the buffer
             if adaptive:
                 adaptive.accumulate(name, grad)
+            if not (local_feedback or sample):
+                continue
             residual = self.residuals.get(name) if self.error_feedback else None
             if residual is not None and residual.numel() == numel:
-                grad += residual
-                view.copy_(grad)
+                grad += residual  # what will be quantized (two-level: the collective adds it)
+                if local_feedback:
+                    view.copy_(grad)
             decoded = _C.decompress(
-                _C.compress(view, setting.bits, setting.bucket_size, stochastic=stochastic,
+                _C.compress(grad, setting.bits, setting.bucket_size, stochastic=stochastic,
                             seed=self.step, skip_incomplete_buckets=skip),
                 numel, setting.bits, setting.bucket_size, skip_incomplete_buckets=skip,
             )
-            if self.error_feedback:
-                self.residuals[name] = grad - decoded
+            if local_feedback:
+                # A bucket that overflowed decodes to NaN: carry nothing of it forward.
+                self.residuals[name] = torch.nan_to_num(grad - decoded, nan=0.0, posinf=0.0, neginf=0.0)
             if sample:
                 norm = float(grad.norm())
                 self.layer_errors[name] = float((decoded - grad).norm()) / norm if norm > 0 else 0.0
+
+    def _bucket_residual(self, buffer: torch.Tensor, compressed: list) -> torch.Tensor:
+        """The bucket's two-level residual: each compressed layer's, zero elsewhere."""
+        residual = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
+        for name, offset, numel, _ in compressed:
+            kept = self.residuals.get(name)
+            if kept is not None and kept.numel() == numel:
+                residual.narrow(0, offset, numel).copy_(kept.reshape(-1))
+        return residual
+
+    def _keep_residuals(self, residual: torch.Tensor, compressed: list) -> None:
+        """After the call: what each layer's quantizations dropped on this rank."""
+        for name, offset, numel, _ in compressed:
+            self.residuals[name] = residual.narrow(0, offset, numel)
 
     def _count(self, buffer: torch.Tensor, layout: list, skip_incomplete: bool) -> None:
         self.bytes_uncompressed += buffer.numel() * buffer.element_size()
@@ -389,11 +418,12 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     group = state.group()
     backend = get_backend(group)
     settings = backend.settings
-    if state.error_feedback and settings.stochastic_rounding:
+    if state.error_feedback and not state.two_level and settings.stochastic_rounding:
         raise ValueError(
-            "cgx_hook: error feedback needs round-to-nearest, but the group rounds "
-            "stochastically (CGX_COMPRESSION_STOCHASTIC_ROUNDING): create the CGXState "
-            "with error_feedback=False"
+            "cgx_hook: one-level error feedback (two_level=False) estimates the residual "
+            "with round-to-nearest, but the group rounds stochastically "
+            "(CGX_COMPRESSION_STOCHASTIC_ROUNDING): create the CGXState with two_level=True "
+            "or error_feedback=False"
         )
     buffer = bucket.buffer()
     buffer.div_(group.size())  # divide first, as torch's hooks do (no fp16 overflow)
@@ -403,13 +433,21 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     else:
         if state.layers_from_buckets:
             state._learn_layers(bucket)
+        residual, compressed = None, []
         if state.step < state.warmup_steps:
             layout = [(0, buffer.numel(), RAW_BITS, 1)]
         else:
             layout, compressed = bucket_plan(bucket, state._settings_by_param)
             state._prepare(buffer, compressed, settings, decides=group.rank() == 0)
+            if state.error_feedback and state.two_level and compressed:
+                residual = state._bucket_residual(buffer, compressed)
         state._count(buffer, layout, settings.skip_incomplete_buckets)
-        future = backend.allreduce_layout(buffer, layout).get_future()
+        future = backend.allreduce_layout(buffer, layout, residual=residual).get_future()
+        if residual is not None:
+            def keep(done, residual=residual, compressed=compressed):
+                state._keep_residuals(residual, compressed)
+                return done.value()
+            future = future.then(keep)
     if bucket.is_last():
         state.step += 1
         if state.adaptive and state.step >= state.warmup_steps and state.step % state.adaptive.interval == 0:
