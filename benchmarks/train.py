@@ -8,7 +8,10 @@ underneath, uncompressed unless a method compresses), once per method:
   powersgd      torch's PowerSGD hook (rank 4, error feedback)
   cgx8 / cgx4   cgx_hook, 8 / 4 bits, error feedback
   cgx2          cgx_hook, 2 bits, error feedback
-  cgx-adaptive  cgx_hook with L-GreCo bit selection (candidates 2..8 bits, budget = 4 bits')
+  cgx2-one-level  cgx_hook, 2 bits, one-level error feedback (each rank's own quantization
+                only, not the owners' re-quantization of the sums)
+  cgx-adaptive  cgx_hook with L-GreCo bit selection (cgx.AdaptiveBits' defaults: 2..8 bits,
+                buckets 128 or 512, budget 3x uniform 4 bits' normalized error)
   fsdp          FSDP2 (fully_shard per block and on the root), exact
   qsdp-wAgB     FSDP2 with cgx.qsdp: weights gathered at A bits (stochastic rounding),
                 gradients reduce-scattered at B bits; -nearest: weights rounded to nearest
@@ -50,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P: the
 
 from plotting import pyplot  # noqa: E402
 
-DDP_METHODS = ("allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx-adaptive")
+DDP_METHODS = ("allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx2-one-level", "cgx-adaptive")
 FSDP_METHODS = ("fsdp", "qsdp-w8g8", "qsdp-w8g4", "qsdp-w4g4", "qsdp-w8g8-nearest", "qsdp-w4g4-nearest")
 METHODS = DDP_METHODS + FSDP_METHODS
 WARMUP_STEPS = 10  # uncompressed first steps, for every compressing method alike
@@ -178,10 +181,10 @@ def attach_method(method, ddp, model):
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         # PowerSGD counts only the compressed steps; its float32 warm-up is added here.
         return lambda step: raw * min(step, WARMUP_STEPS) + 4 * state.compression_stats()[2]
-    bits = {"cgx8": 8, "cgx4": 4, "cgx2": 2, "cgx-adaptive": 4}[method]
+    bits = {"cgx8": 8, "cgx4": 4, "cgx2": 2, "cgx2-one-level": 2, "cgx-adaptive": 4}[method]
     adaptive = cgx.AdaptiveBits(interval=50) if method == "cgx-adaptive" else None
     state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=bits), warmup_steps=WARMUP_STEPS,
-                         adaptive=adaptive)
+                         adaptive=adaptive, two_level=method != "cgx2-one-level")
     ddp.register_comm_hook(state, cgx.cgx_hook)
     return lambda step: state.compression_stats()["bytes_sent"]
 

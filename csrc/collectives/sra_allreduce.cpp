@@ -34,11 +34,18 @@ Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* dat
   auto contribution = [&](int p, int q) { return buf[size + p] + pieces.offset(rank, q); };
 
   compression::Executor& executor = *phase.executor;
+  // With error feedback the owner's own contribution joins its sum unquantized: its
+  // residual (which a caller adds to the input) then goes straight into the sum it
+  // re-quantizes, as a server's error feedback would, instead of widening the range of
+  // a first quantization. Without, every contribution is quantized alike, so the result
+  // does not depend on which rank owns which chunk.
+  const bool own_raw = phase.residual != nullptr;
   Steps steps;
   steps.count = pieces.count();
   steps.encode = [&](int q) {
     StepExchange x;
     for (int p = 0; p < size; ++p) {
+      if (p == rank && own_raw) continue;
       const Range piece = pieces.range(p, q);
       uint8_t* dst = p == rank ? contribution(rank, q) : buf[p] + pieces.offset(p, q);
       executor.compress(codec, data, piece.begin, piece.end, dst,
@@ -52,11 +59,16 @@ Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* dat
     return x;
   };
   steps.decode = [&](int q) {
-    // Rank 0's contribution is written, the others added in rank order (no pass zeroing).
+    // Added in rank order onto our own contribution, or rank 0's written first (no pass
+    // zeroing).
     const Range own = pieces.range(rank, q);
-    executor.decompress(codec, contribution(0, q), own.begin, own.end, data);
-    for (int p = 1; p < size; ++p)
-      executor.decompress_add(codec, contribution(p, q), own.begin, own.end, data);
+    for (int p = 0; p < size; ++p) {
+      if (p == rank && own_raw) continue;
+      if (p == 0 && !own_raw)
+        executor.decompress(codec, contribution(0, q), own.begin, own.end, data);
+      else
+        executor.decompress_add(codec, contribution(p, q), own.begin, own.end, data);
+    }
   };
   run_steps(transport, executor, phase.deadline, steps);
 
