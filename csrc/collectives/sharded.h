@@ -8,8 +8,9 @@
 //     owner included, end with bit-identical full buffers: the weights a step computes
 //     with are the same everywhere. One quantization stage per value.
 //   compressed_reduce_scatter: each rank quantizes the shard meant for each rank once
-//     (its own included) and sends it; the owner decodes the contributions and sums them
-//     in float32 in rank order (SRA's first phase). One stage per contribution.
+//     (its own included, unless with a residual: then it joins the sum as it is) and
+//     sends it; the owner decodes the contributions and sums them in float32 in rank
+//     order (SRA's first phase). One stage per contribution.
 #pragma once
 
 #include <cstdint>

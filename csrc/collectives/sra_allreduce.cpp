@@ -7,7 +7,9 @@
 // Each value is quantized in two stages (each contribution, then the sum) on its layer's
 // bucket grid, and summed in rank order: with round-to-nearest the result depends on the
 // values and the layout only, not on which rank owns which chunk (so not on how DDP lays
-// out its buckets). Every rank decodes the same bytes: all ranks end bit-identical.
+// out its buckets). With error feedback (Phase::residual) the owner's own contribution
+// is not quantized (see below). Every rank decodes the same bytes: all ranks end
+// bit-identical.
 #include "collectives/phases.h"
 #include "collectives/pipeline.h"
 
