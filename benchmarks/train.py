@@ -10,6 +10,7 @@ underneath, uncompressed unless a method compresses), once per method:
   cgx2          cgx_hook, 2 bits, error feedback
   cgx2-one-level  cgx_hook, 2 bits, one-level error feedback (each rank's own quantization
                 only, not the owners' re-quantization of the sums)
+  cgx2-bucket128  cgx_hook, 2 bits in buckets of 128 values (finer scales, 2.5 bits a value)
   cgx-adaptive  cgx_hook with L-GreCo bit selection (cgx.AdaptiveBits' defaults: 2..8 bits,
                 buckets 128 or 512, budget 3x uniform 4 bits' normalized error)
   fsdp          FSDP2 (fully_shard per block and on the root), exact
@@ -53,7 +54,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P: the
 
 from plotting import pyplot  # noqa: E402
 
-DDP_METHODS = ("allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx2-one-level", "cgx-adaptive")
+DDP_METHODS = ("allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx2-one-level", "cgx2-bucket128",
+               "cgx-adaptive")
 FSDP_METHODS = ("fsdp", "qsdp-w8g8", "qsdp-w8g4", "qsdp-w4g4", "qsdp-w8g8-nearest", "qsdp-w4g4-nearest")
 METHODS = DDP_METHODS + FSDP_METHODS
 WARMUP_STEPS = 10  # uncompressed first steps, for every compressing method alike
@@ -181,10 +183,12 @@ def attach_method(method, ddp, model):
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         # PowerSGD counts only the compressed steps; its float32 warm-up is added here.
         return lambda step: raw * min(step, WARMUP_STEPS) + 4 * state.compression_stats()[2]
-    bits = {"cgx8": 8, "cgx4": 4, "cgx2": 2, "cgx2-one-level": 2, "cgx-adaptive": 4}[method]
+    bits = {"cgx8": 8, "cgx4": 4, "cgx2": 2, "cgx2-one-level": 2, "cgx2-bucket128": 2, "cgx-adaptive": 4}[method]
+    bucket_size = 128 if method == "cgx2-bucket128" else 512
     adaptive = cgx.AdaptiveBits(interval=50) if method == "cgx-adaptive" else None
-    state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=bits), warmup_steps=WARMUP_STEPS,
-                         adaptive=adaptive, two_level=method != "cgx2-one-level")
+    state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=bits, bucket_size=bucket_size),
+                         warmup_steps=WARMUP_STEPS, adaptive=adaptive,
+                         two_level=method != "cgx2-one-level")
     ddp.register_comm_hook(state, cgx.cgx_hook)
     return lambda step: state.compression_stats()["bytes_sent"]
 

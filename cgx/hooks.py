@@ -296,8 +296,10 @@ class CGXState:
                 grad += residual  # what will be quantized (two-level: the collective adds it)
                 if local_feedback:
                     view.copy_(grad)
+            # One-level: the buffer as it goes on the wire (float16 rounds what it holds).
             decoded = _C.decompress(
-                _C.compress(grad, setting.bits, setting.bucket_size, stochastic=stochastic,
+                _C.compress(view if local_feedback else grad, setting.bits, setting.bucket_size,
+                            stochastic=stochastic,
                             seed=self.step, skip_incomplete_buckets=skip),
                 numel, setting.bits, setting.bucket_size, skip_incomplete_buckets=skip,
             )
@@ -318,9 +320,10 @@ class CGXState:
         return residual
 
     def _keep_residuals(self, residual: torch.Tensor, compressed: list) -> None:
-        """After the call: what each layer's quantizations dropped on this rank."""
+        """After the call: what each layer's quantizations dropped on this rank (copies:
+        views would keep, and pickle, the whole bucket)."""
         for name, offset, numel, _ in compressed:
-            self.residuals[name] = residual.narrow(0, offset, numel)
+            self.residuals[name] = residual.narrow(0, offset, numel).clone()
 
     def _count(self, buffer: torch.Tensor, layout: list, skip_incomplete: bool) -> None:
         self.bytes_uncompressed += buffer.numel() * buffer.element_size()
@@ -445,8 +448,9 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         future = backend.allreduce_layout(buffer, layout, residual=residual).get_future()
         if residual is not None:
             def keep(done, residual=residual, compressed=compressed):
+                result = done.value()  # a failed call raises here and keeps the old residuals
                 state._keep_residuals(residual, compressed)
-                return done.value()
+                return result
             future = future.then(keep)
     if bucket.is_last():
         state.step += 1

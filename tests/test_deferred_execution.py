@@ -33,12 +33,15 @@ def _immediate_and_deferred(rank, world, cases):
             group = dist.new_group(backend="cgx", pg_options=config)
             g = torch.Generator().manual_seed(rank + case["n"])
             t = torch.randn(case["n"], generator=g) * (rank + 1)
+            residual = None
             if "layout" in case:
-                # Raw and quantized segments of a DDP bucket's plan.
-                cgx.get_backend(group).allreduce_layout(t, case["layout"]).wait()
+                # Raw and quantized segments of a DDP bucket's plan; error feedback's
+                # residual where the case asks for it.
+                residual = torch.ones(case["n"]) * 0.25 if case.get("residual") else None
+                cgx.get_backend(group).allreduce_layout(t, case["layout"], residual=residual).wait()
             else:
                 dist.all_reduce(t, group=group)
-            results.append(t)
+            results.append(t if residual is None else torch.cat([t, residual]))
             dist.destroy_process_group(group)
         out.append((case, torch.equal(results[0], results[1])))
     return out
@@ -54,8 +57,9 @@ def check(results):
 def test_flat_algorithms_keep_the_executor_contract(world):
     n = 100_003
     cases = [{"algorithm": alg, "n": n} for alg in ("SRA", "Ring")] + [
-        {"algorithm": "SRA", "n": n,
+        {"algorithm": alg, "n": n, "residual": residual,
          "layout": [(0, 1000, 32, 1), (1000, 50_000, 2, 256), (51_000, n - 51_000, 8, 512)]}
+        for alg, residual in (("SRA", False), ("SRA", True), ("Ring", True))
     ]
     check(run_ranks(_immediate_and_deferred, world, args=(cases,)))
 
@@ -66,6 +70,9 @@ def test_hierarchical_forms_keep_the_executor_contract():
     n = 5_000_003
     cases = [{"algorithm": alg, "n": n, "hosts": 2} for alg in ("SRA", "Ring")]
     cases.append({"algorithm": "SRA", "n": n, "hosts": 2, "leader": True})
+    # With error feedback's residual, the pipelined two threads writing it.
+    cases.append({"algorithm": "SRA", "n": n, "hosts": 2, "residual": True,
+                  "layout": [(0, 1000, 32, 1), (1000, n - 1000, 4, 512)]})
     check(run_ranks(_immediate_and_deferred, 4, args=(cases,), timeout_s=300))
 
 

@@ -178,12 +178,15 @@ def test_compressed_reduce_scatter(world, op, dtype):
 
 def test_reduce_scatter_error_feedback_keeps_what_quantization_lost():
     results = values(run_ranks(_reduce_scatter, 2, args=(torch.float32, "avg", 1.0, 3)))
-    for inputs, _, residuals, _ in results:
+    for rank, (inputs, _, residuals, _) in enumerate(results):
         carried = torch.zeros(SHARD * 2)
         for x, residual in zip(inputs, residuals):
             target = x + carried
-            sent = torch.cat([reference_decode(target[r * SHARD:(r + 1) * SHARD]) for r in range(2)])
+            # The owner's own shard joins its sum as it is: nothing lost there.
+            sent = torch.cat([target[r * SHARD:(r + 1) * SHARD] if r == rank
+                              else reference_decode(target[r * SHARD:(r + 1) * SHARD]) for r in range(2)])
             assert torch.equal(residual, target - sent)
+            assert bool(residual[rank * SHARD:(rank + 1) * SHARD].eq(0).all())
             carried = residual
         # Bounded, not growing: at most half a step of each bucket of the last target.
         assert float(carried.abs().max()) < float(target.abs().max())

@@ -241,7 +241,8 @@ namespace {
 void check_residual(const std::optional<at::Tensor>& residual, const at::Tensor& input,
                     const char* what) {
   if (!residual) return;
-  TORCH_CHECK_VALUE(residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+  TORCH_CHECK_VALUE(residual->layout() == at::kStrided && residual->scalar_type() == at::kFloat &&
+                        residual->is_contiguous() &&
                         residual->numel() == input.numel() && residual->device() == input.device(),
                     "cgx ", what, ": residual must be a contiguous float32 tensor of ",
                     input.numel(), " elements on ", input.device());
