@@ -209,15 +209,21 @@ def _blocking_callbacks(rank, world):
     torch.set_num_interop_threads(1)
     import cgx
 
-    init_cgx(rank, world, timeout_s=20, pg_options=cgx.Config(bits=4, minimal_size=0))
+    config = cgx.Config(bits=4, minimal_size=0)
+    init_cgx(rank, world, timeout_s=20, pg_options=config)
+    # One group per chain: the callbacks run at once on different threads, so calls they
+    # made on one group could reach it in another order on each rank.
+    groups = [dist.new_group(backend="cgx", pg_options=config) for _ in range(3)]
 
-    def wait_for_another(_):
-        inner = torch.ones(1000)
-        dist.all_reduce(inner, async_op=True).wait()
-        return inner.sum().item()
+    def wait_for_another(group):
+        def callback(_):
+            inner = torch.ones(1000)
+            dist.all_reduce(inner, group=group, async_op=True).wait()
+            return inner.sum().item()
+        return callback
 
-    chains = [dist.all_reduce(torch.ones(1000), async_op=True).get_future().then(wait_for_another)
-              for _ in range(3)]
+    chains = [dist.all_reduce(torch.ones(1000), async_op=True).get_future().then(wait_for_another(g))
+              for g in groups]
     return [c.wait() for c in chains]
 
 
