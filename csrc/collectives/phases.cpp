@@ -81,16 +81,28 @@ void quantize_owned_chunk(compression::Executor& executor, const compression::La
   executor.decompress(codec, dst, chunk.begin, chunk.end, data);
 }
 
+namespace {
+// Each algorithm's two phases, chosen in one place.
+struct AlgorithmPhases {
+  decltype(&sra_reduce_scatter) reduce_scatter;
+  decltype(&sra_allgather) allgather;
+};
+
+const AlgorithmPhases& phases_of(ReductionAlgorithm algorithm) {
+  static const AlgorithmPhases sra{sra_reduce_scatter, sra_allgather};
+  static const AlgorithmPhases ring{ring_reduce_scatter, ring_allgather};
+  switch (algorithm) {
+    case ReductionAlgorithm::SRA: return sra;
+    case ReductionAlgorithm::Ring: return ring;
+  }
+  throw std::invalid_argument("unknown reduction algorithm");
+}
+}  // namespace
+
 Traffic reduce_scatter(transport::Transport& transport, int rank, float* data,
                        const compression::LayoutCodec& codec, const Chunking& chunks,
                        const Phase& phase, Scratch& scratch) {
-  switch (phase.algorithm) {
-    case ReductionAlgorithm::SRA:
-      return sra_reduce_scatter(transport, rank, data, codec, chunks, phase, scratch);
-    case ReductionAlgorithm::Ring:
-      return ring_reduce_scatter(transport, rank, data, codec, chunks, phase, scratch);
-  }
-  throw std::invalid_argument("unknown reduction algorithm");
+  return phases_of(phase.algorithm).reduce_scatter(transport, rank, data, codec, chunks, phase, scratch);
 }
 
 PieceLayout::PieceLayout(const compression::LayoutCodec& codec, const Chunking& chunks, int count)
@@ -128,13 +140,7 @@ PieceLayout Phase::pieces(const compression::LayoutCodec& codec, const Chunking&
 Traffic allgather(transport::Transport& transport, int rank, float* data,
                   const compression::LayoutCodec& codec, const Chunking& chunks,
                   const Phase& phase, const std::vector<uint8_t*>& buffers) {
-  switch (phase.algorithm) {
-    case ReductionAlgorithm::SRA:
-      return sra_allgather(transport, rank, data, codec, chunks, phase, buffers);
-    case ReductionAlgorithm::Ring:
-      return ring_allgather(transport, rank, data, codec, chunks, phase, buffers);
-  }
-  throw std::invalid_argument("unknown reduction algorithm");
+  return phases_of(phase.algorithm).allgather(transport, rank, data, codec, chunks, phase, buffers);
 }
 
 }  // namespace cgx::collectives

@@ -57,6 +57,12 @@ uint8_t* CudaExecutor::staging(size_t bytes) {
   return staging_;
 }
 
+uint8_t* CudaExecutor::upload(const uint8_t* src, size_t bytes, size_t extra) {
+  uint8_t* out = staging(bytes + extra);
+  check(cudaMemcpyAsync(out, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to device");
+  return out;
+}
+
 void CudaExecutor::compress(const LayoutCodec& codec, const float* data, int64_t begin,
                             int64_t end, uint8_t* dst, uint64_t seed) {
   const auto pieces = codec.pieces(begin, end);
@@ -90,8 +96,7 @@ void CudaExecutor::decode(const LayoutCodec& codec, const uint8_t* src, int64_t 
   const size_t bytes = total_bytes(pieces);
   if (bytes == 0) return;
   bind_thread();
-  const uint8_t* in = staging(bytes);
-  check(cudaMemcpyAsync(staging_, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to device");
+  const uint8_t* in = upload(src, bytes);
   for (const auto& piece : pieces) {
     const Segment& segment = codec.segments()[piece.segment];
     if (segment.raw)
@@ -124,9 +129,8 @@ void CudaExecutor::add_error(const LayoutCodec& codec, const uint8_t* src, int64
   // largest piece decoded.
   int64_t largest = 0;
   for (const auto& piece : pieces) largest = std::max(largest, piece.numel);
-  uint8_t* in = staging(bytes + static_cast<size_t>(largest) * sizeof(float));
+  uint8_t* in = upload(src, bytes, static_cast<size_t>(largest) * sizeof(float));
   auto* decoded = reinterpret_cast<float*>(in + bytes);
-  check(cudaMemcpyAsync(staging_, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to device");
   for (const auto& piece : pieces) {
     const Segment& segment = codec.segments()[piece.segment];
     if (!segment.raw) {  // raw values travel exactly: nothing dropped

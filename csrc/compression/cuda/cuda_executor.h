@@ -43,6 +43,9 @@ class CudaExecutor final : public Executor {
               float* data, bool add);
   // A device buffer of at least `bytes`, ordered on the stream (grown, never shrunk).
   uint8_t* staging(size_t bytes);
+  // Queues the copy of `bytes` host bytes from `src` to staging, which has `extra` bytes
+  // of room after them; returns staging.
+  uint8_t* upload(const uint8_t* src, size_t bytes, size_t extra = 0);
 
   int device_;
   cudaStream_t stream_;
