@@ -162,6 +162,44 @@ def test_csr_empty_strided_and_bad_op():
         assert "AVG needs floating-point" in r["int_avg"]
 
 
+def _expanded_outputs(rank, world):
+    """A tensor whose elements share memory (expand, stride 0) cannot take a result:
+    refused on the caller's thread before anything moves, on the compressed and the
+    exact path (where Gloo itself would crash), and the group stays usable."""
+    import cgx
+
+    init_cgx(rank, world, timeout_s=30, pg_options=cgx.Config(bits=4, minimal_size=0))
+    backend = cgx.get_backend()
+    expanded = lambda: torch.ones(1).expand(10_000)  # noqa: E731
+    calls = {
+        "compressed allreduce": lambda: dist.all_reduce(expanded()),
+        "exact allreduce": lambda: dist.all_reduce(expanded(), op=dist.ReduceOp.MAX),
+        "allreduce_layout": lambda: backend.allreduce_layout(expanded(), [(0, 10_000, 4, 512)]).wait(),
+        "broadcast": lambda: dist.broadcast(expanded(), src=0),
+        "all_gather": lambda: dist.all_gather([expanded() for _ in range(world)], torch.ones(10_000)),
+        "recv": lambda: dist.recv(expanded(), src=(rank + 1) % world),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    after = torch.ones(10_000)
+    dist.all_reduce(after)  # compressed, and the group is still usable
+    exact = torch.ones(10, dtype=torch.int64)
+    dist.all_reduce(exact)
+    return out, float(after[0]), exact.tolist()
+
+
+def test_expanded_tensors_are_refused_and_the_group_stays_usable():
+    for out, after, exact in values(run_ranks(_expanded_outputs, 2)):
+        for name, message in out.items():
+            assert "share memory (an expanded or stride-0 view)" in message, (name, message)
+        assert abs(after - 2.0) < 0.1 and exact == [2] * 10
+
+
 def _init_only(rank, world):
     init_cgx(rank, world)
     return "initialized"

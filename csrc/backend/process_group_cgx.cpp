@@ -1,6 +1,7 @@
 #include "backend/process_group_cgx.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -197,6 +198,21 @@ c10d::Backend& ProcessGroupCGX::exact_for(const std::vector<at::Tensor>& tensors
 }
 
 namespace {
+// A tensor a collective writes into must not have elements that share memory (an
+// expanded, stride-0 view): refused on the caller's thread before the call is numbered,
+// so the group stays usable (Gloo itself crashes on such a tensor).
+void check_writable(const std::vector<at::Tensor>& tensors, const char* what) {
+  for (const auto& t : tensors)
+    TORCH_CHECK_VALUE(t.layout() != at::kStrided || at::has_internal_overlap(t) != at::MemOverlap::Yes,
+                      "cgx ", what, ": a tensor of shape ", t.sizes(), " and strides ", t.strides(),
+                      " has elements that share memory (an expanded or stride-0 view) and cannot "
+                      "receive a result: pass a tensor of its own (.clone() or .contiguous())");
+}
+
+void check_writable(const std::vector<std::vector<at::Tensor>>& lists, const char* what) {
+  for (const auto& tensors : lists) check_writable(tensors, what);
+}
+
 // Sparse (COO) tensors are reduced exactly by the wrapped backend, where `sparse_ok`.
 void check_tensors(const std::vector<at::Tensor>& tensors, const char* what, bool sparse_ok) {
   for (const auto& t : tensors) {
@@ -206,6 +222,7 @@ void check_tensors(const std::vector<at::Tensor>& tensors, const char* what, boo
     TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "cgx ", what,
                 ": expected CPU or CUDA tensors, got ", t.device());
   }
+  check_writable(tensors, what);
 }
 }  // namespace
 
@@ -565,75 +582,88 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
+  check_writable(tensors, "broadcast");
   begin_call();
   return exact_for(tensors).broadcast(tensors, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
+  check_writable(tensors, "reduce");
   begin_call();
   return exact_for(tensors).reduce(tensors, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  check_writable(outputs, "allgather");
   begin_call();
   return exact_for(inputs).allgather(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  check_writable({output}, "_allgather_base");
   begin_call();
   return exact_for(input)._allgather_base(output, input, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  check_writable(outputs, "allgather_coalesced");
   begin_call();
   return exact_for(inputs).allgather_coalesced(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  check_writable(outputs, "allgather_into_tensor_coalesced");
   begin_call();
   return exact_for(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
+  check_writable(outputs, "gather");
   begin_call();
   return exact_for(inputs).gather(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
+  check_writable(outputs, "scatter");
   begin_call();
   return exact_for(outputs).scatter(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  check_writable(outputs, "reduce_scatter");
   begin_call();
   return exact_for(outputs).reduce_scatter(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  check_writable({output}, "_reduce_scatter_base");
   begin_call();
   return exact_for(input)._reduce_scatter_base(output, input, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  check_writable(outputs, "reduce_scatter_tensor_coalesced");
   begin_call();
   return exact_for(inputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  check_writable({output}, "alltoall_base");
   begin_call();
   return exact_for(input).alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::alltoall(std::vector<at::Tensor>& outputs,
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllToAllOptions& opts) {
+  check_writable(outputs, "alltoall");
   begin_call();
   return exact_for(inputs).alltoall(outputs, inputs, opts);
 }
@@ -645,12 +675,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::send(std::vector<at::Tensor>& te
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recv(std::vector<at::Tensor>& tensors,
                                                      int src_rank, int tag) {
+  check_writable(tensors, "recv");
   check_tag(tag);
   check_usable();
   return exact_for(tensors).recv(tensors, src_rank, tag);
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recvAnysource(std::vector<at::Tensor>& tensors,
                                                               int tag) {
+  check_writable(tensors, "recvAnysource");
   check_tag(tag);
   check_usable();
   return exact_for(tensors).recvAnysource(tensors, tag);
