@@ -125,7 +125,11 @@ def _check_same_config(store: dist.Store, rank: int, size: int, config: Config |
 
 def get_backend(group: dist.ProcessGroup | None = None) -> _C.ProcessGroupCGX:
     """The ProcessGroupCGX behind a "cgx" group (the default group when None)."""
-    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("cgx: the default process group does not exist yet: call "
+                               "torch.distributed.init_process_group first")
+        group = dist.group.WORLD
     backend = group._get_backend(torch.device("cpu"))
     # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps backends in a checking wrapper.
     backend = getattr(backend, "wrapped_pg", backend)

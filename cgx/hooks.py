@@ -8,11 +8,18 @@ Example::
     state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=4), warmup_steps=100)
     ddp.register_comm_hook(state, cgx.cgx_hook)
 
-torch_cgx's form works unchanged (no model: layers are told apart by DDP's buckets)::
+torch_cgx's form works unchanged. Without a model, the state finds the module of the
+DDP it serves on its first call, so layers are named by their parameters' names either
+way (never by DDP's buckets, which static_graph, find_unused_parameters and
+bucket_cap_mb lay out differently)::
 
     state = cgx.CGXState(dist.group.WORLD, layer_min_size=1024,
                          compression_params={"bits": 4, "bucket_size": 1024})
     ddp.register_comm_hook(state, cgx.cgx_hook)
+
+A state can be made before ``init_process_group`` (as PyTorch Lightning's
+``DDPStrategy(ddp_comm_state=...)`` does): the group and its defaults are read on the
+first call.
 
 Each bucket is averaged with one ``allreduce_layout`` call on the "cgx" group: the
 bucket's per-layer plan (which slice is which parameter, with its bits and bucket size)
@@ -33,6 +40,7 @@ compress/decompress per step); that form needs round-to-nearest.
 
 # No `from __future__ import annotations` here: DDP checks cgx_hook's annotations as
 # objects (dist.GradBucket), not strings.
+import gc
 from typing import Any
 
 import torch
@@ -51,11 +59,11 @@ class CGXState:
     """State of :func:`cgx_hook`: the policy, error-feedback residuals, warm-up, stats.
 
     Args:
-        process_group: a "cgx" group, or None for the default group.
-        model: the module wrapped by DDP (its parameter names key the policy). None tells
-            layers apart by DDP's buckets instead: parameter ``i`` of bucket ``b`` when the
-            hook first sees it is layer ``"bucket{b}.{i}"``; rules by pattern or module
-            type then need the model.
+        process_group: a "cgx" group, or None for the default group (which need not
+            exist yet: it is looked up on the hook's first call).
+        model: the module wrapped by DDP (its parameter names key the policy and the
+            residuals). None: the module of the DDP the hook is registered on, found on
+            the first call; the same names either way.
         policy: per-layer settings; None takes bits, bucket size and minimal size from
             the group's settings (the CGX_* variables or its ``pg_options``).
         layer_min_size, compression_params: torch_cgx's way to say the policy, instead
@@ -78,15 +86,17 @@ class CGXState:
         # hyper-parameters
         "process_group",
         "policy",
-        "layers_from_buckets",
         "error_feedback",
         "two_level",
         "warmup_steps",
         "stats_every",
         "adaptive",
-        # wiring to the model (not pickled: rebuilt by attach())
+        "_torch_cgx",  # (layer_min_size, compression_params) until the group resolves them
+        # wiring to the model (not pickled: found again, or given to attach())
+        "_model",
         "_params",
         "_settings_by_param",
+        "_reduced",  # ids of the parameters reduced since the last step ended
         # internal state, checkpointed
         "step",
         "residuals",
@@ -127,13 +137,9 @@ class CGXState:
                 "cgx.CGXState: give either policy or torch_cgx's layer_min_size / "
                 "compression_params, not both"
             )
-        if torch_cgx_form:
-            policy = _torch_cgx_policy(process_group, layer_min_size, compression_params)
         self.process_group = process_group
-        self.policy = policy if policy is not None else _policy_of(process_group)
-        self.layers_from_buckets = model is None
-        if self.layers_from_buckets:
-            _check_needs_no_model(self.policy)
+        self.policy = policy
+        self._torch_cgx = _torch_cgx_args(layer_min_size, compression_params) if torch_cgx_form else None
         self.error_feedback = bool(error_feedback)
         self.two_level = bool(two_level)
         self.warmup_steps = warmup_steps
@@ -145,53 +151,82 @@ class CGXState:
         self.bytes_uncompressed = 0
         self.layer_errors: dict[str, float] = {}
         self.layer_settings: dict[str, LayerSetting] = {}
+        self._model: torch.nn.Module | None = None
         self._params: dict[str, torch.Tensor] = {}  # the layers by name
         self._settings_by_param: dict[int, tuple[str, LayerSetting]] = {}
+        self._reduced: set[int] = set()
+        # The group's defaults are read now where the group exists, else on first use.
+        if self.policy is None and (process_group is not None or dist.is_initialized()):
+            self._resolve_policy()
         if model is not None:
             self.attach(model)
 
+    def _resolve_policy(self) -> None:
+        """The policy from the group's settings (and torch_cgx's arguments, if given)."""
+        settings = get_backend(self.group()).settings
+        if self._torch_cgx is None:
+            self.policy = CompressionPolicy(bits=settings.bits, bucket_size=settings.bucket_size,
+                                            minimal_size=settings.minimal_size)
+            return
+        layer_min_size, params = self._torch_cgx
+        self.policy = CompressionPolicy(
+            bits=params.get("bits", settings.bits),
+            bucket_size=params.get("bucket_size", settings.bucket_size),
+            # torch_cgx compresses numel >= layer_min_size; the policy keeps numel <= minimal_size raw.
+            minimal_size=max(layer_min_size - 1, settings.minimal_size),
+        )
+
     def attach(self, model: torch.nn.Module) -> None:
-        """Resolves the policy on `model` (after unpickling: re-attach the model)."""
-        self.layers_from_buckets = False
+        """Resolves the policy on `model`, the module DDP wraps (after unpickling, or to
+        move the state to another DDP of the same model). Without a call to attach the
+        hook finds the module itself on its first call. Refuses a model whose layers are
+        not the ones the state's loaded settings and residuals belong to."""
+        self._model = model
+        if self.policy is None:
+            return  # before the process group exists: resolved on the hook's first call
         resolved = self.policy.resolve(model)
+        params = {n: p for n, p in model.named_parameters() if n in resolved}
+        _check_fits(self.layer_settings, self.residuals, params, "cgx.CGXState.attach")
         # Settings chosen later (adaptive selection, a loaded checkpoint) stay.
-        self.layer_settings = {**resolved, **{n: s for n, s in self.layer_settings.items() if n in resolved}}
-        self._params = {n: p for n, p in model.named_parameters() if n in resolved}
+        self.layer_settings = {**resolved, **self.layer_settings}
+        self._params = params
         self._rewire()
 
+    def _bind(self, bucket: dist.GradBucket) -> None:
+        """On the hook's first call: the group's defaults, and the model if none was given."""
+        if self.policy is None:
+            self._resolve_policy()
+        if not self._settings_by_param:
+            self.attach(self._model if self._model is not None else _module_wrapped_by_ddp(bucket))
+
     def set_layer_settings(self, settings: dict[str, LayerSetting]) -> None:
-        """Replaces the settings of the named layers (e.g. from adaptive selection).
-        Without a model, layers the hook has not seen yet keep theirs until it does."""
+        """Replaces the settings of the named layers (e.g. from adaptive selection). Before
+        the model is known, they are checked against it when it is."""
         unknown = set(settings) - set(self.layer_settings)
-        if unknown and not self.layers_from_buckets:
+        if unknown and self._settings_by_param:
             raise ValueError(f"cgx.CGXState: unknown layers {sorted(unknown)}")
         self.layer_settings.update(settings)
         self._rewire()
-
-    def _learn_layers(self, bucket: dist.GradBucket) -> None:
-        """Without a model: names and settings for the bucket's parameters not seen yet
-        (a setting already known by that name, from a checkpoint, wins)."""
-        for i, param in enumerate(bucket.parameters()):
-            if id(param) in self._settings_by_param:
-                continue
-            name = f"bucket{bucket.index()}.{i}"
-            if name in self._params:  # first seen after DDP rebuilt its buckets
-                name = f"{name}.step{self.step}"
-            residual = self.residuals.get(name)
-            if residual is not None and residual.numel() != param.numel():
-                raise ValueError(
-                    f"cgx_hook: the loaded residual of layer {name!r} has {residual.numel()} "
-                    f"values, its parameter {param.numel()}: the checkpoint is another model's"
-                )
-            setting = self.layer_settings.get(name) or self.policy.setting_for(name, None, param)
-            self.layer_settings[name] = setting
-            self._params[name] = param
-            self._settings_by_param[id(param)] = (name, setting)
 
     def _rewire(self) -> None:
         self._settings_by_param = {
             id(p): (n, self.layer_settings[n]) for n, p in self._params.items()
         }
+
+    def _count_step(self, bucket: dist.GradBucket, group: dist.ProcessGroup) -> None:
+        """Ends the step before a bucket whose parameters were already reduced in it: DDP
+        did not say which bucket was its last (static_graph's first iteration on some
+        torch versions calls every bucket index 0, none last)."""
+        ids = [id(p) for p in bucket.parameters()]
+        if not self._reduced.isdisjoint(ids):
+            self._end_step(group)
+        self._reduced.update(ids)
+
+    def _end_step(self, group: dist.ProcessGroup) -> None:
+        self._reduced.clear()
+        self.step += 1
+        if self.adaptive and self.step >= self.warmup_steps and self.step % self.adaptive.interval == 0:
+            _replan(self, group)
 
     def _count_sparse(self, buffer: torch.Tensor) -> None:
         # Gloo reduces a sparse gradient by gathering every rank's indices and values.
@@ -215,8 +250,10 @@ class CGXState:
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: residuals (and adaptive statistics) differ between ranks, so
         every rank saves and loads its own."""
+        placed = dist.is_initialized()
         return {
-            "rank": self._rank(),
+            "rank": dist.get_rank(self.group()) if placed else None,
+            "world_size": self.group().size() if placed else None,
             "step": self.step,
             "residuals": {n: r.clone() for n, r in self.residuals.items()},
             "layer_settings": {n: (s.bits, s.bucket_size) for n, s in self.layer_settings.items()},
@@ -228,15 +265,14 @@ class CGXState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Loads this rank's state_dict(); ValueError naming the key for anything else."""
-        _check_state_dict(state, {n: p.numel() for n, p in self._params.items()})
-        rank = self._rank()
-        if state["rank"] is not None and rank is not None and state["rank"] != rank:
-            raise ValueError(
-                f"cgx.CGXState.load_state_dict: this is rank {state['rank']}'s state, loaded on "
-                f"rank {rank}; error-feedback residuals are per rank, so every rank must save "
-                f"and load its own state_dict()"
-            )
+        """Loads this rank's state_dict(); ValueError naming the key for anything else. Before
+        the model is known (a state made without one, not yet called), what depends on it is
+        checked on the hook's first call."""
+        _check_state_dict(state)
+        if self._settings_by_param:
+            _check_fits(state["layer_settings"], state["residuals"], self._params, "cgx.CGXState.load_state_dict")
+        if state["residuals"] and dist.is_initialized():
+            _check_same_place(state, dist.get_rank(self.group()), self.group().size())
         if self.adaptive:
             self.adaptive.accumulated = {n: g.clone() for n, g in state["adaptive_accumulated"].items()}
         self.step = int(state["step"])
@@ -247,26 +283,31 @@ class CGXState:
 
     def group(self) -> dist.ProcessGroup:
         """The process group the hook reduces on (the default group when None)."""
-        return self.process_group if self.process_group is not None else dist.group.WORLD
-
-    def _rank(self) -> int | None:
-        return dist.get_rank(self.group()) if dist.is_initialized() else None
+        if self.process_group is not None:
+            return self.process_group
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "cgx.CGXState: the default process group does not exist yet: call "
+                "torch.distributed.init_process_group before the first backward (the state "
+                "itself may be made before)"
+            )
+        return dist.group.WORLD
 
     def __getstate__(self) -> dict[str, Any]:
-        # The process group and the parameter wiring do not survive pickling.
-        return {
-            slot: getattr(self, slot)
-            for slot in self.__slots__
-            if slot not in ("process_group", "_params", "_settings_by_param")
-        }
+        # The process group and the wiring to the model do not survive pickling.
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in _UNPICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.process_group = None
+        self._model = None
         self._params = {}
         self._settings_by_param = {}
+        self._reduced = set()
         self.two_level = True  # a state pickled before two-level feedback existed
+        self._torch_cgx = None
         for slot, value in state.items():
-            setattr(self, slot, value)
+            if slot in self.__slots__:  # older pickles hold slots since removed
+                setattr(self, slot, value)
 
     # ---- per bucket
 
@@ -335,13 +376,16 @@ class CGXState:
                 numel, bits, bucket_size, skip_incomplete_buckets=skip_incomplete)
 
 
-_STATE_KEYS = ("rank", "step", "residuals", "layer_settings", "adaptive_accumulated",
+_STATE_KEYS = ("rank", "world_size", "step", "residuals", "layer_settings", "adaptive_accumulated",
                "bytes_sent", "bytes_uncompressed")
 
 
-def _check_state_dict(state: Any, numels: dict[str, int]) -> None:
+_UNPICKLED = ("process_group", "_model", "_params", "_settings_by_param", "_reduced")
+
+
+def _check_state_dict(state: Any) -> None:
     """What CGXState.load_state_dict accepts: a dict of state_dict()'s form, with valid
-    settings and residuals that fit the layers (`numels`, where known)."""
+    settings and float residuals (whether they fit the model: _check_fits)."""
     what = "cgx.CGXState.load_state_dict"
     if not isinstance(state, dict):
         raise TypeError(f"{what}: expected the dict of CGXState.state_dict(), got {type(state).__name__}")
@@ -361,29 +405,75 @@ def _check_state_dict(state: Any, numels: dict[str, int]) -> None:
         for name, tensor in state[key].items():
             if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
                 raise ValueError(f"{what}: {key}[{name!r}] must be a float tensor, got {tensor!r}")
-            if name in numels and tensor.numel() != numels[name]:
-                raise ValueError(
-                    f"{what}: {key}[{name!r}] has {tensor.numel()} values, the layer "
-                    f"{numels[name]}: the state is another model's"
-                )
 
 
-def _policy_of(group: dist.ProcessGroup | None) -> CompressionPolicy:
-    """The group's settings as a policy: the environment (or pg_options) is the default
-    that a policy given in Python overrides."""
-    settings = get_backend(group).settings
-    return CompressionPolicy(bits=settings.bits, bucket_size=settings.bucket_size,
-                             minimal_size=settings.minimal_size)
+def _check_same_place(state: dict[str, Any], rank: int, world_size: int) -> None:
+    """Residuals are what this rank's quantizations dropped in a group of that size: they
+    load on the same rank of a group of the same size only."""
+    what = "cgx.CGXState.load_state_dict"
+    if state["world_size"] is not None and state["world_size"] != world_size:
+        raise ValueError(
+            f"{what}: the state was saved in a group of {state['world_size']} ranks, loaded in "
+            f"one of {world_size}; its error-feedback residuals belong to that group's ranks. "
+            f"To resume at another size, load it with state['residuals'] = {{}} (feedback "
+            f"restarts from zero; settings, step and stats carry over)"
+        )
+    if state["rank"] is not None and state["rank"] != rank:
+        raise ValueError(
+            f"{what}: this is rank {state['rank']}'s state, loaded on rank {rank}; "
+            f"error-feedback residuals are per rank, so every rank must save and load its own "
+            f"state_dict()"
+        )
+
+
+def _check_fits(layer_settings: dict, residuals: dict[str, torch.Tensor],
+                params: dict[str, torch.Tensor], what: str) -> None:
+    """Settings and residuals (loaded, or kept from before) name the model's layers and
+    fit them; else ValueError naming the first that does not."""
+    unknown = sorted((set(layer_settings) | set(residuals)) - set(params))
+    if unknown:
+        raise ValueError(
+            f"{what}: the state names layers the model does not have ({unknown[:4]}"
+            f"{' ...' if len(unknown) > 4 else ''}; the model's look like "
+            f"{next(iter(params), '<none>')!r}): the state is another model's"
+        )
+    for name, residual in residuals.items():
+        if residual.numel() != params[name].numel():
+            raise ValueError(
+                f"{what}: residuals[{name!r}] has {residual.numel()} values, the layer "
+                f"{params[name].numel()}: the state is another model's"
+            )
+
+
+def _module_wrapped_by_ddp(bucket: dist.GradBucket) -> torch.nn.Module:
+    """The module of the DistributedDataParallel this bucket is from, for a state made
+    without one: looked up once among the live DDP objects, by the bucket's parameters
+    (the hook receives the bucket only)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    param = bucket.parameters()[0]
+    modules = {}
+    for obj in gc.get_objects():
+        # type(), not isinstance(): a dead weakref proxy raises on __class__.
+        if issubclass(type(obj), DistributedDataParallel) and any(p is param for p in obj.module.parameters()):
+            modules[id(obj.module)] = obj.module
+    if len(modules) != 1:
+        raise RuntimeError(
+            f"cgx_hook: {'no' if not modules else f'{len(modules)} different'} modules wrapped by "
+            f"DistributedDataParallel hold the parameters of this bucket, so the CGXState "
+            f"cannot name its layers: give it the module, cgx.CGXState(group, model, ...)"
+        )
+    return next(iter(modules.values()))
 
 
 _TORCH_CGX_PARAMS = ("bits", "bucket_size")
 
 
-def _torch_cgx_policy(group: dist.ProcessGroup | None, layer_min_size: int | None,
-                      compression_params: dict[str, int] | None) -> CompressionPolicy:
-    """torch_cgx's CGXState arguments as a policy, with torch_cgx's meaning: compress
-    layers of 2+ dimensions with at least `layer_min_size` elements (default 1024), and
-    more than the group's minimal size; bits and bucket size default to the group's."""
+def _torch_cgx_args(layer_min_size: int | None,
+                    compression_params: dict[str, int] | None) -> tuple[int, dict[str, int]]:
+    """torch_cgx's CGXState arguments, checked (the group fills in the rest, with
+    torch_cgx's meaning: compress layers of 2+ dimensions with at least `layer_min_size`
+    elements, default 1024, and more than the group's minimal size)."""
     params = dict(compression_params or {})
     unknown = set(params) - set(_TORCH_CGX_PARAMS)
     if unknown:
@@ -391,34 +481,22 @@ def _torch_cgx_policy(group: dist.ProcessGroup | None, layer_min_size: int | Non
             f"cgx.CGXState: unknown compression_params {sorted(unknown)} "
             f"(torch_cgx's are {list(_TORCH_CGX_PARAMS)})"
         )
+    if "bits" in params:
+        check_bits(params["bits"], "cgx.CGXState compression_params")
+    if "bucket_size" in params:
+        check_bucket_size(params["bucket_size"], "cgx.CGXState compression_params")
     if layer_min_size is None:
         layer_min_size = 1024
     if not isinstance(layer_min_size, int) or layer_min_size < 0:
         raise ValueError(f"cgx.CGXState: layer_min_size must be an integer >= 0, got {layer_min_size!r}")
-    group_policy = _policy_of(group)
-    return CompressionPolicy(
-        bits=params.get("bits", group_policy.bits),
-        bucket_size=params.get("bucket_size", group_policy.bucket_size),
-        # torch_cgx compresses numel >= layer_min_size; the policy keeps numel <= minimal_size raw.
-        minimal_size=max(layer_min_size - 1, group_policy.minimal_size),
-    )
-
-
-def _check_needs_no_model(policy: CompressionPolicy) -> None:
-    for rule in policy.rules:
-        if rule.pattern is not None or rule.module_type is not None:
-            raise ValueError(
-                f"cgx.CGXState: {rule} picks layers by name or module type, which needs the "
-                f"model: CGXState(group, model, policy)"
-            )
+    return layer_min_size, params
 
 
 def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages a DDP bucket with per-layer compression. Register with
     ``ddp.register_comm_hook(state, cgx.cgx_hook)``."""
-    if not (state._settings_by_param or state.layers_from_buckets):
-        raise RuntimeError("cgx_hook: the state has no model attached (after unpickling, call state.attach(model))")
     group = state.group()
+    state._bind(bucket)
     backend = get_backend(group)
     settings = backend.settings
     if state.error_feedback and not state.two_level and settings.stochastic_rounding:
@@ -428,14 +506,13 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
             "(CGX_COMPRESSION_STOCHASTIC_ROUNDING): create the CGXState with two_level=True "
             "or error_feedback=False"
         )
+    state._count_step(bucket, group)
     buffer = bucket.buffer()
     buffer.div_(group.size())  # divide first, as torch's hooks do (no fp16 overflow)
     if buffer.is_sparse:  # nn.Embedding(sparse=True): reduced exactly, as without a hook
         state._count_sparse(buffer)
         future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
     else:
-        if state.layers_from_buckets:
-            state._learn_layers(bucket)
         residual, compressed = None, []
         if state.step < state.warmup_steps:
             layout = [(0, buffer.numel(), RAW_BITS, 1)]
@@ -453,9 +530,7 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
                 return result
             future = future.then(keep)
     if bucket.is_last():
-        state.step += 1
-        if state.adaptive and state.step >= state.warmup_steps and state.step % state.adaptive.interval == 0:
-            _replan(state, group)
+        state._end_step(group)
     return future.then(lambda f: f.value()[0])
 
 
