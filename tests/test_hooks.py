@@ -403,6 +403,14 @@ def _checkpoint(rank, world, two_level):
         wrong_rank = "accepted"
     except ValueError as e:
         wrong_rank = str(e)
+    # So are residuals of a group of another size; without residuals the rest loads.
+    try:
+        state.load_state_dict({**saved["cgx"], "world_size": world + 1})
+        wrong_size = "accepted"
+    except ValueError as e:
+        wrong_size = str(e)
+    state.load_state_dict({**theirs[(rank + 1) % world], "world_size": world + 1, "residuals": {}})
+    state.load_state_dict(saved["cgx"])
 
     # An unpickled state (without its process group) re-attached to a copy of the model
     # takes the same next step as the original.
@@ -419,7 +427,7 @@ def _checkpoint(rank, world, two_level):
     train(twin_ddp, twin, rank, 1, start=5)
     pickled_ok = copy.process_group is None and torch.equal(flat_params(model), flat_params(twin))
     return (torch.equal(uninterrupted[0], resumed[0]), uninterrupted[1] == resumed[1],
-            bool(state.residuals), wrong_rank, pickled_ok)
+            bool(state.residuals), wrong_rank + wrong_size, pickled_ok)
 
 
 @pytest.mark.parametrize("two_level", [True, False])
@@ -429,6 +437,7 @@ def test_checkpoint_round_trip_resumes_exactly(two_level):
     for same, same_plan, had_residuals, wrong_rank, pickled_ok in values(run_ranks(_checkpoint, 2, args=(two_level,))):
         assert same and same_plan and had_residuals and pickled_ok
         assert "every rank must save and load its own" in wrong_rank
+        assert "saved in a group of 3 ranks, loaded in one of 2" in wrong_rank
 
 
 def _torch_cgx_form(rank, world):
