@@ -24,9 +24,10 @@ state dicts and any other collective on the group stay exact.
 Weights: each rank quantizes its own shard once and every rank, the owner included,
 decodes the same bytes, so the full weights are bit-identical everywhere; the optimizer
 keeps updating the full-precision shard. Rounding is to nearest unless asked otherwise;
-stochastic rounding is seeded by (unit, step),
-the step advancing at each forward of the module given to :func:`qsdp`: a unit gathered
-again in backward gets the same weights as in forward. Gradients: each contribution is
+stochastic rounding is seeded by the unit and the content of the shard it gathers, so any
+gather of the same weights (a re-gather in backward, an activation-checkpointing
+recompute, a second forward before one backward) gets the same bytes, and autograd never
+mixes two roundings of one set of weights. Gradients: each contribution is
 quantized once with round-to-nearest and the owner sums them in float32; with
 ``error_feedback`` each rank keeps what quantization lost (a float32 buffer the size of
 the unit's unsharded gradient) and adds it the next time.
@@ -74,11 +75,15 @@ class _Unit:
         self.plans = {"allgather": weights, "reduce_scatter": grads}
         self.residual: torch.Tensor | None = None
 
-    def exact_reason(self, kind: str, tensor: torch.Tensor, numel: int) -> str | None:
+    def exact_reason(self, kind: str, tensor: torch.Tensor, numel: int, group: dist.ProcessGroup) -> str | None:
         """Why a call of this unit cannot take its plan (None: it can)."""
         if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return (f"FSDP2 gathers this unit as {tensor.dtype} (its parameters have mixed "
                     f"dtypes), so the values' boundaries are unknown")
+        if group.size() < self.group.size():
+            return (f"a backward re-gather over reshard_after_forward's group of {group.size()} "
+                    f"ranks: it gathers weights the forward already decoded, so it stays exact "
+                    f"for backward to compute with the forward's weights")
         if numel != self.shard_numel:
             return (f"the {kind} buffer holds {numel} elements per rank, the unit's parameter "
                     f"shards {self.shard_numel} (a tensor subclass with its own all-gather inputs?)")
@@ -88,28 +93,23 @@ class _Unit:
 
 
 class QSDP:
-    """What :func:`qsdp` installed: the step that seeds weight rounding, per-rank error
-    feedback, and the traffic of its calls (:meth:`stats`)."""
+    """What :func:`qsdp` installed: per-rank error feedback, the seed of stochastic weight
+    rounding, and the traffic of its calls (:meth:`stats`)."""
 
-    def __init__(self, root: torch.nn.Module, units: list[_Unit], weight_rounding: str,
-                 error_feedback: bool, seed: int) -> None:
+    def __init__(self, units: list[_Unit], weight_rounding: str, error_feedback: bool, seed: int) -> None:
         self.units = units
         self.weight_rounding = weight_rounding
         self.error_feedback = error_feedback
         self.seed = seed
-        self.step = 0
         self.exact_units: dict[str, dict[str, str]] = {kind: {} for kind in _KINDS}
         self._exact = {kind: {"calls": 0, "bytes": 0} for kind in _KINDS}
-        # Before FSDP2's own pre-forward hook (which gathers the root unit): every gather of
-        # this step, prefetched or re-gathered in backward, sees the new step.
-        self._hook = root.register_forward_pre_hook(self._advance, prepend=True)
 
-    def _advance(self, *_: Any) -> None:
-        self.step += 1
-
-    def weight_seed(self, unit: _Unit) -> int:
-        """Stochastic rounding's seed for `unit`'s weights in the current step."""
-        digest = hashlib.blake2b(f"{self.seed}/{unit.index}/{self.step}".encode(), digest_size=8).digest()
+    def weight_seed(self, unit: _Unit, shard: torch.Tensor) -> int:
+        """Stochastic rounding's seed for `unit`'s weights: a function of the weights
+        themselves (the shard this rank gathers), so every gather of the same weights
+        rounds them alike, and new weights round afresh."""
+        content = int(torch.hash_tensor(shard).view(torch.int64))
+        digest = hashlib.blake2b(f"{self.seed}/{unit.name}/{content}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little")
 
     def _exact_call(self, kind: str, unit: _Unit, reason: str, nbytes: int) -> None:
@@ -134,26 +134,59 @@ class QSDP:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's step and error-feedback residuals (they differ between ranks: every
-        rank saves and loads its own)."""
-        return {"step": self.step,
+        """This rank's error-feedback residuals, with what they depend on: the rank and
+        world size, and each unit's gradient layout (they differ between ranks: every rank
+        saves and loads its own)."""
+        return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
+                "layouts": {u.name: [list(s) for s in u.plans["reduce_scatter"]] for u in self.units},
                 "residuals": {u.name: u.residual.clone() for u in self.units if u.residual is not None}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads this rank's state_dict(); ValueError naming what differs for a state saved
+        on another rank, at another world size, or for units sharded otherwise."""
+        what = "cgx.QSDP.load_state_dict"
+        missing = [k for k in ("rank", "world_size", "layouts", "residuals") if k not in state]
+        if missing:
+            raise ValueError(f"{what}: missing {missing} (expected the dict of QSDP.state_dict())")
         by_name = {u.name: u for u in self.units}
         unknown = set(state["residuals"]) - set(by_name)
         if unknown:
-            raise ValueError(f"cgx.QSDP.load_state_dict: no unit named {sorted(unknown)} in this model")
+            raise ValueError(f"{what}: no unit named {sorted(unknown)} in this model")
+        if state["residuals"]:
+            if state["world_size"] != dist.get_world_size():
+                raise ValueError(
+                    f"{what}: the state was saved at world size {state['world_size']}, loaded at "
+                    f"{dist.get_world_size()}; its residuals belong to the gradient shards of that "
+                    f"world. To resume at another size, load it with state['residuals'] = {{}} "
+                    f"(error feedback restarts from zero)")
+            if state["rank"] != dist.get_rank():
+                raise ValueError(
+                    f"{what}: this is rank {state['rank']}'s state, loaded on rank {dist.get_rank()}; "
+                    f"residuals are per rank, so every rank must save and load its own state_dict()")
         for name, residual in state["residuals"].items():
             unit = by_name[name]
+            saved = [tuple(s) for s in state["layouts"].get(name, ())]
+            if saved != unit.plans["reduce_scatter"]:
+                raise ValueError(
+                    f"{what}: unit {name!r} lays out its gradient shard otherwise than when the "
+                    f"state was saved (another model, policy or sharding): saved "
+                    f"{_describe(saved)}, now {_describe(unit.plans['reduce_scatter'])}")
             expected = unit.shard_numel * unit.group.size()
             if residual.numel() != expected:
-                raise ValueError(f"cgx.QSDP.load_state_dict: the residual of unit {name!r} has "
+                raise ValueError(f"{what}: the residual of unit {name!r} has "
                                  f"{residual.numel()} elements, the unit's gradients {expected}")
-        self.step = int(state["step"])
         for unit in self.units:
             saved = state["residuals"].get(unit.name)
             unit.residual = None if saved is None else saved.to(torch.float32).clone()
+
+
+def _describe(plan: list[Segment]) -> str:
+    """A plan in a few words, for an error message."""
+    if not plan:
+        return "no segments"
+    numel = sum(n for _, n, _, _ in plan)
+    shown = ", ".join(f"({o}, {n}, {b}, {k})" for o, n, b, k in plan[:3])
+    return f"{len(plan)} segments over {numel} elements [{shown}{', ...' if len(plan) > 3 else ''}]"
 
 
 class _Comm:
@@ -169,13 +202,14 @@ class _AllGather(_Comm, AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False):
         unit, handle = self.unit, self.handle
-        reason = unit.exact_reason("allgather", input_tensor, input_tensor.numel())
+        reason = unit.exact_reason("allgather", input_tensor, input_tensor.numel(), group)
         if reason:
             handle._exact_call("allgather", unit, reason, input_tensor.nbytes * (group.size() - 1))
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        stochastic = handle.weight_rounding == "stochastic"
         work = get_backend(group).allgather_layout(
             output_tensor, input_tensor, unit.plans["allgather"],
-            stochastic=handle.weight_rounding == "stochastic", seed=handle.weight_seed(unit))
+            stochastic=stochastic, seed=handle.weight_seed(unit, input_tensor) if stochastic else 0)
         if async_op:
             return work
         work.wait()
@@ -187,7 +221,7 @@ class _ReduceScatter(_Comm, ReduceScatter):
                  group: dist.ProcessGroup, op, async_op: bool = False):
         unit, handle = self.unit, self.handle
         kind = getattr(op, "op", op)  # a ReduceOp (PREMUL_SUM carries its factor) or its type
-        reason = unit.exact_reason("reduce_scatter", input_tensor, input_tensor.numel() // group.size())
+        reason = unit.exact_reason("reduce_scatter", input_tensor, input_tensor.numel() // group.size(), group)
         if reason is None and kind not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM):
             reason = f"FSDP2 asked for {kind}, not SUM, AVG or PREMUL_SUM"
         if reason:
@@ -235,13 +269,17 @@ def qsdp(
         error_feedback: keep each rank's gradient quantization residual and add it the next
             step (memory: a float32 unsharded gradient per unit).
         seed: mixed into the weights' stochastic rounding.
+
+    Every rank of each unit's group must call it alike: the arguments and the units'
+    layouts are compared over the group (one small all-gather), and a difference raises
+    ValueError on every rank naming it.
     """
     check_bits(weight_bits, "cgx.qsdp weight_bits")
     check_bits(grad_bits, "cgx.qsdp grad_bits")
     if weight_rounding not in _ROUNDINGS:
         raise ValueError(f"cgx.qsdp: weight_rounding must be one of {_ROUNDINGS}, got {weight_rounding!r}")
-    if not _is_int(seed) or seed < 0:
-        raise ValueError(f"cgx.qsdp: seed must be an integer >= 0, got {seed!r}")
+    if not _is_int(seed) or not 0 <= seed < 2**63:
+        raise ValueError(f"cgx.qsdp: seed must be an integer in 0..2**63-1, got {seed!r}")
     if policy is not None and not isinstance(policy, CompressionPolicy):
         raise TypeError(f"cgx.qsdp: policy must be a cgx.CompressionPolicy, got {type(policy).__name__}")
     fsdp_units = [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
@@ -268,10 +306,36 @@ def qsdp(
         except ValueError as e:
             raise ValueError(f"cgx.qsdp: FSDP2 unit {unit.name!r} shards over a group that is not cgx's: {e}") from None
         units.append(unit)
-    handle = QSDP(module, units, weight_rounding, error_feedback, seed)
+    _agree(units, (weight_bits, grad_bits, _ROUNDINGS.index(weight_rounding), int(error_feedback), seed))
+    handle = QSDP(units, weight_rounding, error_feedback, seed)
     for unit in units:
         if weight_bits != RAW_BITS:
             unit.module.set_custom_all_gather(_AllGather(handle, unit))
         if grad_bits != RAW_BITS:
             unit.module.set_custom_reduce_scatter(_ReduceScatter(handle, unit))
     return handle
+
+
+_AGREED = ("weight_bits", "grad_bits", "weight_rounding", "error_feedback", "seed", "units and layouts")
+
+
+def _agree(units: list[_Unit], arguments: tuple[int, ...]) -> None:
+    """Ranks that install different comms (8 bits on one, 32 on another) would meet only at
+    the timeout, in mismatched collectives: compare the arguments and the units' layouts
+    over each group the units shard over, now, and raise on every rank naming the first
+    difference."""
+    layouts = hashlib.blake2b(repr([(u.name, u.plans) for u in units]).encode(), digest_size=7).digest()
+    mine = torch.tensor([*arguments, int.from_bytes(layouts, "little")], dtype=torch.int64)
+    for group in {id(u.group): u.group for u in units}.values():
+        everyone = [torch.empty_like(mine) for _ in range(group.size())]
+        dist.all_gather(everyone, mine, group=group)
+        for peer, theirs in enumerate(t.tolist() for t in everyone):
+            for field, a, b in zip(_AGREED, mine.tolist(), theirs):
+                if a != b:
+                    shown = (lambda v: _ROUNDINGS[v]) if field == "weight_rounding" else (lambda v: v)
+                    difference = ("differ" if field == _AGREED[-1]
+                                  else f"{shown(a)!r} here, {shown(b)!r} on group rank {peer}")
+                    raise ValueError(
+                        f"cgx.qsdp: the ranks of a unit's group called qsdp differently: {field} "
+                        f"{difference} (rank {dist.get_rank(group)} of the group compared); every "
+                        f"rank must call cgx.qsdp with the same arguments on the same model")

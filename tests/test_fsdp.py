@@ -351,10 +351,10 @@ def test_fsdp_uncompressed_is_bit_identical_to_gloo():
 
 
 class _Recording:
-    """Wraps a unit's all-gather comm and keeps (step, input, output) of every call."""
+    """Wraps a unit's all-gather comm and keeps (input, output) of every call."""
 
-    def __init__(self, inner, handle, log):
-        self.inner, self.handle, self.log = inner, handle, log
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
 
     def allocate(self, size, *, dtype, device):
         return self.inner.allocate(size, dtype=dtype, device=device)
@@ -362,13 +362,27 @@ class _Recording:
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         given = input_tensor.clone()
         self.inner(output_tensor, input_tensor, group, async_op=False)
-        self.log.append((self.handle.step, given, output_tensor.clone()))
+        self.log.append((given, output_tensor.clone()))
+
+
+def _record_all_gathers(unit_module, log):
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    inner = unit_module._get_fsdp_state()._fsdp_param_group._all_gather_comm
+    unit_module.set_custom_all_gather(type("RecordingAllGather", (_Recording, AllGather), {})(inner, log))
+
+
+def _by_input(log):
+    """The outputs of the gathers in `log`, grouped by the exact bytes of their input."""
+    groups: dict = {}
+    for given, out in log:
+        groups.setdefault(given.numpy().tobytes(), []).append(out)
+    return groups
 
 
 def _qsdp(rank, world, weight_bits, grad_bits, rounding, steps):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
     import cgx
 
@@ -376,11 +390,8 @@ def _qsdp(rank, world, weight_bits, grad_bits, rounding, steps):
     model = _model(0)
     _shard(model, init_device_mesh("cpu", (world,)))
     handle = cgx.qsdp(model, weight_bits=weight_bits, grad_bits=grad_bits, weight_rounding=rounding)
-    block = model.blocks[0]
     log: list = []
-    param_group = block._get_fsdp_state()._fsdp_param_group
-    recording = type("RecordingAllGather", (_Recording, AllGather), {})(param_group._all_gather_comm, handle, log)
-    block.set_custom_all_gather(recording)
+    _record_all_gathers(model.blocks[0], log)
     losses = _train(model, rank, steps)
     full = _full_params(model)
     local = {n: p.to_local().clone() for n, p in model.named_parameters()}
@@ -398,12 +409,10 @@ def test_qsdp_trains_with_exact_and_bounded_layers(world, rounding):
     log0, full0 = results[0][2], results[0][3]
     for rank, _, log, full, local, state, plan, stats in results:
         # Replicas gather bit-identical weights, in forward and again in backward.
-        assert [s for s, _, _ in log] == [s for s, _, _ in log0]
-        for (step, _, out), (_, _, out0) in zip(log, log0):
-            assert torch.equal(out, out0), step
-        by_step: dict = {}
-        for step, given, out in log:
-            by_step.setdefault(step, []).append(out)
+        assert len(log) == len(log0)
+        for call, ((_, out), (_, out0)) in enumerate(zip(log, log0)):
+            assert torch.equal(out, out0), call
+        for given, out in log:
             shard = given.numel()
             own = out[rank * shard:(rank + 1) * shard]
             for offset, numel, bits, bucket in plan:  # raw layers exact, the others in bound
@@ -413,7 +422,7 @@ def test_qsdp_trains_with_exact_and_bounded_layers(world, rounding):
                 else:
                     err = (y.double() - x.double()).abs()
                     assert bool((err <= step_bound(x, bits, bucket, rounding == "stochastic")).all())
-        assert all(len(outs) == 2 and torch.equal(outs[0], outs[1]) for outs in by_step.values()), \
+        assert all(len(outs) == 2 and torch.equal(outs[0], outs[1]) for outs in _by_input(log).values()), \
             "the backward re-gather must give the forward's weights"
         # full_tensor() and state_dict() are exact: each rank's rows are its shard, unquantized.
         for name, value in full.items():
@@ -522,7 +531,7 @@ def test_qsdp_bad_arguments_raise_value_error_naming_them():
         assert "matches no trainable parameter" in errors["rule"]
 
 
-def _error_feedback(rank, world):
+def _error_feedback(rank, world, directory):
     from torch.distributed.device_mesh import init_device_mesh
 
     import cgx
@@ -533,22 +542,180 @@ def _error_feedback(rank, world):
     handle = cgx.qsdp(model, weight_bits=8, grad_bits=2, error_feedback=True)
     losses = _train(model, rank, 3)
     state = handle.state_dict()
+    torch.save(state, f"{directory}/qsdp-{rank}.pt")
     sizes = {u.name: u.shard_numel * world for u in handle.units}
-    handle.step = 0
     handle.load_state_dict(state)
-    try:
-        handle.load_state_dict({"step": 1, "residuals": {"blocks.0": torch.zeros(3)}})
-        bad = None
-    except ValueError as e:
-        bad = str(e)
-    return losses, state, sizes, handle.step, bad
+    refused = {}
+    for name, bad in {
+        "short residual": {**state, "residuals": {"blocks.0": torch.zeros(3)}},
+        "other rank": {**state, "rank": (rank + 1) % world},
+        "other world size": {**state, "world_size": 2 * world},
+        "other layout": {**state, "layouts": {**state["layouts"], "blocks.0": [[0, 5, 2, 512]]}},
+        "no unit": {**state, "residuals": {"blocks.7": torch.zeros(3)}},
+        "not a state": {"residuals": {}},
+    }.items():
+        try:
+            handle.load_state_dict(bad)
+            refused[name] = None
+        except ValueError as e:
+            refused[name] = str(e)
+    # Without residuals nothing in it depends on the rank or the world size.
+    handle.load_state_dict({**state, "world_size": 2 * world, "rank": 5, "residuals": {}})
+    return losses, state, sizes, refused
 
 
-def test_qsdp_error_feedback_residuals_checkpoint():
-    for losses, state, sizes, step, bad in values(run_ranks(_error_feedback, 2)):
+def test_qsdp_error_feedback_residuals_checkpoint(tmp_path):
+    for losses, state, sizes, refused in values(run_ranks(_error_feedback, 2, args=(str(tmp_path),))):
         assert all(l == l for l in losses)
-        assert step == state["step"] == 3  # one forward per step advances it
-        assert set(state["residuals"]) == set(sizes)
+        assert set(state["residuals"]) == set(sizes) and state["world_size"] == 2
         for name, residual in state["residuals"].items():
             assert residual.numel() == sizes[name] and float(residual.abs().max()) > 0, name
-        assert "has 3 elements" in bad
+        assert "has 3 elements" in refused["short residual"]
+        assert "every rank must save and load its own" in refused["other rank"]
+        assert "saved at world size 4, loaded at 2" in refused["other world size"]
+        assert "unit 'blocks.0' lays out its gradient shard otherwise" in refused["other layout"]
+        assert "no unit named ['blocks.7']" in refused["no unit"]
+        assert "missing ['rank', 'world_size', 'layouts']" in refused["not a state"]
+    # The same files at 4 ranks (2 and 4 ranks pad the shards to one total size: only the
+    # world size tells them apart) are refused, naming it.
+    for message in values(run_ranks(_load_at_another_world_size, 4, args=(str(tmp_path),), timeout_s=240)):
+        assert "saved at world size 2, loaded at 4" in message, message
+
+
+def _load_at_another_world_size(rank, world, directory):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import cgx
+
+    init_cgx(rank, world)
+    model = _model(0)
+    _shard(model, init_device_mesh("cpu", (world,)))
+    handle = cgx.qsdp(model, weight_bits=8, grad_bits=2, error_feedback=True)
+    try:
+        handle.load_state_dict(torch.load(f"{directory}/qsdp-{rank % 2}.pt"))
+        return "accepted"
+    except ValueError as e:
+        return str(e)
+
+
+def _loss_of(model, x, y, shape, vocab=50):
+    """One step's loss, computed in the training-loop shape named."""
+    from torch.utils.checkpoint import checkpoint
+
+    def loss(inputs, targets):
+        return torch.nn.functional.cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1))
+
+    if shape == "two forwards":  # both graphs live until one backward
+        return loss(x[:2], y[:2]) + loss(x[2:], y[2:])
+    if shape == "root checkpoint":  # the recompute gathers every unit again in backward
+        return checkpoint(loss, x, y, use_reentrant=False)
+    return loss(x, y)
+
+
+def _checkpoint_blocks(model, reentrant):
+    """Activation checkpointing of each block, as a model's forward would call it."""
+    from torch.utils.checkpoint import checkpoint
+
+    def forward(x):
+        x = model.embed(x)
+        for block in model.blocks:
+            x = checkpoint(block, x, use_reentrant=reentrant)
+        return model.head(model.norm(x))
+
+    model.forward = forward
+
+
+def _stochastic_weights_in_shapes(rank, world, shape):
+    """Stochastic weight rounding, in each shape that gathers a unit more than once per
+    set of weights: every gather of the same weights (forward, backward re-gather,
+    recompute) must give the same bytes, or autograd mixes two weight sets."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import cgx
+
+    init_cgx(rank, world)
+    model = _model(0)
+    _shard(model, init_device_mesh("cpu", (world,)))
+    if shape.startswith("block checkpoint"):
+        _checkpoint_blocks(model, reentrant=shape.endswith("reentrant"))
+    handle = cgx.qsdp(model, weight_bits=4, grad_bits=8, weight_rounding="stochastic")
+    logs = {name: [] for name in ("<root>", "blocks.0", "blocks.1")}
+    for unit in handle.units:
+        _record_all_gathers(unit.module, logs[unit.name])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    micro_batches = 3 if shape == "accumulation" else 1
+    for step in range(3):
+        for micro in range(micro_batches):
+            g = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
+            x = torch.randint(0, 50, (4, 12), generator=g)
+            model.set_requires_gradient_sync(micro == micro_batches - 1)
+            _loss_of(model, x, (x * 7 + 3) % 50, shape).backward()
+        opt.step()
+        opt.zero_grad()
+    regathered, inconsistent = 0, []
+    for name, log in logs.items():
+        for outs in _by_input(log).values():
+            regathered += len(outs) > 1
+            if not all(torch.equal(o, outs[0]) for o in outs):
+                inconsistent.append(name)
+    return regathered, inconsistent, _full_params(model)
+
+
+@pytest.mark.parametrize("shape", ["two forwards", "root checkpoint", "accumulation",
+                                   "block checkpoint", "block checkpoint reentrant"])
+def test_stochastic_weights_are_the_same_for_every_gather_of_the_same_weights(shape):
+    results = values(run_ranks(_stochastic_weights_in_shapes, 2, args=(shape,)))
+    for regathered, inconsistent, params in results:
+        assert regathered > 0  # the shape does gather the same weights again
+        assert inconsistent == [], inconsistent
+        for name, value in params.items():
+            assert torch.equal(value, results[0][2][name]), name
+
+
+def _different_qsdp_calls(rank, world, what):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import cgx
+
+    init_cgx(rank, world, timeout_s=20)
+    model = _model(0)
+    _shard(model, init_device_mesh("cpu", (world,)))
+    kwargs = {"weight_bits": {"weight_bits": 32 if rank == 1 else 8},
+              "policy": {"policy": cgx.CompressionPolicy(bucket_size=128 if rank == 1 else 512)}}[what]
+    try:
+        cgx.qsdp(model, **kwargs)
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("what", ["weight_bits", "policy"])
+def test_ranks_calling_qsdp_differently_raise_on_every_rank(what):
+    """One rank compressing, the other plain FSDP2 (or other layouts): both raise at the
+    qsdp call, naming the difference, instead of meeting in mismatched collectives."""
+    for rank, message in enumerate(values(run_ranks(_different_qsdp_calls, 2, args=(what,), timeout_s=60))):
+        assert "called qsdp differently" in message, message
+        expected = {"weight_bits": ["weight_bits 8 here, 32 on group rank 1", "weight_bits 32 here, 8 on group rank 0"][rank],
+                    "policy": "units and layouts differ"}[what]
+        assert expected in message, message
+
+
+def _reshard_to_two(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import cgx
+
+    init_cgx(rank, world)
+    model = _model(0)
+    _shard(model, init_device_mesh("cpu", (world,)), reshard_after_forward=2)
+    handle = cgx.qsdp(model, weight_bits=8, grad_bits=8)
+    losses = _train(model, rank, 3)
+    return losses, handle.stats()
+
+
+def test_reshard_after_forward_to_a_smaller_group_names_why_backward_gathers_exactly():
+    for losses, stats in values(run_ranks(_reshard_to_two, 4, timeout_s=240)):
+        assert losses[-1] < losses[0]
+        assert stats["allgather"]["calls"] > 0 and stats["allgather"]["exact_calls"] > 0
+        for reason in stats["exact_units"]["allgather"].values():
+            assert "backward re-gather over reshard_after_forward's group of 2 ranks" in reason, reason
