@@ -4,8 +4,11 @@ Compression pays only where the link is slow, so benchmarks and tests run ranks 
 separate network namespaces ("hosts") whose links to a bridge in the root namespace are
 limited with tbf in both directions (tbf shapes egress only, so both ends of each veth
 get one). Traffic between hosts really crosses the shaped links, and the bytes that did
-are read from the interface counters. ../shared/notes/network-emulation.md has the
-measurements behind the choices (tbf only, burst sizes, why not `lo`).
+are read from the interface counters. Why this setup: the development VMs offer only the
+tbf, htb and pfifo qdiscs (no netem, so bandwidth is limited but latency and loss are
+not emulated); shaping `lo` instead would put both directions, and the TCPStore's
+traffic, in one bucket; and namespaces still share /dev/shm and the hostname, so each
+emulated host is given its own CGX_HOSTNAME or its traffic skips the link.
 
     with EmulatedHosts(2, rate="1gbit") as hosts:
         procs = [hosts.popen(i, [sys.executable, "worker.py"], env) for i in range(2)]
