@@ -329,13 +329,17 @@ def _agree(units: list[_Unit], arguments: tuple[int, ...]) -> None:
     for group in {id(u.group): u.group for u in units}.values():
         everyone = [torch.empty_like(mine) for _ in range(group.size())]
         dist.all_gather(everyone, mine, group=group)
-        for peer, theirs in enumerate(t.tolist() for t in everyone):
-            for field, a, b in zip(_AGREED, mine.tolist(), theirs):
-                if a != b:
-                    shown = (lambda v: _ROUNDINGS[v]) if field == "weight_rounding" else (lambda v: v)
-                    difference = ("differ" if field == _AGREED[-1]
-                                  else f"{shown(a)!r} here, {shown(b)!r} on group rank {peer}")
-                    raise ValueError(
-                        f"cgx.qsdp: the ranks of a unit's group called qsdp differently: {field} "
-                        f"{difference} (rank {dist.get_rank(group)} of the group compared); every "
-                        f"rank must call cgx.qsdp with the same arguments on the same model")
+        for peer, theirs in enumerate(everyone):
+            differs = (mine != theirs).nonzero()
+            if differs.numel():
+                raise ValueError(f"cgx.qsdp: the ranks of a unit's group called qsdp differently: "
+                                 f"{_difference(int(differs[0]), mine, theirs, peer)}; every rank must "
+                                 f"call cgx.qsdp with the same arguments on the same model")
+
+
+def _difference(field: int, mine: torch.Tensor, theirs: torch.Tensor, peer: int) -> str:
+    name = _AGREED[field]
+    if name == "units and layouts":
+        return f"{name} differ (against group rank {peer})"
+    shown = _ROUNDINGS.__getitem__ if name == "weight_rounding" else int
+    return f"{name} {shown(int(mine[field]))!r} here, {shown(int(theirs[field]))!r} on group rank {peer}"
