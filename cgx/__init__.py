@@ -21,6 +21,7 @@ from cgx.config import Config, from_env
 from cgx.adaptive import AdaptiveBits
 from cgx.hooks import CGXState, cgx_hook
 from cgx.fsdp import QSDP, qsdp
+from cgx.diloco import DiLoCo
 from cgx.layers import CompressionPolicy, LayerRule, LayerSetting
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "cgx_hook",
     "qsdp",
     "QSDP",
+    "DiLoCo",
     "CompressionPolicy",
     "LayerRule",
     "LayerSetting",

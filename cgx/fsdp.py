@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from cgx.agreement import first_difference
 from cgx.backend import get_backend
 from cgx.layers import RAW_BITS, CompressionPolicy, Segment, _is_int, append_segment, check_bits
 
@@ -306,7 +307,8 @@ def qsdp(
         except ValueError as e:
             raise ValueError(f"cgx.qsdp: FSDP2 unit {unit.name!r} shards over a group that is not cgx's: {e}") from None
         units.append(unit)
-    _agree(units, (weight_bits, grad_bits, _ROUNDINGS.index(weight_rounding), int(error_feedback), seed))
+    _agree(units, {"weight_bits": weight_bits, "grad_bits": grad_bits, "weight_rounding": weight_rounding,
+                    "error_feedback": bool(error_feedback), "seed": seed})
     handle = QSDP(units, weight_rounding, error_feedback, seed)
     for unit in units:
         if weight_bits != RAW_BITS:
@@ -316,30 +318,15 @@ def qsdp(
     return handle
 
 
-_AGREED = ("weight_bits", "grad_bits", "weight_rounding", "error_feedback", "seed", "units and layouts")
-
-
-def _agree(units: list[_Unit], arguments: tuple[int, ...]) -> None:
+def _agree(units: list[_Unit], arguments: dict[str, object]) -> None:
     """Ranks that install different comms (8 bits on one, 32 on another) would meet only at
     the timeout, in mismatched collectives: compare the arguments and the units' layouts
     over each group the units shard over, now, and raise on every rank naming the first
     difference."""
-    layouts = hashlib.blake2b(repr([(u.name, u.plans) for u in units]).encode(), digest_size=7).digest()
-    mine = torch.tensor([*arguments, int.from_bytes(layouts, "little")], dtype=torch.int64)
+    fields = {**arguments, "units and layouts": [(u.name, u.plans) for u in units]}
     for group in {id(u.group): u.group for u in units}.values():
-        everyone = [torch.empty_like(mine) for _ in range(group.size())]
-        dist.all_gather(everyone, mine, group=group)
-        for peer, theirs in enumerate(everyone):
-            differs = (mine != theirs).nonzero()
-            if differs.numel():
-                raise ValueError(f"cgx.qsdp: the ranks of a unit's group called qsdp differently: "
-                                 f"{_difference(int(differs[0]), mine, theirs, peer)}; every rank must "
-                                 f"call cgx.qsdp with the same arguments on the same model")
-
-
-def _difference(field: int, mine: torch.Tensor, theirs: torch.Tensor, peer: int) -> str:
-    name = _AGREED[field]
-    if name == "units and layouts":
-        return f"{name} differ (against group rank {peer})"
-    shown = _ROUNDINGS.__getitem__ if name == "weight_rounding" else int
-    return f"{name} {shown(int(mine[field]))!r} here, {shown(int(theirs[field]))!r} on group rank {peer}"
+        difference = first_difference(group, fields)
+        if difference:
+            raise ValueError(f"cgx.qsdp: the ranks of a unit's group called qsdp differently: "
+                             f"{difference}; every rank must call cgx.qsdp with the same arguments "
+                             f"on the same model")

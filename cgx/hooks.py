@@ -50,7 +50,7 @@ from cgx import _C
 from cgx.backend import get_backend
 from cgx.adaptive import AdaptiveBits
 from cgx.layers import (RAW_BITS, CompressionPolicy, LayerSetting, bucket_plan, check_bits,
-                        check_bucket_size)
+                        check_bucket_size, layout_bytes)
 
 __all__ = ["CGXState", "cgx_hook"]
 
@@ -272,7 +272,8 @@ class CGXState:
         if self._settings_by_param:
             _check_fits(state["layer_settings"], state["residuals"], self._params, "cgx.CGXState.load_state_dict")
         if state["residuals"] and dist.is_initialized():
-            _check_same_place(state, dist.get_rank(self.group()), self.group().size())
+            check_same_place(state, dist.get_rank(self.group()), self.group().size(),
+                             "cgx.CGXState.load_state_dict")
         if self.adaptive:
             self.adaptive.accumulated = {n: g.clone() for n, g in state["adaptive_accumulated"].items()}
         self.step = int(state["step"])
@@ -371,9 +372,7 @@ class CGXState:
         if all(bits == RAW_BITS for _, _, bits, _ in layout):
             self.bytes_sent += buffer.numel() * buffer.element_size()  # Gloo, in its dtype
             return
-        for _, numel, bits, bucket_size in layout:
-            self.bytes_sent += 4 * numel if bits == RAW_BITS else _C.compressed_size(
-                numel, bits, bucket_size, skip_incomplete_buckets=skip_incomplete)
+        self.bytes_sent += layout_bytes(layout, skip_incomplete)
 
 
 _STATE_KEYS = ("rank", "world_size", "step", "residuals", "layer_settings", "adaptive_accumulated",
@@ -407,16 +406,16 @@ def _check_state_dict(state: Any) -> None:
                 raise ValueError(f"{what}: {key}[{name!r}] must be a float tensor, got {tensor!r}")
 
 
-def _check_same_place(state: dict[str, Any], rank: int, world_size: int) -> None:
+def check_same_place(state: dict[str, Any], rank: int, world_size: int, what: str) -> None:
     """Residuals are what this rank's quantizations dropped in a group of that size: they
-    load on the same rank of a group of the same size only."""
-    what = "cgx.CGXState.load_state_dict"
+    load on the same rank of a group of the same size only (`state` has the saving rank's
+    "rank" and "world_size")."""
     if state["world_size"] is not None and state["world_size"] != world_size:
         raise ValueError(
             f"{what}: the state was saved in a group of {state['world_size']} ranks, loaded in "
             f"one of {world_size}; its error-feedback residuals belong to that group's ranks. "
             f"To resume at another size, load it with state['residuals'] = {{}} (feedback "
-            f"restarts from zero; settings, step and stats carry over)"
+            f"restarts from zero; the rest carries over)"
         )
     if state["rank"] is not None and state["rank"] != rank:
         raise ValueError(

@@ -30,6 +30,7 @@ from typing import Iterable
 
 import torch
 
+from cgx import _C
 from cgx._C import MAX_BITS, MAX_BUCKET_SIZE, RAW_BITS
 from cgx.config import _int_range
 
@@ -218,6 +219,14 @@ def bucket_plan(
         cursor = max(cursor, offset + numel)
     append_segment(segments, cursor, total - cursor, RAW_BITS, 1)
     return segments, compressed
+
+
+def layout_bytes(layout: list[Segment], skip_incomplete_buckets: bool) -> int:
+    """The payload of a float32 buffer sent with `layout`: raw segments as float32, the
+    others in their compressed size."""
+    return sum(4 * numel if bits == RAW_BITS else _C.compressed_size(
+        numel, bits, bucket_size, skip_incomplete_buckets=skip_incomplete_buckets)
+        for _, numel, bits, bucket_size in layout)
 
 
 def append_segment(plan: list[Segment], offset: int, numel: int, bits: int, bucket_size: int) -> None:

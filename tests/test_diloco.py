@@ -1,0 +1,441 @@
+"""cgx.DiLoCo: exact against a hand-written DiLoCo, compressed within the quantizer's
+bound, the fragment schedule and the overlap's merge, the per-host and FSDP2 forms,
+checkpoint and resume, a peer dying mid-sync, and bad input. Real processes."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bounds import allreduce_error_bound
+from harness import init_cgx, run_ranks, values
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(8, 32)]
+    for _ in range(3):
+        layers += [torch.nn.ReLU(), torch.nn.Linear(32, 32)]
+    return torch.nn.Sequential(*layers, torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _train_step(model, inner, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    inner.step()
+    inner.zero_grad()
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ---- exact DiLoCo equals a hand-written one
+
+
+def _exact_against_reference(rank, world):
+    import cgx
+
+    init_cgx(rank, world)
+    steps, every = 7, 3
+    model = _model(rank)  # replicas start apart: DiLoCo starts them from rank 0's weights
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = cgx.DiLoCo(model, inner, sync_every=every, bits=32)
+    for step in range(steps):
+        _train_step(model, inner, rank, step)
+    diloco.close()
+
+    reference = _model(0)
+    ref_inner = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    global_weights = [p.detach().clone() for p in reference.parameters()]
+    outer = torch.optim.SGD(global_weights, lr=0.7, momentum=0.9, nesterov=True)
+    for step in range(steps):
+        _train_step(reference, ref_inner, rank, step)
+        if (step + 1) % every == 0:
+            with torch.no_grad():
+                outer_gradient = torch.cat([(g - p).reshape(-1) for g, p in zip(global_weights, reference.parameters())])
+                dist.all_reduce(outer_gradient)
+                outer_gradient.div_(world)
+                offset = 0
+                for g in global_weights:
+                    g.grad = outer_gradient[offset:offset + g.numel()].view_as(g)
+                    offset += g.numel()
+                outer.step()
+                for g, p in zip(global_weights, reference.parameters()):
+                    p.copy_(g)
+    mismatched = [n for (n, a), b in zip(model.named_parameters(), reference.parameters()) if not torch.equal(a, b)]
+    return mismatched, diloco.stats()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_exact_diloco_equals_a_hand_written_reference(world):
+    for mismatched, stats in values(run_ranks(_exact_against_reference, world, timeout_s=120)):
+        assert mismatched == []
+        assert stats["outer_syncs"] == 2
+        assert stats["bytes_sent"] == stats["bytes_uncompressed"]
+
+
+# ---- compressed syncs: the quantizer's bound, bit-identical global weights
+
+
+def _compressed_syncs(rank, world, error_feedback):
+    import cgx
+
+    init_cgx(rank, world)
+    model = _model(0)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    captured = {}
+    # Registered first, so it sees the local weights after the inner step, before the sync.
+    inner.register_step_post_hook(lambda *_: captured.update(_weights(model)))
+    # Plain outer SGD (lr 1, no momentum): what a sync applies is global_before - global_after.
+    diloco = cgx.DiLoCo(model, inner, sync_every=2, bits=4, bucket_size=64, outer_lr=1.0, outer_momentum=0.0,
+                        nesterov=False, error_feedback=error_feedback)
+    applied_sum, exact_sum, excess, last_inputs = {}, {}, [], {}
+    for step in range(8):
+        before = diloco.state_dict()
+        _train_step(model, inner, rank, step)
+        after = diloco.state_dict()
+        if after["stats"]["outer_syncs"] == before["stats"]["outer_syncs"]:
+            continue
+        for name, g_before in before["global_weights"].items():
+            delta = g_before - captured[name]
+            inputs = [torch.empty_like(delta) for _ in range(world)]
+            # What each rank put in: its outer gradient (plus its residual, with feedback).
+            fed = delta + before["residuals"].get(name, torch.zeros_like(delta)).view_as(delta)
+            dist.all_gather(inputs, fed)
+            exact = torch.stack([i.double() for i in inputs]).mean(0)
+            applied = (g_before - after["global_weights"][name]).double()
+            # The subtraction global - average rounds to float32 once more.
+            rounding = 4 * 2.0**-24 * float(g_before.abs().max() + exact.abs().max())
+            bound = rounding + (allreduce_error_bound(inputs, 4, average=True) if name.endswith("weight") else 0.0)
+            excess.append(float((applied - exact).abs().max()) - bound)
+            deltas = [torch.empty_like(delta) for _ in range(world)]
+            dist.all_gather(deltas, delta)
+            exact_sum[name] = exact_sum.get(name, 0) + torch.stack([d.double() for d in deltas]).mean(0)
+            applied_sum[name] = applied_sum.get(name, 0) + applied
+            last_inputs[name] = inputs
+    drift = {n: float((applied_sum[n] - exact_sum[n]).abs().max()) - rounding * 8
+             - allreduce_error_bound(last_inputs[n], 4, average=True) for n in applied_sum if n.endswith("weight")}
+    return max(excess), drift, diloco.state_dict()["global_weights"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_compressed_syncs_stay_in_the_bound_and_replicas_agree(world, error_feedback):
+    results = values(run_ranks(_compressed_syncs, world, args=(error_feedback,), timeout_s=120))
+    for excess, drift, global_weights in results:
+        assert excess <= 0, excess  # every sync: within one allreduce's bound of the exact average
+        if error_feedback:  # the running sum of applied updates lags the exact sum by one sync's error at most
+            assert all(d <= 0 for d in drift.values()), drift
+        for name, tensor in global_weights.items():
+            assert torch.equal(tensor, results[0][2][name]), name
+
+
+# ---- the schedule: fragments at their offsets, the merge k steps later
+
+
+def _schedule(rank, world, overlap, pattern):
+    import cgx
+
+    init_cgx(rank, world)
+    model = _model(0)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    captured = {}
+    inner.register_step_post_hook(lambda *_: captured.update(_weights(model)))
+    diloco = cgx.DiLoCo(model, inner, sync_every=8, fragments=4, bits=4, overlap=overlap, mix=0.25,
+                        fragment_pattern=pattern)
+    fragments = diloco.state_dict()["fragments"]
+    changed, merges_exact = {}, True
+    for step in range(1, 25):
+        before = diloco.state_dict()["global_weights"]
+        _train_step(model, inner, rank, step)
+        after = diloco.state_dict()["global_weights"]
+        changed[step] = sorted(n for n in after if not torch.equal(before[n], after[n]))
+        for name in changed[step]:  # the merge, bit for bit
+            local = dict(model.named_parameters())[name].detach()
+            expected = after[name] if overlap == 0 else torch.lerp(after[name], captured[name], 0.25)
+            merges_exact &= torch.equal(local, expected)
+        with cgx.exact():  # lockstep ranks, as a training loop's loss averaging makes them
+            dist.all_reduce(torch.zeros(1))
+    return fragments, changed, merges_exact, diloco.stats()
+
+
+@pytest.mark.parametrize("overlap,pattern", [(0, "strided"), (2, "strided"), (1, "sequential")])
+def test_each_fragment_syncs_once_per_interval_at_its_offset(overlap, pattern):
+    results = values(run_ranks(_schedule, 2, args=(overlap, pattern), timeout_s=120))
+    fragments, changed, merges_exact, stats = results[0]
+    assert len(fragments) == 4 and all(fragments)
+    for p, names in enumerate(fragments):
+        starts = [t for t in range(1, 25) if t % 8 == p * 8 // 4]
+        applied = [t + overlap for t in starts if t + overlap <= 24]
+        for name in names:
+            assert [t for t, c in changed.items() if name in c] == applied, (name, p)
+    assert merges_exact
+    assert stats["outer_syncs"] == sum(len([t for t in range(1, 25) if t % 8 == p * 2 and t + overlap <= 24])
+                                       for p in range(4))
+    if overlap:  # every sync completed before its result was due: the loop never waited
+        assert stats["waits"] == 0, stats
+    # Peak bytes of one sync: at most 1/P of a whole-model sync plus one layer.
+    model = _model(0)
+    layer = max(m.weight.numel() + m.bias.numel() for m in model if isinstance(m, torch.nn.Linear))
+    whole = sum(p.numel() for p in model.parameters())
+    assert stats["peak_bytes"] <= 4 * (whole / 4 + layer)
+
+
+def test_fragment_split_keeps_each_fragment_within_its_share_plus_one_layer():
+    from cgx.diloco import _split
+
+    rng = random.Random(0)
+    for _ in range(500):
+        sizes = [rng.choice([0, 1, 7, 100, 5000]) for _ in range(rng.randint(1, 30))]
+        fragments = rng.randint(1, len(sizes))
+        for pattern in ("strided", "sequential"):
+            choice = _split(sizes, fragments, pattern)
+            loads = [sum(s for s, q in zip(sizes, choice) if q == p) for p in range(fragments)]
+            assert sorted(set(choice)) == list(range(fragments)), (sizes, pattern)
+            assert max(loads) * fragments <= sum(sizes) + fragments * max(sizes), (sizes, pattern, loads)
+            if pattern == "sequential":
+                assert choice == sorted(choice)
+    assert _split([10] * 8, 4, "strided") == [0, 1, 2, 3, 0, 1, 2, 3]  # alike layers: i mod P
+
+
+# ---- deployments: DDP inside a host, FSDP2 inside a replica
+
+
+def _per_host(rank, world):
+    import cgx
+
+    os.environ["CGX_HOSTNAME"] = f"host{rank // 2}"
+    init_cgx(rank, world)
+    host, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
+    across, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    model = torch.nn.parallel.DistributedDataParallel(_model(rank // 2), process_group=host)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with cgx.DiLoCo(model, inner, sync_every=3, fragments=1, bits=4, group=across) as diloco:
+        for step in range(6):
+            _train_step(model, inner, rank, step)
+            if step == 3:
+                mid = _weights(model)  # between syncs: the hosts' replicas apart
+    return mid, _weights(model), diloco.stats()
+
+
+def test_per_host_form_ddp_inside_hosts_diloco_across():
+    results = values(run_ranks(_per_host, 4, timeout_s=180))
+    for name, tensor in results[0][1].items():
+        for rank in range(4):  # after the last sync every rank holds the same weights
+            assert torch.equal(results[rank][1][name], tensor), (rank, name)
+    for name in results[0][0]:
+        assert torch.equal(results[0][0][name], results[1][0][name])  # one host, one replica
+        assert torch.equal(results[2][0][name], results[3][0][name])
+    assert any(not torch.equal(results[0][0][n], results[2][0][n]) for n in results[0][0])
+    assert results[0][2]["outer_syncs"] == 2 and results[0][2]["bytes_sent"] < results[0][2]["bytes_uncompressed"]
+
+
+def _fsdp_inner(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import cgx
+
+    init_cgx(rank, world)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
+    model = _model(0)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = cgx.DiLoCo(model, inner, sync_every=2, fragments=2, bits=4, group=mesh["replica"].get_group())
+    shards = {n: p.to_local().numel() for n, p in model.named_parameters()}
+    replica = mesh.get_coordinate()[0]
+    fragments = diloco.state_dict()["fragments"]
+    full = {}
+    for step in range(4):
+        _train_step(model, inner, replica, step)  # the ranks of a replica see one batch
+        synced = fragments[(step + 1) % 2]  # fragment 1 syncs after steps 1 and 3, fragment 0 after 2 and 4
+        full.update({n: p.full_tensor().detach().clone() for n, p in model.named_parameters() if n in synced})
+    diloco.close()
+    return shards, full, diloco.stats()
+
+
+def test_fsdp2_inner_outer_step_on_local_shards():
+    results = values(run_ranks(_fsdp_inner, 4, timeout_s=180))
+    model = _model(0)
+    shards, full, stats = results[0]
+    assert sum(shards.values()) < sum(p.numel() for p in model.parameters())  # shards, not whole weights
+    assert stats["bytes_uncompressed"] == 4 * sum(shards.values()) * 2  # each shard synced twice
+    for rank in range(4):
+        assert results[rank][1].keys() == set(shards)
+        for name, tensor in full.items():  # each fragment right after its sync: equal on every rank
+            assert torch.equal(results[rank][1][name], tensor), (rank, name)
+
+
+# ---- checkpoint and resume, failure mid-sync
+
+
+def _checkpoint_resume(rank, world):
+    import cgx
+
+    init_cgx(rank, world)
+    options = dict(sync_every=4, fragments=2, bits=4, overlap=1)
+
+    def build():
+        model = _model(0)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, inner, cgx.DiLoCo(model, inner, **options)
+
+    model, inner, diloco = build()
+    for step in range(12):
+        _train_step(model, inner, rank, step)
+    uninterrupted = _weights(model)
+    diloco.close()
+
+    model, inner, diloco = build()
+    for step in range(6):
+        _train_step(model, inner, rank, step)
+    in_flight = diloco.stats()["in_flight"]
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}, saved)
+    diloco.close()
+
+    model, inner, diloco = build()  # as at the start, then the three states
+    saved.seek(0)
+    checkpoint = torch.load(saved)
+    model.load_state_dict(checkpoint["model"])
+    inner.load_state_dict(checkpoint["inner"])
+    diloco.load_state_dict(checkpoint["diloco"])
+    for step in range(6, 12):
+        _train_step(model, inner, rank, step)
+    resumed = _weights(model)
+    return in_flight, [n for n in resumed if not torch.equal(resumed[n], uninterrupted[n])]
+
+
+def test_checkpoint_with_a_sync_in_flight_resumes_bit_identically():
+    for in_flight, differing in values(run_ranks(_checkpoint_resume, 2, timeout_s=120)):
+        assert in_flight == 1
+        assert differing == []
+
+
+def _checkpoint_at_another_size(rank, world, saved_path):
+    import cgx
+
+    init_cgx(rank, world)
+    model = _model(0)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    diloco = cgx.DiLoCo(model, inner, sync_every=2, bits=4)
+    if world == 2:
+        for step in range(2):
+            _train_step(model, inner, rank, step)
+        if rank == 0:
+            torch.save(diloco.state_dict(), saved_path)
+        return "saved"
+    state = torch.load(saved_path)
+    try:
+        diloco.load_state_dict(state)
+        return "loaded"
+    except ValueError as e:
+        refused = str(e)
+    diloco.load_state_dict({**state, "residuals": {}})  # the documented way to resume at another size
+    return refused
+
+
+def test_a_checkpoint_at_another_world_size_is_refused_unless_residuals_are_dropped(tmp_path):
+    path = str(tmp_path / "diloco.pt")
+    assert values(run_ranks(_checkpoint_at_another_size, 2, args=(path,))) == ["saved", "saved"]
+    for message in values(run_ranks(_checkpoint_at_another_size, 3, args=(path,))):
+        assert "saved in a group of 2 ranks, loaded in one of 3" in message, message
+
+
+def _peer_dies_mid_sync(rank, world):
+    import cgx
+
+    init_cgx(rank, world, timeout_s=5)
+    model = _model(0)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    diloco = cgx.DiLoCo(model, inner, sync_every=2, bits=4, overlap=1)
+    for step in range(3):
+        _train_step(model, inner, rank, step)  # a first sync, applied at step 3
+    before = diloco.state_dict()
+    if rank == world - 1:
+        os._exit(1)
+    _train_step(model, inner, rank, 3)  # starts the second sync; the peer is gone
+    start = time.monotonic()
+    try:
+        _train_step(model, inner, rank, 4)  # its result is due
+        return "no error"
+    except Exception as e:  # noqa: BLE001
+        error, elapsed = f"{type(e).__name__}: {e}", time.monotonic() - start
+    after = diloco.state_dict()
+    unchanged = all(
+        before[key].keys() == after[key].keys() and all(torch.equal(before[key][n], after[key][n]) for n in before[key])
+        for key in ("global_weights", "outer_momentum", "residuals"))
+    return error, elapsed, unchanged, len(after["in_flight"])
+
+
+def test_a_peer_dying_mid_sync_raises_on_the_others_and_changes_nothing():
+    results = run_ranks(_peer_dies_mid_sync, 3, expect_exit={2}, timeout_s=120)
+    assert results[2] is None
+    for error, elapsed, unchanged, in_flight in values(results[:2]):
+        assert "timed out" in error or "failed" in error, error
+        assert elapsed < 5 + 5, elapsed
+        assert unchanged
+        assert in_flight == 0
+
+
+# ---- bad input
+
+
+def _bad_input(rank, world):
+    import cgx
+
+    init_cgx(rank, world, timeout_s=20)
+    model = _model(0)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    messages = []
+    for kwargs in ({"sync_every": 0}, {"sync_every": 8, "fragments": 6}, {"sync_every": 2, "fragments": 3},
+                   {"sync_every": 4, "overlap": 4}, {"sync_every": 4, "bits": 9}, {"sync_every": 4, "mix": 1.5},
+                   {"sync_every": 4, "fragment_pattern": "random"}):
+        try:
+            cgx.DiLoCo(model, inner, **kwargs)
+            messages.append(f"no error for {kwargs}")
+        except ValueError as e:
+            messages.append(str(e))
+    foreign = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    try:
+        cgx.DiLoCo(model, foreign, sync_every=4)
+    except ValueError as e:
+        messages.append(str(e))
+    try:
+        cgx.DiLoCo(model, inner, sync_every=4 if rank == 0 else 5)
+    except ValueError as e:
+        messages.append(str(e))
+    return messages
+
+
+def test_bad_input_raises_value_error_naming_the_argument():
+    expected = ["sync_every must be an integer >= 1", "fragments=6 is more than the model's 5 layers",
+                "fragments=3 is more than sync_every=2", "overlap=4 must be less than sync_every=4",
+                "bits must be in 1..8", "mix must be in [0, 1]", "fragment_pattern must be one of",
+                "inner_optimizer updates 1 tensor(s) that are not parameters of the model"]
+    results = values(run_ranks(_bad_input, 2, timeout_s=60))
+    for rank, messages in enumerate(results):
+        assert len(messages) == len(expected) + 1, messages
+        for want, got in zip(expected, messages):
+            assert want in got, (want, got)
+        mine, theirs = (4, 5) if rank == 0 else (5, 4)
+        assert f"sync_every {mine} here, {theirs} on group rank {1 - rank}" in messages[-1], messages[-1]
+
+
+def test_bad_input_needs_a_cgx_group_and_an_initialized_one():
+    import cgx
+
+    model = _model(0)
+    with pytest.raises(RuntimeError, match="init_process_group first"):
+        cgx.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4)
