@@ -16,6 +16,9 @@ underneath, uncompressed unless a method compresses), once per method:
   fsdp          FSDP2 (fully_shard per block and on the root), exact
   qsdp-wAgB     FSDP2 with cgx.qsdp: weights gathered at A bits (stochastic rounding),
                 gradients reduce-scattered at B bits; -nearest: weights rounded to nearest
+  diloco-hH-pP-bB-oK  cgx.DiLoCo, no DDP: every rank a replica, syncing every H steps in P
+                fragments (strided; -seq: sequential), outer gradients at B bits with error
+                feedback, applied K steps later (mix 0.5); evaluated on rank 0's own weights
 
 Tasks:
   gpt     a small GPT-style transformer on real text: CPython's own standard-library
@@ -57,7 +60,9 @@ from plotting import pyplot  # noqa: E402
 DDP_METHODS = ("allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx2-one-level", "cgx2-bucket128",
                "cgx-adaptive")
 FSDP_METHODS = ("fsdp", "qsdp-w8g8", "qsdp-w8g4", "qsdp-w4g4", "qsdp-w8g8-nearest", "qsdp-w4g4-nearest")
-METHODS = DDP_METHODS + FSDP_METHODS
+DILOCO_METHODS = tuple(f"diloco-h{h}-p{p}-b{b}-o{k}" for h in (16, 32) for p in (1, 4) for b in (32, 4)
+                       for k in (0, 1)) + ("diloco-h32-p4-b4-o1-seq",)
+METHODS = DDP_METHODS + FSDP_METHODS + DILOCO_METHODS
 WARMUP_STEPS = 10  # uncompressed first steps, for every compressing method alike
 
 
@@ -221,6 +226,16 @@ def shard_method(method, model):
     return traffic
 
 
+def diloco_method(method, model, inner):
+    """cgx.DiLoCo on the inner optimizer; returns a function giving payload bytes so far."""
+    import cgx
+
+    _, h, p, b, k, *pattern = method.split("-")
+    diloco = cgx.DiLoCo(model, inner, sync_every=int(h[1:]), fragments=int(p[1:]), bits=int(b[1:]),
+                        overlap=int(k[1:]), fragment_pattern="sequential" if pattern else "strided")
+    return lambda step: diloco.stats()["bytes_sent"]
+
+
 def run_method(rank, world, task_name, task_options, method, steps, seed, init_method, out_path):
     import cgx  # noqa: F401  (backend "cgx")
 
@@ -234,15 +249,21 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
     # callbacks, and with several buckets their order differs between ranks (Gloo then
     # aborts with a size mismatch, with or without cgx underneath).
     dist._DEFAULT_FIRST_BUCKET_BYTES = 1 << 30
+    float32 = sum(p.numel() * 4 for p in model.parameters())
+    opt = None
     if method in FSDP_METHODS:
         ddp = model
         traffic = shard_method(method, model)
+    elif method in DILOCO_METHODS:
+        ddp = model
+        opt = torch.optim.AdamW(model.parameters(), lr=task.lr)
+        synced = diloco_method(method, model, opt)
+        traffic = lambda step: (synced(step), float32 * step)  # noqa: E731
     else:
         ddp = DDP(model, bucket_cap_mb=1024)
         bytes_so_far = attach_method(method, ddp, model)
-        float32 = sum(p.numel() * 4 for p in model.parameters())
         traffic = lambda step: (bytes_so_far(step), float32 * step)  # noqa: E731
-    opt = torch.optim.AdamW(model.parameters(), lr=task.lr)
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=task.lr)
     losses = []
     start = time.perf_counter()
     for step in range(steps):
@@ -316,7 +337,7 @@ def plot(results, task, path) -> bool:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="gpt")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(DDP_METHODS + FSDP_METHODS))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")

@@ -204,7 +204,7 @@ class DiLoCo:
         self._in_flight.remove(sync)
         if sync.work is not None:
             started = time.perf_counter()
-            if not sync.work.is_completed():
+            if self.overlap == 0 or not sync.work.is_completed():  # without overlap the step always waits
                 self._stats["waits"] += 1
             sync.work.wait()
             sync.work = None
@@ -262,7 +262,8 @@ class DiLoCo:
         """This rank's totals: step, outer_syncs (fragment syncs applied), bytes_sent
         (payload this rank put into syncs) against bytes_uncompressed (float32),
         peak_bytes (the largest single sync), waits (syncs not yet complete when their
-        result was due: the inner loop waited on the link) and wait_seconds."""
+        result was due, and every sync without overlap: the inner loop waited on the link)
+        and wait_seconds."""
         return {"step": self.step, **self._stats, "in_flight": len(self._in_flight)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -307,8 +308,8 @@ class DiLoCo:
         weights = {n: g for f in self._fragments for n, g in zip(f.names, f.global_weights)}
         for key in ("global_weights", "outer_momentum", "residuals"):
             for name, tensor in state[key].items():
-                if name not in weights or tensor.shape != weights[name].reshape(-1 if key == "residuals" else
-                                                                                  weights[name].shape).shape:
+                if name not in weights or tensor.shape != (
+                        (weights[name].numel(),) if key == "residuals" else weights[name].shape):
                     raise ValueError(f"{what}: {key}[{name!r}] does not fit this model's parameter "
                                      f"(a checkpoint of another model or shard)")
         if set(state["global_weights"]) != set(weights):
