@@ -18,7 +18,9 @@ underneath, uncompressed unless a method compresses), once per method:
                 gradients reduce-scattered at B bits; -nearest: weights rounded to nearest
   diloco-hH-pP-bB-oK  cgx.DiLoCo, no DDP: every rank a replica, syncing every H steps in P
                 fragments (strided; -seq: sequential), outer gradients at B bits with error
-                feedback, applied K steps later (mix 0.5); evaluated on rank 0's own weights
+                feedback, applied K steps later; outer Nesterov SGD lr 0.7, momentum 0.9,
+                mix 0.5 unless -lrA / -mB (0: plain SGD) / -xC say otherwise; evaluated on
+                rank 0's own weights
 
 Tasks:
   gpt     a small GPT-style transformer on real text: CPython's own standard-library
@@ -61,7 +63,8 @@ DDP_METHODS = ("allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx2-on
                "cgx-adaptive")
 FSDP_METHODS = ("fsdp", "qsdp-w8g8", "qsdp-w8g4", "qsdp-w4g4", "qsdp-w8g8-nearest", "qsdp-w4g4-nearest")
 DILOCO_METHODS = tuple(f"diloco-h{h}-p{p}-b{b}-o{k}" for h in (16, 32) for p in (1, 4) for b in (32, 4)
-                       for k in (0, 1)) + ("diloco-h32-p4-b4-o1-seq",)
+                       for k in (0, 1)) + tuple(f"diloco-h32-p4-b4-o1-{v}" for v in (
+                           "seq", "lr1.0-m0", "lr0.5", "lr0.4", "lr0.7-m0.5", "lr0.7-x0.75"))
 METHODS = DDP_METHODS + FSDP_METHODS + DILOCO_METHODS
 WARMUP_STEPS = 10  # uncompressed first steps, for every compressing method alike
 
@@ -230,9 +233,16 @@ def diloco_method(method, model, inner):
     """cgx.DiLoCo on the inner optimizer; returns a function giving payload bytes so far."""
     import cgx
 
-    _, h, p, b, k, *pattern = method.split("-")
+    _, h, p, b, k, *variant = method.split("-")
+    outer = {"lr": 0.7, "m": 0.9, "x": 0.5}  # the paper's outer lr and momentum, mix 0.5
+    for part in variant:
+        if part != "seq":
+            name = part.rstrip("0123456789.")
+            outer[name] = float(part[len(name):])
     diloco = cgx.DiLoCo(model, inner, sync_every=int(h[1:]), fragments=int(p[1:]), bits=int(b[1:]),
-                        overlap=int(k[1:]), fragment_pattern="sequential" if pattern else "strided")
+                        overlap=int(k[1:]), fragment_pattern="sequential" if "seq" in variant else "strided",
+                        outer_lr=outer["lr"], outer_momentum=outer["m"], nesterov=outer["m"] > 0,
+                        mix=outer["x"])
     return lambda step: diloco.stats()["bytes_sent"]
 
 
