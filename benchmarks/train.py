@@ -230,7 +230,7 @@ def shard_method(method, model):
 
 
 def diloco_method(method, model, inner):
-    """cgx.DiLoCo on the inner optimizer; returns a function giving payload bytes so far."""
+    """cgx.DiLoCo on the inner optimizer."""
     import cgx
 
     _, h, p, b, k, *variant = method.split("-")
@@ -243,7 +243,7 @@ def diloco_method(method, model, inner):
                         overlap=int(k[1:]), fragment_pattern="sequential" if "seq" in variant else "strided",
                         outer_lr=outer["lr"], outer_momentum=outer["m"], nesterov=outer["m"] > 0,
                         mix=outer["x"])
-    return lambda step: diloco.stats()["bytes_sent"]
+    return diloco
 
 
 def run_method(rank, world, task_name, task_options, method, steps, seed, init_method, out_path):
@@ -267,8 +267,8 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
     elif method in DILOCO_METHODS:
         ddp = model
         opt = torch.optim.AdamW(model.parameters(), lr=task.lr)
-        synced = diloco_method(method, model, opt)
-        traffic = lambda step: (synced(step), float32 * step)  # noqa: E731
+        diloco = diloco_method(method, model, opt)
+        traffic = lambda step: (diloco.stats()["bytes_sent"], float32 * step)  # noqa: E731
     else:
         ddp = DDP(model, bucket_cap_mb=1024)
         bytes_so_far = attach_method(method, ddp, model)
@@ -289,6 +289,8 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
     sent, float32 = traffic(steps)
     evaluation = task.evaluate(model)  # every rank: FSDP2 gathers its units in forward
     if rank == 0:
+        if method in DILOCO_METHODS:  # how long the inner loop waited on the link
+            evaluation.update({k: diloco.stats()[k] for k in ("waits", "wait_seconds", "outer_syncs")})
         result = {"method": method, "losses": losses, "seconds": elapsed, "steps": steps,
                   "bytes_per_step": sent and sent / steps,
                   "float32_bytes_per_step": float32 and float32 / steps, **evaluation}
