@@ -135,11 +135,12 @@ class DiLoCo:
             policy = CompressionPolicy(bits=bits, bucket_size=bucket_size or backend.settings.bucket_size,
                                        minimal_size=backend.settings.minimal_size)
         params = _synced_parameters(model, inner_optimizer)
-        if fragments > len(_layers(params)):
+        layers = _layers(params)
+        if fragments > len(layers):
             raise ValueError(f"cgx.DiLoCo: fragments={fragments} is more than the model's "
-                             f"{len(_layers(params))} layers with parameters the optimizer updates")
+                             f"{len(layers)} layers with parameters the optimizer updates")
         settings = policy.resolve(model)
-        assignment = _assign(params, fragments, fragment_pattern)
+        assignment = _assign(params, layers, fragments, fragment_pattern)
         self._fragments = [
             _fragment(p, p * sync_every // fragments, names, params, settings, outer_lr, outer_momentum, nesterov)
             for p, names in enumerate(assignment)
@@ -367,13 +368,14 @@ def _layers(params: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     return layers
 
 
-def _assign(params: dict[str, torch.Tensor], fragments: int, pattern: str) -> list[list[str]]:
+def _assign(params: dict[str, torch.Tensor], layers: dict[str, list[str]], fragments: int,
+            pattern: str) -> list[list[str]]:
     """The parameter names of each fragment, whole layers each (see DiLoCo's
     `fragment_pattern`). A layer's size is its parameters' (global) number of elements, the
     same on every rank."""
-    layers = list(_layers(params).values())
-    choice = _split([sum(params[n].numel() for n in names) for names in layers], fragments, pattern)
-    return [[n for names, p in zip(layers, choice) if p == q for n in names] for q in range(fragments)]
+    members = list(layers.values())
+    choice = _split([sum(params[n].numel() for n in names) for names in members], fragments, pattern)
+    return [[n for names, p in zip(members, choice) if p == q for n in names] for q in range(fragments)]
 
 
 def _split(sizes: list[int], fragments: int, pattern: str) -> list[int]:
