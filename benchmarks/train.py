@@ -274,7 +274,7 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
         bytes_so_far = attach_method(method, ddp, model)
         traffic = lambda step: (bytes_so_far(step), float32 * step)  # noqa: E731
     opt = opt or torch.optim.AdamW(model.parameters(), lr=task.lr)
-    losses = []
+    losses, step_ends = [], []
     start = time.perf_counter()
     for step in range(steps):
         x, y = task.batch_for(rank, step, seed)
@@ -285,13 +285,14 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
         avg = loss.detach().clone()
         dist.all_reduce(avg, op=dist.ReduceOp.AVG)  # an interleaved allreduce, as in real scripts
         losses.append(avg.item())
+        step_ends.append(time.perf_counter() - start)
     elapsed = time.perf_counter() - start
     sent, float32 = traffic(steps)
     evaluation = task.evaluate(model)  # every rank: FSDP2 gathers its units in forward
     if rank == 0:
         if method in DILOCO_METHODS:  # how long the inner loop waited on the link
             evaluation.update({k: diloco.stats()[k] for k in ("waits", "wait_seconds", "outer_syncs")})
-        result = {"method": method, "losses": losses, "seconds": elapsed, "steps": steps,
+        result = {"method": method, "losses": losses, "step_ends": step_ends, "seconds": elapsed, "steps": steps,
                   "bytes_per_step": sent and sent / steps,
                   "float32_bytes_per_step": float32 and float32 / steps, **evaluation}
         with open(out_path, "w") as f:
