@@ -6,13 +6,13 @@ underneath, uncompressed unless a method compresses), once per method:
   allreduce     DDP's default allreduce (float32, exact)
   fp16          torch's fp16_compress_hook
   powersgd      torch's PowerSGD hook (rank 4, error feedback)
-  cgx8 / cgx4   cgx_hook, 8 / 4 bits, error feedback
-  cgx2          cgx_hook, 2 bits, error feedback
-  cgx2-one-level  cgx_hook, 2 bits, one-level error feedback (each rank's own quantization
-                only, not the owners' re-quantization of the sums)
-  cgx2-bucket128  cgx_hook, 2 bits in buckets of 128 values (finer scales, 2.5 bits a value)
+  cgxB[-bucket128][-hadamard][-one-level | -no-feedback]
+                cgx_hook at B = 2, 3, 4 or 8 bits, buckets of 512 (or 128) values, the
+                maxmin scheme (or hadamard), two-level error feedback (or one-level: each
+                rank's own quantization only; or none); e.g. cgx4, cgx2-hadamard
   cgx-adaptive  cgx_hook with L-GreCo bit selection (cgx.AdaptiveBits' defaults: 2..8 bits,
-                buckets 128 or 512, budget 3x uniform 4 bits' normalized error)
+                buckets 128 or 512, budget 3x uniform 4 bits' normalized error);
+                -hadamard: candidates of both schemes (HADAMARD_CANDIDATES)
   fsdp          FSDP2 (fully_shard per block and on the root), exact
   qsdp-wAgB     FSDP2 with cgx.qsdp: weights gathered at A bits (stochastic rounding),
                 gradients reduce-scattered at B bits; -nearest: weights rounded to nearest
@@ -26,6 +26,7 @@ Tasks:
   gpt     a small GPT-style transformer on real text: CPython's own standard-library
           sources (bytes as tokens); reports validation loss.
   digits  an MLP classifier on scikit-learn's bundled digits images; reports accuracy.
+  shapes  a small convolutional net on synthetic noisy 16x16 images; reports accuracy.
 
     python benchmarks/train.py --task gpt --steps 300 --world-size 2
     python benchmarks/train.py --task digits --out docs/convergence
@@ -59,14 +60,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P: the
 
 from plotting import pyplot  # noqa: E402
 
-DDP_METHODS = ("allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx2-one-level", "cgx2-bucket128",
-               "cgx-adaptive")
+# cgx<bits>[-bucket<size>][-hadamard][-one-level | -no-feedback]: the cgx hook with that
+# uniform setting; two-level error feedback unless the name says otherwise.
+CGX_METHODS = tuple(f"cgx{b}{k}{s}{f}" for b in (2, 3, 4, 8) for k in ("", "-bucket128") for s in ("", "-hadamard")
+                    for f in ("", "-one-level", "-no-feedback"))
+DDP_METHODS = ("allreduce", "fp16", "powersgd") + CGX_METHODS + ("cgx-adaptive", "cgx-adaptive-hadamard")
 FSDP_METHODS = ("fsdp", "qsdp-w8g8", "qsdp-w8g4", "qsdp-w4g4", "qsdp-w8g8-nearest", "qsdp-w4g4-nearest")
 DILOCO_METHODS = tuple(f"diloco-h{h}-p{p}-b{b}-o{k}" for h in (16, 32) for p in (1, 4) for b in (32, 4)
                        for k in (0, 1)) + tuple(f"diloco-h32-p4-b4-o1-{v}" for v in (
                            "seq", "lr1.0-m0", "lr0.5", "lr0.4", "lr0.7-m0.5", "lr0.7-x0.75"))
 METHODS = DDP_METHODS + FSDP_METHODS + DILOCO_METHODS
 WARMUP_STEPS = 10  # uncompressed first steps, for every compressing method alike
+# Adaptive over both schemes: hadamard at 1-4 bits, maxmin above.
+HADAMARD_CANDIDATES = ((2, 512, "hadamard"), (2, 128, "hadamard"), (3, 512, "hadamard"), (4, 512, "hadamard"),
+                       (4, 512), (6, 512), (8, 512))
 
 
 # ---- tasks: data and model
@@ -132,7 +139,21 @@ class GPTTask:
         return {"val_loss": sum(losses) / len(losses)}
 
 
-class DigitsTask:
+class Classification:
+    """Cross-entropy on labelled examples; validation on the held-out (x, y) in self.val."""
+
+    def loss(self, model, x, y):
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        x, y = self.val
+        logits = model(x)
+        return {"val_loss": torch.nn.functional.cross_entropy(logits, y).item(),
+                "val_accuracy": (logits.argmax(1) == y).float().mean().item()}
+
+
+class DigitsTask(Classification):
     name = "digits"
     batch = 32
     lr = 1e-3
@@ -158,18 +179,47 @@ class DigitsTask:
         idx = torch.randint(0, len(self.train[1]), (self.batch,), generator=g)
         return self.train[0][idx], self.train[1][idx]
 
-    def loss(self, model, x, y):
-        return torch.nn.functional.cross_entropy(model(x), y)
-
-    @torch.no_grad()
-    def evaluate(self, model):
-        x, y = self.val
-        logits = model(x)
-        return {"val_loss": torch.nn.functional.cross_entropy(logits, y).item(),
-                "val_accuracy": (logits.argmax(1) == y).float().mean().item()}
 
 
-TASKS = {"gpt": GPTTask, "digits": DigitsTask}
+class ShapesTask(Classification):
+    """A small convolutional net on synthetic 16x16 colour images: ten classes, each a fixed
+    random smooth pattern, seen shifted by up to 3 pixels, at a random contrast, under
+    strong noise (so the loss settles well above zero). Nothing to download."""
+
+    name = "shapes"
+    batch = 32
+    lr = 2e-3
+    size = 16
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(1234)
+        coarse = torch.randn(10, 3, 4, 4, generator=g)
+        self.templates = torch.nn.functional.interpolate(coarse, size=(self.size, self.size), mode="bilinear",
+                                                         align_corners=False)
+        self.templates /= self.templates.flatten(1).std(1).view(10, 1, 1, 1)
+        self.val = self.images(torch.Generator().manual_seed(999), 1000)
+
+    def images(self, g, count):
+        labels = torch.randint(0, 10, (count,), generator=g)
+        shifts = torch.randint(-3, 4, (count, 2), generator=g)
+        contrast = 0.3 + 0.7 * torch.rand(count, 1, 1, 1, generator=g)
+        x = torch.stack([torch.roll(self.templates[c], (int(dy), int(dx)), dims=(1, 2))
+                         for c, (dy, dx) in zip(labels.tolist(), shifts)])
+        return x * contrast + 4.0 * torch.randn(x.shape, generator=g), labels
+
+    def model(self):
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(), torch.nn.Linear(64 * 4 * 4, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10),
+        )
+
+    def batch_for(self, rank, step, seed=0):
+        return self.images(torch.Generator().manual_seed(10_000 * step + rank + 10**9 * seed), self.batch)
+
+
+
+TASKS = {"gpt": GPTTask, "digits": DigitsTask, "shapes": ShapesTask}
 
 
 # ---- one training run per method
@@ -191,12 +241,17 @@ def attach_method(method, ddp, model):
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         # PowerSGD counts only the compressed steps; its float32 warm-up is added here.
         return lambda step: raw * min(step, WARMUP_STEPS) + 4 * state.compression_stats()[2]
-    bits = {"cgx8": 8, "cgx4": 4, "cgx2": 2, "cgx2-one-level": 2, "cgx2-bucket128": 2, "cgx-adaptive": 4}[method]
-    bucket_size = 128 if method == "cgx2-bucket128" else 512
-    adaptive = cgx.AdaptiveBits(interval=50) if method == "cgx-adaptive" else None
-    state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=bits, bucket_size=bucket_size),
+    parts = method.split("-")
+    bits = 4 if parts[1:2] == ["adaptive"] else int(parts[0][3:])
+    bucket_size = 128 if "bucket128" in parts else 512
+    scheme = "hadamard" if "hadamard" in parts else "maxmin"
+    adaptive = None
+    if "adaptive" in parts:
+        adaptive = cgx.AdaptiveBits(interval=50) if scheme == "maxmin" else cgx.AdaptiveBits(
+            candidates=HADAMARD_CANDIDATES, interval=50)
+    state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=bits, bucket_size=bucket_size, scheme=scheme),
                          warmup_steps=WARMUP_STEPS, adaptive=adaptive,
-                         two_level=method != "cgx2-one-level")
+                         error_feedback="no-feedback" not in method, two_level="one-level" not in method)
     ddp.register_comm_hook(state, cgx.cgx_hook)
     return lambda step: state.compression_stats()["bytes_sent"]
 
@@ -350,7 +405,9 @@ def plot(results, task, path) -> bool:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="gpt")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(DDP_METHODS + FSDP_METHODS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, metavar="METHOD",
+                        default=["allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx-adaptive",
+                                 *FSDP_METHODS])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")

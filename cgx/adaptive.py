@@ -41,8 +41,8 @@ def quantization_error(values: torch.Tensor, setting: LayerSetting) -> float:
     """Squared L2 error of quantizing `values` with `setting`."""
     flat = values.reshape(-1).float()
     decoded = _C.decompress(
-        _C.compress(flat, setting.bits, setting.bucket_size), flat.numel(), setting.bits,
-        setting.bucket_size,
+        _C.compress(flat, setting.bits, setting.bucket_size, scheme=setting.scheme), flat.numel(),
+        setting.bits, setting.bucket_size, scheme=setting.scheme,
     )
     return float((decoded - flat).double().pow(2).sum())
 
@@ -167,7 +167,7 @@ class AdaptiveBits:
         """A plan for the layers accumulated so far."""
         errors = {n: {c: normalized_error(g, c) for c in self.candidates} for n, g in self.accumulated.items()}
         costs = {
-            n: {c: _C.compressed_size(g.numel(), c.bits, c.bucket_size) for c in self.candidates}
+            n: {c: _C.compressed_size(g.numel(), c.bits, c.bucket_size, scheme=c.scheme) for c in self.candidates}
             for n, g in self.accumulated.items()
         }
         budget = self.alpha * sum(e[self.default] for e in errors.values())

@@ -19,7 +19,7 @@ _SHARED_FIELDS = tuple(v.field for v in VARIABLES if v.field != "hostname")
 
 
 # The settings C++ holds as enums, by the name cgx.config gives them.
-_ENUMS = {"inner_communicator": _C.InnerCommunicator, "cross_communicator": _C.CrossCommunicator,
+_ENUMS = {"scheme": _C.Scheme, "inner_communicator": _C.InnerCommunicator, "cross_communicator": _C.CrossCommunicator,
           "inner_reduction": _C.ReductionAlgorithm, "cross_reduction": _C.ReductionAlgorithm}
 
 

@@ -16,8 +16,8 @@ import socket
 from typing import Any, Callable, Mapping
 
 # The limits are C++ constants, each declared once (csrc/backend/settings.h).
-from cgx._C import (MAX_BITS, MAX_BUCKET_SIZE, MAX_MINIMAL_SIZE, MAX_SHM_RING_BYTES,
-                    MIN_SHM_RING_BYTES, RAW_BITS)
+from cgx._C import (MAX_BITS, MAX_BUCKET_SIZE, MAX_HADAMARD_BITS, MAX_HADAMARD_BUCKET, MAX_MINIMAL_SIZE,
+                    MAX_SHM_RING_BYTES, MIN_SHM_RING_BYTES, RAW_BITS, SCHEMES)
 
 __all__ = ["Variable", "VARIABLES", "Config", "from_env", "describe", "markdown_table"]
 
@@ -100,6 +100,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CGX_COMPRESSION_BUCKET_SIZE", "bucket_size", 512,
              f"integer in {_int_range(1, MAX_BUCKET_SIZE)}", _int_in(1, MAX_BUCKET_SIZE),
              "Values per quantization bucket (each bucket sends its own min and scale)."),
+    Variable("CGX_COMPRESSION_SCHEME", "scheme", "maxmin", " | ".join(SCHEMES), _choice(*SCHEMES),
+             "How values become levels: maxmin (levels evenly between each bucket's min and "
+             "max) or hadamard (each bucket rotated, then levels placed for a normal "
+             f"distribution; 1..{MAX_HADAMARD_BITS} bits, buckets a power of two in "
+             f"8..{MAX_HADAMARD_BUCKET}; docs/wire-format.md)."),
     Variable("CGX_COMPRESSION_MINIMAL_SIZE", "minimal_size", 16,
              f"integer in {_int_range(0, MAX_MINIMAL_SIZE)}", _int_in(0, MAX_MINIMAL_SIZE),
              "Tensors with at most this many elements are reduced exactly (uncompressed)."),

@@ -185,7 +185,7 @@ class DiLoCo:
             for name, offset, numel in fragment.compressed:
                 if name in self.residuals:
                     residual.narrow(0, offset, numel).copy_(self.residuals[name])
-        if all(bits == RAW_BITS for _, _, bits, _ in fragment.layout):
+        if all(bits == RAW_BITS for _, _, bits, *_ in fragment.layout):
             with exact():  # Gloo's sum, then the division: exact DiLoCo
                 work = dist.all_reduce(outer_gradient, op=dist.ReduceOp.AVG, group=self._group, async_op=True)
         else:
@@ -417,7 +417,7 @@ def _fragment(index: int, offset: int, names: list[str], params: dict[str, torch
         setting = settings[name]
         if setting.compressed and g.numel() > 0:
             compressed.append((name, cursor, g.numel()))
-        append_segment(layout, cursor, g.numel(), setting.bits, setting.bucket_size)
+        append_segment(layout, cursor, g.numel(), setting)
         cursor += g.numel()
     outer = torch.optim.SGD(global_weights, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
     return _Fragment(index, offset, names, members, global_weights, layout, compressed, outer, cursor)

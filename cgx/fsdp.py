@@ -70,7 +70,7 @@ class _Unit:
             numel = fsdp_param.padded_sharded_param_size.numel()
             setting = settings[names[id(fsdp_param.sharded_param)]]
             for plan, bits in ((weights, weight_bits), (grads, grad_bits)):
-                append_segment(plan, offset, numel, bits if setting.compressed else RAW_BITS, setting.bucket_size)
+                append_segment(plan, offset, numel, setting.with_bits(bits))
             offset += numel
         self.shard_numel = offset
         self.plans = {"allgather": weights, "reduce_scatter": grads}
@@ -88,7 +88,7 @@ class _Unit:
         if numel != self.shard_numel:
             return (f"the {kind} buffer holds {numel} elements per rank, the unit's parameter "
                     f"shards {self.shard_numel} (a tensor subclass with its own all-gather inputs?)")
-        if all(bits == RAW_BITS for _, _, bits, _ in self.plans[kind]):
+        if all(bits == RAW_BITS for _, _, bits, *_ in self.plans[kind]):
             return "no parameter of the unit is compressed by the policy"
         return None
 
@@ -185,8 +185,8 @@ def _describe(plan: list[Segment]) -> str:
     """A plan in a few words, for an error message."""
     if not plan:
         return "no segments"
-    numel = sum(n for _, n, _, _ in plan)
-    shown = ", ".join(f"({o}, {n}, {b}, {k})" for o, n, b, k in plan[:3])
+    numel = sum(n for _, n, *_ in plan)
+    shown = ", ".join(f"({o}, {n}, {b}, {k}{'' if s == 'maxmin' else ', ' + s})" for o, n, b, k, s in plan[:3])
     return f"{len(plan)} segments over {numel} elements [{shown}{', ...' if len(plan) > 3 else ''}]"
 
 

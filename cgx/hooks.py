@@ -49,8 +49,8 @@ import torch.distributed as dist
 from cgx import _C
 from cgx.backend import get_backend
 from cgx.adaptive import AdaptiveBits
-from cgx.layers import (RAW_BITS, CompressionPolicy, LayerSetting, bucket_plan, check_bits,
-                        check_bucket_size, layout_bytes)
+from cgx.layers import (RAW_BITS, SCHEMES, CompressionPolicy, LayerSetting, bucket_plan, check_bits,
+                        check_bucket_size, check_setting, layout_bytes)
 
 __all__ = ["CGXState", "cgx_hook"]
 
@@ -166,12 +166,13 @@ class CGXState:
         settings = get_backend(self.group()).settings
         if self._torch_cgx is None:
             self.policy = CompressionPolicy(bits=settings.bits, bucket_size=settings.bucket_size,
-                                            minimal_size=settings.minimal_size)
+                                            scheme=settings.scheme.name, minimal_size=settings.minimal_size)
             return
         layer_min_size, params = self._torch_cgx
         self.policy = CompressionPolicy(
             bits=params.get("bits", settings.bits),
             bucket_size=params.get("bucket_size", settings.bucket_size),
+            scheme=settings.scheme.name,
             # torch_cgx compresses numel >= layer_min_size; the policy keeps numel <= minimal_size raw.
             minimal_size=max(layer_min_size - 1, settings.minimal_size),
         )
@@ -256,7 +257,7 @@ class CGXState:
             "world_size": self.group().size() if placed else None,
             "step": self.step,
             "residuals": {n: r.clone() for n, r in self.residuals.items()},
-            "layer_settings": {n: (s.bits, s.bucket_size) for n, s in self.layer_settings.items()},
+            "layer_settings": {n: (s.bits, s.bucket_size, s.scheme) for n, s in self.layer_settings.items()},
             "adaptive_accumulated": (
                 {n: g.clone() for n, g in self.adaptive.accumulated.items()} if self.adaptive else {}
             ),
@@ -341,9 +342,9 @@ class CGXState:
             # One-level: the buffer as it goes on the wire (float16 rounds what it holds).
             decoded = _C.decompress(
                 _C.compress(view if local_feedback else grad, setting.bits, setting.bucket_size,
-                            stochastic=stochastic,
-                            seed=self.step, skip_incomplete_buckets=skip),
-                numel, setting.bits, setting.bucket_size, skip_incomplete_buckets=skip,
+                            stochastic=stochastic, seed=self.step, skip_incomplete_buckets=skip,
+                            scheme=setting.scheme),
+                numel, setting.bits, setting.bucket_size, skip_incomplete_buckets=skip, scheme=setting.scheme,
             )
             if local_feedback:
                 # A bucket that overflowed decodes to NaN: carry nothing of it forward.
@@ -369,7 +370,7 @@ class CGXState:
 
     def _count(self, buffer: torch.Tensor, layout: list, skip_incomplete: bool) -> None:
         self.bytes_uncompressed += buffer.numel() * buffer.element_size()
-        if all(bits == RAW_BITS for _, _, bits, _ in layout):
+        if all(bits == RAW_BITS for _, _, bits, *_ in layout):
             self.bytes_sent += buffer.numel() * buffer.element_size()  # Gloo, in its dtype
             return
         self.bytes_sent += layout_bytes(layout, skip_incomplete)
@@ -396,10 +397,14 @@ def _check_state_dict(state: Any) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{what}: {key!r} must be an integer >= 0, got {value!r}")
     for name, setting in state["layer_settings"].items():
-        if not (isinstance(setting, (tuple, list)) and len(setting) == 2):
-            raise ValueError(f"{what}: layer_settings[{name!r}] must be (bits, bucket_size), got {setting!r}")
+        # (bits, bucket_size) from before schemes existed is maxmin.
+        if not (isinstance(setting, (tuple, list)) and len(setting) in (2, 3)):
+            raise ValueError(f"{what}: layer_settings[{name!r}] must be (bits, bucket_size, scheme), "
+                             f"got {setting!r}")
         check_bits(setting[0], f"{what}: layer_settings[{name!r}]")
         check_bucket_size(setting[1], f"{what}: layer_settings[{name!r}]")
+        check_setting(*setting[:2], setting[2] if len(setting) == 3 else "maxmin",
+                      f"{what}: layer_settings[{name!r}]")
     for key in ("residuals", "adaptive_accumulated"):
         for name, tensor in state[key].items():
             if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
@@ -514,7 +519,7 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     else:
         residual, compressed = None, []
         if state.step < state.warmup_steps:
-            layout = [(0, buffer.numel(), RAW_BITS, 1)]
+            layout = [(0, buffer.numel(), RAW_BITS, 1, "maxmin")]
         else:
             layout, compressed = bucket_plan(bucket, state._settings_by_param)
             state._prepare(buffer, compressed, settings, decides=group.rank() == 0)
@@ -539,7 +544,7 @@ def _replan(state: CGXState, group: dist.ProcessGroup) -> None:
     # One int tensor, not a pickled object (nothing from a peer is unpickled): a first row
     # saying whether rank 0 could choose (a failure is raised on every rank after the
     # broadcast, never on rank 0 alone while the others wait in it), then (bits,
-    # bucket_size) per layer in name order (every rank knows the names).
+    # bucket_size, index of the scheme) per layer in name order (every rank knows the names).
     names = sorted(state.layer_settings)
     chosen, problem = dict(state.layer_settings), None
     if group.rank() == 0:
@@ -547,8 +552,9 @@ def _replan(state: CGXState, group: dist.ProcessGroup) -> None:
             chosen.update(state.adaptive.choose())
         except Exception as e:  # noqa: BLE001  (raised below, on every rank)
             problem = e
-    table = torch.tensor([(int(problem is None), 0)] + [(chosen[n].bits, chosen[n].bucket_size) for n in names],
-                         dtype=torch.int64)
+    table = torch.tensor([(int(problem is None), 0, 0)] + [
+        (chosen[n].bits, chosen[n].bucket_size, SCHEMES.index(chosen[n].scheme)) for n in names],
+        dtype=torch.int64)
     state.adaptive.accumulated = {}
     dist.broadcast(table, group_src=0, group=group)
     if not table[0, 0]:
@@ -556,4 +562,4 @@ def _replan(state: CGXState, group: dist.ProcessGroup) -> None:
             f"cgx_hook: rank 0 could not choose the adaptive plan at step {state.step}"
             + (f": {problem}" if problem else " (the cause is in rank 0's error)")
         ) from problem
-    state.set_layer_settings({n: LayerSetting(b, k) for n, (b, k) in zip(names, table[1:].tolist())})
+    state.set_layer_settings({n: LayerSetting(b, k, SCHEMES[s]) for n, (b, k, s) in zip(names, table[1:].tolist())})

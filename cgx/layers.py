@@ -1,7 +1,7 @@
 """Per-layer compression policy, and the plan it resolves to for each DDP bucket.
 
-A policy says how each parameter's gradient travels: quantized with some bits and
-bucket size, or raw (exactly). Rules pick parameters by name pattern, module type and
+A policy says how each parameter's gradient travels: quantized with some bits, bucket
+size and scheme (``"maxmin"`` or ``"hadamard"``, docs/wire-format.md), or raw (exactly). Rules pick parameters by name pattern, module type and
 size; the first rule that matches a parameter wins, the policy's defaults apply to the
 rest. As in CGX, 1-D parameters (biases, norm weights) and small layers stay raw unless
 a rule says otherwise.
@@ -17,7 +17,7 @@ Example::
         ],
     )
 
-The plan of a bucket is a list of ``(offset, numel, bits, bucket_size)`` segments that
+The plan of a bucket is a list of ``(offset, numel, bits, bucket_size, scheme)`` segments that
 covers the bucket's flat buffer in order; it travels with each allreduce call
 (``ProcessGroupCGX.allreduce_layout``), so no hidden state assumes the order of calls.
 """
@@ -31,12 +31,12 @@ from typing import Iterable
 import torch
 
 from cgx import _C
-from cgx._C import MAX_BITS, MAX_BUCKET_SIZE, RAW_BITS
+from cgx._C import MAX_BITS, MAX_BUCKET_SIZE, MAX_HADAMARD_BITS, RAW_BITS, SCHEMES
 from cgx.config import _int_range
 
 __all__ = ["LayerRule", "LayerSetting", "CompressionPolicy", "Segment"]
 
-Segment = tuple[int, int, int, int]  # (offset, numel, bits, bucket_size)
+Segment = tuple[int, int, int, int, str]  # (offset, numel, bits, bucket_size, scheme)
 
 
 def _is_int(value) -> bool:
@@ -55,16 +55,44 @@ def check_bucket_size(bucket_size: int, what: str) -> None:
                          f"got {bucket_size!r}")
 
 
+def check_scheme(scheme: str, what: str) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"{what}: scheme must be one of {', '.join(map(repr, SCHEMES))}, got {scheme!r}")
+
+
+def hadamard_fits(bits: int, bucket_size: int) -> bool:
+    """Whether the hadamard scheme can quantize with these bits and bucket size."""
+    return (1 <= bits <= MAX_HADAMARD_BITS and 8 <= bucket_size <= _C.MAX_HADAMARD_BUCKET
+            and bucket_size & (bucket_size - 1) == 0)
+
+
+def check_setting(bits: int, bucket_size: int, scheme: str, what: str) -> None:
+    check_scheme(scheme, what)
+    if scheme == "hadamard" and bits != RAW_BITS and not hadamard_fits(bits, bucket_size):
+        raise ValueError(f"{what}: the hadamard scheme needs 1..{MAX_HADAMARD_BITS} bits and a bucket_size "
+                         f"that is a power of two in 8..{_C.MAX_HADAMARD_BUCKET}, got {bits} bits, "
+                         f"bucket_size {bucket_size}")
+
+
 @dataclass(frozen=True)
 class LayerSetting:
     """How one parameter's gradient travels."""
 
     bits: int
     bucket_size: int
+    scheme: str = "maxmin"
 
     @property
     def compressed(self) -> bool:
         return self.bits != RAW_BITS
+
+    def with_bits(self, bits: int) -> "LayerSetting":
+        """This setting at other bits (raw stays raw); the scheme falls back to maxmin
+        where hadamard cannot take them."""
+        if not self.compressed or bits == RAW_BITS:
+            return LayerSetting(RAW_BITS, self.bucket_size)
+        fits = self.scheme != "hadamard" or hadamard_fits(bits, self.bucket_size)
+        return LayerSetting(bits, self.bucket_size, self.scheme if fits else "maxmin")
 
 
 @dataclass(frozen=True)
@@ -75,7 +103,7 @@ class LayerRule:
     (fnmatch on the qualified parameter name, e.g. ``"encoder.*.weight"``),
     ``module_type`` (the module owning the parameter is an instance of it), ``max_numel``
     (the parameter has at most that many elements). ``bits=32`` leaves it uncompressed;
-    ``bucket_size=None`` keeps the policy's.
+    ``bucket_size=None`` and ``scheme=None`` keep the policy's.
     """
 
     pattern: str | None = None
@@ -83,6 +111,7 @@ class LayerRule:
     max_numel: int | None = None
     bits: int = RAW_BITS
     bucket_size: int | None = None
+    scheme: str | None = None
 
     def __post_init__(self) -> None:
         what = f"cgx.LayerRule({self.pattern or self.module_type or self.max_numel})"
@@ -91,6 +120,8 @@ class LayerRule:
         check_bits(self.bits, what)
         if self.bucket_size is not None:
             check_bucket_size(self.bucket_size, what)
+        if self.scheme is not None:
+            check_setting(self.bits, self.bucket_size or 8, self.scheme, what)
         if self.max_numel is not None and (not isinstance(self.max_numel, int) or self.max_numel < 0):
             raise ValueError(f"{what}: max_numel must be an integer >= 0, got {self.max_numel!r}")
 
@@ -108,6 +139,10 @@ class CompressionPolicy:
     Args:
         bits: default bits for compressed layers (1..8, or 32 for none).
         bucket_size: default quantization bucket size.
+        scheme: default quantizer scheme, ``"maxmin"`` or ``"hadamard"``. A layer whose
+            bits or bucket size the hadamard scheme cannot take (more than 4 bits, a
+            bucket size that is not a power of two in 8..65536) uses maxmin instead;
+            a rule that names hadamard for such a layer is an error.
         rules: :class:`LayerRule` s, the first match wins.
         minimal_size: layers with at most this many elements stay raw (CGX's default).
         compress_1d: compress 1-D parameters (biases, norm weights) too; off as in CGX.
@@ -119,15 +154,18 @@ class CompressionPolicy:
         bucket_size: int = 512,
         rules: Iterable[LayerRule] = (),
         *,
+        scheme: str = "maxmin",
         minimal_size: int = 16,
         compress_1d: bool = False,
     ) -> None:
         check_bits(bits, "cgx.CompressionPolicy")
         check_bucket_size(bucket_size, "cgx.CompressionPolicy")
+        check_scheme(scheme, "cgx.CompressionPolicy")
         if not isinstance(minimal_size, int) or minimal_size < 0:
             raise ValueError(f"cgx.CompressionPolicy: minimal_size must be >= 0, got {minimal_size!r}")
         self.bits = bits
         self.bucket_size = bucket_size
+        self.scheme = scheme
         self.rules = tuple(rules)
         for rule in self.rules:
             if not isinstance(rule, LayerRule):
@@ -138,10 +176,20 @@ class CompressionPolicy:
     def setting_for(self, name: str, module: torch.nn.Module, param: torch.Tensor) -> LayerSetting:
         for rule in self.rules:
             if rule.matches(name, module, param.numel()):
-                return LayerSetting(rule.bits, rule.bucket_size or self.bucket_size)
+                bucket_size = rule.bucket_size or self.bucket_size
+                if rule.scheme is not None:
+                    check_setting(rule.bits, bucket_size, rule.scheme, f"cgx.LayerRule for {name!r}")
+                return self._setting(rule.bits, bucket_size, rule.scheme)
         if param.numel() <= self.minimal_size or (param.dim() <= 1 and not self.compress_1d):
             return LayerSetting(RAW_BITS, self.bucket_size)
-        return LayerSetting(self.bits, self.bucket_size)
+        return self._setting(self.bits, self.bucket_size, None)
+
+    def _setting(self, bits: int, bucket_size: int, scheme: str | None) -> LayerSetting:
+        if bits == RAW_BITS:
+            return LayerSetting(RAW_BITS, bucket_size)
+        if scheme is None:  # the policy's, where it fits
+            scheme = self.scheme if self.scheme != "hadamard" or hadamard_fits(bits, bucket_size) else "maxmin"
+        return LayerSetting(bits, bucket_size, scheme)
 
     def resolve(self, model: torch.nn.Module) -> dict[str, LayerSetting]:
         """The setting of every trainable parameter of `model`, by qualified name.
@@ -212,12 +260,12 @@ def bucket_plan(
     compressed = []
     cursor = 0
     for offset, numel, name, setting in pieces:
-        append_segment(segments, cursor, offset - cursor, RAW_BITS, 1)  # padding DDP may leave between views
+        append_segment(segments, cursor, offset - cursor, RAW)  # padding DDP may leave between views
         if setting.compressed and numel > 0:
             compressed.append((name, offset, numel, setting))
-        append_segment(segments, offset, numel, setting.bits, setting.bucket_size)
+        append_segment(segments, offset, numel, setting)
         cursor = max(cursor, offset + numel)
-    append_segment(segments, cursor, total - cursor, RAW_BITS, 1)
+    append_segment(segments, cursor, total - cursor, RAW)
     return segments, compressed
 
 
@@ -225,19 +273,22 @@ def layout_bytes(layout: list[Segment], skip_incomplete_buckets: bool) -> int:
     """The payload of a float32 buffer sent with `layout`: raw segments as float32, the
     others in their compressed size."""
     return sum(4 * numel if bits == RAW_BITS else _C.compressed_size(
-        numel, bits, bucket_size, skip_incomplete_buckets=skip_incomplete_buckets)
-        for _, numel, bits, bucket_size in layout)
+        numel, bits, bucket_size, skip_incomplete_buckets=skip_incomplete_buckets, scheme=scheme)
+        for _, numel, bits, bucket_size, scheme in layout)
 
 
-def append_segment(plan: list[Segment], offset: int, numel: int, bits: int, bucket_size: int) -> None:
+RAW = LayerSetting(RAW_BITS, 1)  # a segment sent exactly
+
+
+def append_segment(plan: list[Segment], offset: int, numel: int, setting: LayerSetting) -> None:
     """Appends a segment to a plan that ends at `offset`; a raw run next to a raw run
     merges with it (fewer, longer segments on every call); nothing for numel <= 0."""
     if numel <= 0:
         return
-    if bits != RAW_BITS:
-        plan.append((offset, numel, bits, bucket_size))
+    if setting.compressed:
+        plan.append((offset, numel, setting.bits, setting.bucket_size, setting.scheme))
     elif plan and plan[-1][2] == RAW_BITS:
-        o, n, _, _ = plan.pop()
-        plan.append((o, n + numel, RAW_BITS, 1))
+        o, n, *_ = plan.pop()
+        plan.append((o, n + numel, RAW_BITS, 1, "maxmin"))
     else:
-        plan.append((offset, numel, RAW_BITS, 1))
+        plan.append((offset, numel, RAW_BITS, 1, "maxmin"))

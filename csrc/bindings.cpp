@@ -5,6 +5,7 @@
 #include <torch/python.h>
 
 #include <optional>
+#include <variant>
 
 #include "backend/process_group_cgx.h"
 #include "collectives/call_signature.h"
@@ -37,13 +38,15 @@ int bits_of(const py::handle& bits) {
 }
 
 cgx::compression::QuantizerParams quantizer(const py::handle& bits, int64_t bucket_size,
-                                            bool skip_incomplete, bool stochastic) {
+                                            bool skip_incomplete, bool stochastic,
+                                            const std::string& scheme) {
   cgx::compression::QuantizerParams p;
   p.bits = bits_of(bits);
   p.bucket_size = bucket_size;
   p.skip_incomplete_buckets = skip_incomplete;
   p.stochastic = stochastic;
   try {
+    p.scheme = cgx::compression::scheme_from_name(scheme);
     cgx::compression::validate(p);
   } catch (const std::invalid_argument& e) {
     throw py::value_error(e.what());
@@ -73,20 +76,32 @@ cgx::compression::cuda::DType cuda_dtype(at::ScalarType dtype) {
 }
 #endif
 
-// A plan as Python gives it: (offset, numel, bits, bucket_size) per segment; bits 32 raw.
-using LayoutArg = std::vector<std::tuple<int64_t, int64_t, int, int64_t>>;
+// A plan as Python gives it: (offset, numel, bits, bucket_size[, scheme]) per segment; bits
+// 32 raw; no scheme is "maxmin".
+using SegmentArg = std::variant<std::tuple<int64_t, int64_t, int, int64_t>,
+                                std::tuple<int64_t, int64_t, int, int64_t, std::string>>;
+using LayoutArg = std::vector<SegmentArg>;
 
 std::vector<cgx::compression::Segment> segments(const ProcessGroupCGX& pg, const LayoutArg& layout,
                                                 bool stochastic) {
   std::vector<cgx::compression::Segment> out;
   out.reserve(layout.size());
-  for (const auto& [offset, numel, bits, bucket_size] : layout) {
+  for (const auto& arg : layout) {
+    const auto [offset, numel, bits, bucket_size, scheme] = std::visit(
+        [](const auto& t) {
+          if constexpr (std::tuple_size_v<std::decay_t<decltype(t)>> == 4)
+            return std::tuple_cat(t, std::make_tuple(std::string("maxmin")));
+          else
+            return t;
+        },
+        arg);
     cgx::compression::Segment s;
     s.offset = offset;
     s.numel = numel;
     s.raw = bits == cgx::backend::kRawBits;
     s.params.bits = bits;
     s.params.bucket_size = bucket_size;
+    s.params.scheme = cgx::compression::scheme_from_name(scheme);
     s.params.skip_incomplete_buckets = pg.settings().skip_incomplete_buckets;
     s.params.stochastic = stochastic;
     out.push_back(s);
@@ -95,13 +110,14 @@ std::vector<cgx::compression::Segment> segments(const ProcessGroupCGX& pg, const
 }
 
 at::Tensor compress(const at::Tensor& input, const py::object& bits, int64_t bucket_size, bool stochastic,
-                    uint64_t seed, bool skip_incomplete, std::optional<at::Tensor> out) {
+                    uint64_t seed, bool skip_incomplete, std::optional<at::Tensor> out,
+                    const std::string& scheme) {
   const at::Device device = input.device();
   check_tensor(input, "input", device);
   TORCH_CHECK_TYPE(is_codec_dtype(input.scalar_type()),
                    "cgx.compress: expected float32, float16 or bfloat16, got ",
                    input.scalar_type());
-  const auto p = quantizer(bits, bucket_size, skip_incomplete, stochastic);
+  const auto p = quantizer(bits, bucket_size, skip_incomplete, stochastic, scheme);
   // On the GPU the kernels read every dtype; the CPU codec reads float32.
   const at::Tensor values = device.is_cpu() ? input.reshape(-1).to(at::kFloat).contiguous()
                                             : input.reshape(-1).contiguous();
@@ -128,11 +144,12 @@ at::Tensor compress(const at::Tensor& input, const py::object& bits, int64_t buc
 }
 
 at::Tensor decompress(const at::Tensor& buffer, int64_t numel, const py::object& bits, int64_t bucket_size,
-                      bool skip_incomplete, std::optional<at::Tensor> out, bool add) {
+                      bool skip_incomplete, std::optional<at::Tensor> out, bool add,
+                      const std::string& scheme) {
   const at::Device device = buffer.device();
   check_tensor(buffer, "buffer", device);
   TORCH_CHECK_VALUE(numel >= 0, "cgx.decompress: numel must be >= 0, got ", numel);
-  const auto p = quantizer(bits, bucket_size, skip_incomplete, false);
+  const auto p = quantizer(bits, bucket_size, skip_incomplete, false, scheme);
   const auto bytes = static_cast<int64_t>(cgx::compression::compressed_bytes(p, numel));
   TORCH_CHECK_VALUE(buffer.scalar_type() == at::kByte && buffer.is_contiguous() &&
                         buffer.numel() >= bytes,
@@ -172,6 +189,11 @@ PYBIND11_MODULE(_C, m) {
   // The base classes (Backend, Store) are registered by torch.distributed.
   py::module_::import("torch.distributed");
 
+  {
+    py::enum_<cgx::compression::Scheme> scheme(m, "Scheme");
+    for (int i = 0; i < cgx::compression::kSchemes; ++i)
+      scheme.value(cgx::compression::kSchemeNames[i], static_cast<cgx::compression::Scheme>(i));
+  }
   py::enum_<InnerCommunicator>(m, "InnerCommunicator")
       .value("SHM", InnerCommunicator::SHM)
       .value("MPI", InnerCommunicator::MPI)
@@ -187,6 +209,10 @@ PYBIND11_MODULE(_C, m) {
   m.attr("RAW_BITS") = cgx::backend::kRawBits;
   m.attr("MAX_BITS") = cgx::backend::kMaxBits;
   m.attr("MAX_BUCKET_SIZE") = cgx::backend::kMaxBucketSize;
+  // The quantizer's schemes by name (compression/quantizer.h), and the hadamard one's limits.
+  m.attr("SCHEMES") = py::tuple(m.attr("Scheme").attr("__members__"));
+  m.attr("MAX_HADAMARD_BITS") = cgx::compression::kMaxHadamardBits;
+  m.attr("MAX_HADAMARD_BUCKET") = cgx::compression::kMaxHadamardBucket;
   m.attr("MAX_MINIMAL_SIZE") = cgx::backend::kMaxMinimalSize;
   m.attr("MIN_SHM_RING_BYTES") = cgx::backend::kMinShmRingBytes;
   m.attr("MAX_SHM_RING_BYTES") = cgx::backend::kMaxShmRingBytes;
@@ -199,6 +225,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("minimal_size", &Settings::minimal_size)
       .def_readwrite("skip_incomplete_buckets", &Settings::skip_incomplete_buckets)
       .def_readwrite("stochastic_rounding", &Settings::stochastic_rounding)
+      .def_readwrite("scheme", &Settings::scheme)
       .def_readwrite("seed", &Settings::seed)
       .def_readwrite("inner_communicator", &Settings::inner_communicator)
       .def_readwrite("cross_communicator", &Settings::cross_communicator)
@@ -306,20 +333,22 @@ PYBIND11_MODULE(_C, m) {
   m.def("compress", &compress, py::arg("input"), py::arg("bits"), py::arg("bucket_size"),
         py::kw_only(), py::arg("stochastic") = false, py::arg("seed") = 0,
         py::arg("skip_incomplete_buckets") = false, py::arg("out") = py::none(),
+        py::arg("scheme") = "maxmin",
         "Quantizes a float tensor into the cgx wire format (docs/wire-format.md).");
   m.def("decompress", &decompress, py::arg("buffer"), py::arg("numel"), py::arg("bits"),
         py::arg("bucket_size"), py::kw_only(), py::arg("skip_incomplete_buckets") = false,
-        py::arg("out") = py::none(), py::arg("add") = false,
+        py::arg("out") = py::none(), py::arg("add") = false, py::arg("scheme") = "maxmin",
         "Decodes a cgx buffer into float32 values; add=True adds them into out.");
   m.def(
       "compressed_size",
-      [](int64_t numel, const py::object& bits, int64_t bucket_size, bool skip_incomplete) {
+      [](int64_t numel, const py::object& bits, int64_t bucket_size, bool skip_incomplete,
+         const std::string& scheme) {
         TORCH_CHECK_VALUE(numel >= 0, "cgx.compressed_size: numel must be >= 0, got ", numel);
         return cgx::compression::compressed_bytes(
-            quantizer(bits, bucket_size, skip_incomplete, false), numel);
+            quantizer(bits, bucket_size, skip_incomplete, false, scheme), numel);
       },
       py::arg("numel"), py::arg("bits"), py::arg("bucket_size"), py::kw_only(),
-      py::arg("skip_incomplete_buckets") = false, "Bytes of the compressed form of numel values.");
+      py::arg("skip_incomplete_buckets") = false, py::arg("scheme") = "maxmin", "Bytes of the compressed form of numel values.");
 
   // MPI runtime, for the mpirun launch (cgx/mpi.py). Absent functions: built without MPI.
   m.attr("mpi_built") = cgx::backend::kWithMpi;

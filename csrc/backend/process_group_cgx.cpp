@@ -33,6 +33,15 @@ void validate(const Settings& o) {
                     " (no compression), got ", o.bits);
   TORCH_CHECK_VALUE(o.bucket_size >= 1 && o.bucket_size <= kMaxBucketSize,
                     "cgx: bucket_size must be in 1..", kMaxBucketSize, ", got ", o.bucket_size);
+  compression::QuantizerParams quantizer;
+  quantizer.bits = o.bits == kRawBits ? 1 : o.bits;
+  quantizer.bucket_size = o.bucket_size;
+  quantizer.scheme = o.scheme;
+  try {
+    compression::validate(quantizer);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, "cgx: ", e.what());
+  }
   TORCH_CHECK_VALUE(o.minimal_size >= 0 && o.minimal_size <= kMaxMinimalSize,
                     "cgx: minimal_size must be in 0..", kMaxMinimalSize, ", got ", o.minimal_size);
   TORCH_CHECK_VALUE(o.shm_ring_bytes >= kMinShmRingBytes && o.shm_ring_bytes <= kMaxShmRingBytes,
@@ -117,6 +126,7 @@ compression::QuantizerParams ProcessGroupCGX::quantizer_params() const {
   params.bucket_size = settings_.bucket_size;
   params.skip_incomplete_buckets = settings_.skip_incomplete_buckets;
   params.stochastic = settings_.stochastic_rounding;
+  params.scheme = settings_.scheme;
   return params;
 }
 

@@ -32,6 +32,7 @@ struct Settings {
   int64_t minimal_size{};  // tensors with at most this many elements go exactly
   bool skip_incomplete_buckets{};
   bool stochastic_rounding{};
+  compression::Scheme scheme{};
   uint64_t seed{};
   InnerCommunicator inner_communicator{};
   CrossCommunicator cross_communicator{};

@@ -84,11 +84,14 @@ CallSignature::CallSignature(uint64_t sequence, const std::vector<std::vector<in
     plan_hash.mix(segment.numel);
     plan_hash.mix(segment.raw ? compression::kRawBits : p.bits);
     plan_hash.mix(p.bucket_size);
-    plan_hash.mix(p.skip_incomplete_buckets + 2 * p.stochastic);
+    plan_hash.mix(p.skip_incomplete_buckets + 2 * p.stochastic + 4 * static_cast<int>(p.scheme));
     if (plan_words.size() < sizeof plan_text)
       plan_words += (plan_words.empty() ? "" : " ") + std::to_string(segment.numel) + ":" +
                     (segment.raw ? std::string("raw")
-                                 : std::to_string(p.bits) + "b/" + std::to_string(p.bucket_size));
+                                 : std::to_string(p.bits) + "b/" + std::to_string(p.bucket_size) +
+                                       (p.scheme == compression::Scheme::kMaxMin
+                                            ? ""
+                                            : std::string("/") + scheme_name(p.scheme)));
   }
   this->shapes = shape_hash.value();
   plan = plan_hash.value();

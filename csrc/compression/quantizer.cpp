@@ -7,8 +7,11 @@
 // whole bytes of the level stream). Within a chunk, each bucket is scanned for min/max and
 // then quantized while still in L1 into one byte per level; the chunk's levels are then
 // packed into the bit stream by a per-width routine. Decoding unpacks a chunk to one byte
-// per level, then dequantizes it bucket by bucket.
+// per level, then dequantizes it bucket by bucket. The hadamard scheme goes bucket by bucket
+// instead (a rotation needs the whole bucket): rotate, quantize, pack; unpack, dequantize,
+// rotate back.
 #include "quantizer.h"
+#include "rotation.h"
 #include "stream_hash.h"
 #include "common/mix.h"
 
@@ -16,9 +19,11 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace cgx::compression {
 namespace {
@@ -325,12 +330,206 @@ CGX_AVX2_CLONE void decode_levels(const QuantizerParams& params, const Layout& l
   }
 }
 
+// ---- the hadamard scheme
+
+// Lloyd-Max levels of a standard normal distribution for 1..4 bits (the levels that
+// minimise its mean squared error), in units of the bucket's root mean square; with the
+// inverse of each gap between neighbours. docs/wire-format.md lists the same numbers.
+struct GaussianLevels {
+  float level[16];
+  float inv_gap[15];
+  float midpoint[15];  // (level[k] + level[k + 1]) / 2: round to nearest compares with these
+};
+
+GaussianLevels make_levels(std::initializer_list<float> upper_half) {
+  GaussianLevels t{};
+  const int half = static_cast<int>(upper_half.size());
+  int j = 0;
+  for (float v : upper_half) {
+    t.level[half + j] = v;
+    t.level[half - 1 - j] = -v;
+    ++j;
+  }
+  for (int k = 0; k + 1 < 2 * half; ++k) {
+    t.inv_gap[k] = 1.0f / (t.level[k + 1] - t.level[k]);
+    t.midpoint[k] = (t.level[k] + t.level[k + 1]) * 0.5f;
+  }
+  return t;
+}
+
+const GaussianLevels& gaussian_levels(int bits) {
+  static const GaussianLevels tables[kMaxHadamardBits] = {
+      make_levels({0.7978846f}),
+      make_levels({0.4527800f, 1.5104176f}),
+      make_levels({0.2450942f, 0.7560053f, 1.3439093f, 2.1519457f}),
+      make_levels({0.1283950f, 0.3880483f, 0.6567591f, 0.9423405f, 1.2562312f, 1.6180464f,
+                   2.0690172f, 2.7325896f}),
+  };
+  return tables[bits - 1];
+}
+
+// Round to nearest: level = how many midpoints z = y / rms reaches. The width is a
+// constant so that the loop over the midpoints unrolls and the one over values vectorizes.
+template <int Bits>
+CGX_INLINE void nearest_gaussian(const float* __restrict y, int64_t len, float inv,
+                                 const GaussianLevels& t, uint8_t* __restrict levels) {
+  float midpoint[(1 << Bits) - 1];
+  for (int j = 0; j < (1 << Bits) - 1; ++j) midpoint[j] = t.midpoint[j];
+  for (int64_t k = 0; k < len; ++k) {
+    const float z = y[k] * inv;
+    int level = 0;
+    for (int j = 0; j < (1 << Bits) - 1; ++j) level += z >= midpoint[j];
+    levels[k] = static_cast<uint8_t>(level);
+  }
+}
+
+// Magnitudes from here up make a rotated bucket non-finite (stored as NaN): below it the
+// inverse rotation of any decoded bucket stays under FLT_MAX (docs/wire-format.md).
+constexpr float kMaxRotatedMagnitude = 0x1p100f;
+
+// Rotates one whole bucket in `y` (a copy of its values) and writes its levels; returns
+// the bucket's rms, or NaN (levels all 0) for a bucket holding NaN, Inf or a magnitude of
+// kMaxRotatedMagnitude or more.
+CGX_INLINE float encode_rotated(float* __restrict y, int64_t len, int bits, bool stochastic,
+                                uint32_t first_index, uint32_t key, const float* __restrict signs,
+                                uint8_t* __restrict levels) {
+  int in_range = 1;
+  for (int64_t k = 0; k < len; ++k) in_range &= std::fabs(y[k]) < kMaxRotatedMagnitude;
+  if (!in_range) {
+    std::memset(levels, 0, static_cast<size_t>(len));
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  rotate(y, len, signs);
+  double lanes[4] = {0, 0, 0, 0};  // a fixed summation order: the same bits everywhere
+  for (int64_t k = 0; k < len; k += 4)
+    for (int l = 0; l < 4; ++l) lanes[l] += static_cast<double>(y[k + l]) * y[k + l];
+  const double mean_square = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) / static_cast<double>(len);
+  const float rms = static_cast<float>(std::sqrt(mean_square));
+  float inv = rms > 0.0f ? 1.0f / rms : 0.0f;
+  if (!std::isfinite(inv)) inv = 0.0f;
+
+  const GaussianLevels& t = gaussian_levels(bits);
+  const int top = (1 << bits) - 1;
+  if (!stochastic) {
+    switch (bits) {
+      case 1: nearest_gaussian<1>(y, len, inv, t, levels); break;
+      case 2: nearest_gaussian<2>(y, len, inv, t, levels); break;
+      case 3: nearest_gaussian<3>(y, len, inv, t, levels); break;
+      default: nearest_gaussian<4>(y, len, inv, t, levels); break;
+    }
+    return rms;
+  }
+  for (int64_t k = 0; k < len; ++k) {
+    const float z = y[k] * inv;
+    int below = 0;  // the level under z (0 below the lowest, top - 1 above the highest)
+    for (int j = 1; j < top; ++j) below += z >= t.level[j];
+    const float p = (z - t.level[below]) * t.inv_gap[below];  // where z lies in the gap
+    const uint32_t h = lowbias32((first_index + static_cast<uint32_t>(k)) ^ key);
+    const float u = static_cast<float>(static_cast<int32_t>(h >> 8)) * 0x1p-24f;
+    levels[k] = static_cast<uint8_t>(below + (u < p));
+  }
+  return rms;
+}
+
+CGX_INLINE void decode_rotated(const uint8_t* __restrict levels, int64_t len, int bits, float rms,
+                               const float* __restrict signs, float* __restrict y) {
+  const GaussianLevels& t = gaussian_levels(bits);
+  for (int64_t k = 0; k < len; ++k) y[k] = t.level[levels[k]] * rms;
+  unrotate(y, len, signs);
+}
+
+// One bucket's working space on this thread: its values, its levels (a bucket of them, or
+// the maxmin tail's rounded up to whole groups of 8), and the rotation's signs.
+struct Scratch {
+  float* values;
+  uint8_t* levels;
+  const float* signs;
+};
+
+Scratch bucket_scratch(int64_t bucket) {
+  thread_local std::vector<float> values;
+  thread_local std::vector<uint8_t> levels;
+  values.resize(static_cast<size_t>(bucket));
+  levels.resize(static_cast<size_t>(bucket));
+  return {values.data(), levels.data(), rotation_signs(bucket)};
+}
+
+// The whole buckets of a hadamard buffer, then its shorter last bucket (if any) as maxmin.
+CGX_AVX2_CLONE void encode_hadamard(const QuantizerParams& params, const Layout& layout,
+                                    const float* src, uint64_t seed, uint32_t stream_offset,
+                                    uint8_t* dst) {
+  const int64_t bucket = params.bucket_size;
+  const uint32_t key = stream_key(seed);
+  uint8_t* stream = dst + layout.levels_offset;
+  const Scratch scratch = bucket_scratch(bucket);
+  float* values = scratch.values;
+  uint8_t* levels = scratch.levels;
+  for (int64_t b = 0; b < layout.rotated_buckets; ++b) {
+    const int64_t first = b * bucket;
+    std::memcpy(values, src + first, static_cast<size_t>(bucket) * sizeof(float));
+    const float rms = encode_rotated(values, bucket, params.bits, params.stochastic,
+                                     stream_offset + static_cast<uint32_t>(first), key,
+                                     scratch.signs, levels);
+    std::memcpy(dst + b * sizeof(float), &rms, sizeof(rms));
+    pack(params.bits, levels, bucket / 8, stream + first / 8 * params.bits);
+  }
+  const int64_t first = layout.rotated_buckets * bucket;
+  const int64_t len = layout.quantized - first;
+  if (len == 0) return;
+  const float max_level = static_cast<float>((1 << params.bits) - 1);
+  const BucketCode code = encode_bucket(src + first, len, params.bits);
+  const float pair[2] = {code.min, code.scale};
+  std::memcpy(dst + layout.rotated_buckets * sizeof(float), pair, sizeof(pair));
+  if (!code.finite)
+    std::memset(levels, 0, static_cast<size_t>(len));
+  else if (params.stochastic)
+    quantize_stochastic(src + first, len, code, max_level,
+                        stream_offset + static_cast<uint32_t>(first), key, levels);
+  else
+    quantize_nearest(src + first, len, code, max_level, levels);
+  const int64_t groups = (len + 7) / 8;
+  std::memset(levels + len, 0, static_cast<size_t>(groups * 8 - len));
+  pack(params.bits, levels, groups, stream + first / 8 * params.bits);
+}
+
+CGX_AVX2_CLONE void decode_hadamard(const QuantizerParams& params, const Layout& layout,
+                                    const uint8_t* src, bool add, float* dst) {
+  const int64_t bucket = params.bucket_size;
+  const uint8_t* stream = src + layout.levels_offset;
+  const Scratch scratch = bucket_scratch(bucket);
+  float* values = scratch.values;
+  uint8_t* levels = scratch.levels;
+  for (int64_t b = 0; b < layout.rotated_buckets; ++b) {
+    const int64_t first = b * bucket;
+    float rms;
+    std::memcpy(&rms, src + b * sizeof(float), sizeof(rms));
+    unpack(params.bits, stream + first / 8 * params.bits, bucket / 8, levels);
+    decode_rotated(levels, bucket, params.bits, rms, scratch.signs, values);
+    float* out = dst + first;
+    if (add)
+      for (int64_t k = 0; k < bucket; ++k) out[k] = out[k] + values[k];
+    else
+      std::memcpy(out, values, static_cast<size_t>(bucket) * sizeof(float));
+  }
+  const int64_t first = layout.rotated_buckets * bucket;
+  const int64_t len = layout.quantized - first;
+  if (len == 0) return;
+  float pair[2];  // (min, scale)
+  std::memcpy(pair, src + layout.rotated_buckets * sizeof(float), sizeof(pair));
+  unpack(params.bits, stream + first / 8 * params.bits, (len + 7) / 8, levels);
+  dequantize(levels, len, pair[0], pair[1], static_cast<float>((1 << params.bits) - 1),
+             add, dst + first);
+}
+
 void decode(const QuantizerParams& params, const uint8_t* src, int64_t n, bool add, float* dst) {
   validate(params);
   check_count(n);
   const Layout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
-  decode_levels(params, layout, src, add, dst);
+  if (params.scheme == Scheme::kHadamard)
+    decode_hadamard(params, layout, src, add, dst);
+  else
+    decode_levels(params, layout, src, add, dst);
 
   const uint8_t* raw = src + layout.raw_offset;
   float* raw_dst = dst + layout.quantized;
@@ -354,13 +553,26 @@ WireLayout wire_layout(const QuantizerParams& params, int64_t n) {
   const int64_t bucket = params.bucket_size;
   layout.quantized = params.skip_incomplete_buckets ? n / bucket * bucket : n;
   layout.buckets = layout.quantized / bucket + (layout.quantized % bucket != 0);
-  layout.levels_offset = round_up16(static_cast<size_t>(layout.buckets) * 2 * sizeof(float));
+  if (params.scheme == Scheme::kHadamard) {
+    layout.rotated_buckets = layout.quantized / bucket;
+    layout.meta_bytes = static_cast<size_t>(layout.rotated_buckets) * sizeof(float) +
+                        (layout.quantized % bucket != 0 ? 2 * sizeof(float) : 0);
+  } else {
+    layout.meta_bytes = static_cast<size_t>(layout.buckets) * 2 * sizeof(float);
+  }
+  layout.levels_offset = round_up16(layout.meta_bytes);
   layout.levels_bytes =
       static_cast<size_t>((layout.quantized + 7) / 8) * static_cast<size_t>(params.bits);
   layout.raw_offset = round_up16(layout.levels_offset + layout.levels_bytes);
   layout.total_bytes =
       layout.raw_offset + static_cast<size_t>(n - layout.quantized) * sizeof(float);
   return layout;
+}
+
+Scheme scheme_from_name(const std::string& name) {
+  for (int i = 0; i < kSchemes; ++i)
+    if (name == kSchemeNames[i]) return static_cast<Scheme>(i);
+  throw std::invalid_argument("scheme must be 'maxmin' or 'hadamard', got '" + name + "'");
 }
 
 void validate(const QuantizerParams& params) {
@@ -370,6 +582,20 @@ void validate(const QuantizerParams& params) {
   if (params.bucket_size < 1)
     throw std::invalid_argument("bucket_size must be >= 1, got " +
                                 std::to_string(params.bucket_size));
+  if (params.scheme == Scheme::kHadamard) {
+    if (params.bits > kMaxHadamardBits)
+      throw std::invalid_argument("the hadamard scheme quantizes to 1.." +
+                                  std::to_string(kMaxHadamardBits) + " bits, got " +
+                                  std::to_string(params.bits));
+    const int64_t b = params.bucket_size;
+    if (b < 8 || b > kMaxHadamardBucket || (b & (b - 1)) != 0)
+      throw std::invalid_argument(
+          "the hadamard scheme needs a bucket_size that is a power of two in 8.." +
+          std::to_string(kMaxHadamardBucket) + ", got " + std::to_string(b));
+  } else if (params.scheme != Scheme::kMaxMin) {
+    throw std::invalid_argument("unknown quantizer scheme " +
+                                std::to_string(static_cast<int>(params.scheme)));
+  }
 }
 
 size_t compressed_bytes(const QuantizerParams& params, int64_t n) {
@@ -384,11 +610,13 @@ void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_
   check_count(n);
   const Layout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
-  encode_levels(params, layout, src, seed, static_cast<uint32_t>(stream_offset), dst);
+  if (params.scheme == Scheme::kHadamard)
+    encode_hadamard(params, layout, src, seed, static_cast<uint32_t>(stream_offset), dst);
+  else
+    encode_levels(params, layout, src, seed, static_cast<uint32_t>(stream_offset), dst);
 
   // Padding bytes are zero so that equal inputs give equal buffers.
-  const size_t meta_bytes = static_cast<size_t>(layout.buckets) * 2 * sizeof(float);
-  std::memset(dst + meta_bytes, 0, layout.levels_offset - meta_bytes);
+  std::memset(dst + layout.meta_bytes, 0, layout.levels_offset - layout.meta_bytes);
   const size_t levels_end = layout.levels_offset + layout.levels_bytes;
   std::memset(dst + levels_end, 0, layout.raw_offset - levels_end);
   std::memcpy(dst + layout.raw_offset, src + layout.quantized,

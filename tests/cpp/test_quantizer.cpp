@@ -9,6 +9,7 @@
 
 #include "check.h"
 #include "compression/quantizer.h"
+#include "compression/rotation.h"
 #include "fixtures.h"
 
 namespace cgx::test {
@@ -141,6 +142,65 @@ CGX_TEST(quantizer_rejects_bad_parameters) {
   CHECK_THROWS(compression::compressed_bytes({4, 64, false, false}, -1), std::invalid_argument);
   compression::validate({1, 1, false, false});
   compression::validate({8, 1 << 20, true, true});
+}
+
+CGX_TEST(rotation_inverse_recovers_the_input) {
+  for (int64_t n = 8; n <= compression::kMaxHadamardBucket; n *= 8) {
+    const std::vector<float> x = random_values(n, static_cast<uint32_t>(n));
+    std::vector<float> y = x;
+    const float* signs = compression::rotation_signs(n);
+    compression::rotate(y.data(), n, signs);
+    CHECK(y != x);
+    compression::unrotate(y.data(), n, signs);
+    float worst = 0, largest = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      worst = std::max(worst, std::fabs(y[i] - x[i]));
+      largest = std::max(largest, std::fabs(x[i]));
+    }
+    // log2(n) roundings per butterfly path, each a half ulp of a partial sum <= max |x|.
+    CHECK(worst <= 2 * std::log2(static_cast<float>(n)) * 0x1p-24f * largest);
+  }
+}
+
+CGX_TEST(hadamard_scheme_layout_and_limits) {
+  QuantizerParams params{2, 512, false, false, compression::Scheme::kHadamard};
+  // 1000 values: one whole bucket (4-byte rms) and a 488-value maxmin bucket (8 bytes).
+  const auto layout = compression::wire_layout(params, 1000);
+  CHECK_EQ(layout.rotated_buckets, int64_t{1});
+  CHECK_EQ(layout.meta_bytes, size_t{12});
+  CHECK_EQ(layout.levels_offset, size_t{16});
+  CHECK_EQ(layout.total_bytes, size_t{16 + 256});
+  params.skip_incomplete_buckets = true;  // the tail then travels raw
+  CHECK_EQ(compression::wire_layout(params, 1000).meta_bytes, size_t{4});
+  CHECK_THROWS(compression::validate({5, 512, false, false, compression::Scheme::kHadamard}),
+               std::invalid_argument);
+  CHECK_THROWS(compression::validate({2, 96, false, false, compression::Scheme::kHadamard}),
+               std::invalid_argument);
+  CHECK_THROWS(compression::validate({2, 1 << 17, false, false, compression::Scheme::kHadamard}),
+               std::invalid_argument);
+  compression::validate({4, 8, false, true, compression::Scheme::kHadamard});
+}
+
+CGX_TEST(hadamard_pieces_at_bucket_boundaries_give_the_whole_bytes) {
+  // Stochastic rounding draws by stream position: two pieces at their offsets encode the
+  // same levels as the whole.
+  const std::vector<float> x = random_values(4096, 3);
+  const QuantizerParams params{3, 256, false, true, compression::Scheme::kHadamard};
+  std::vector<uint8_t> whole(compression::compressed_bytes(params, 4096));
+  compression::compress(params, x.data(), 4096, whole.data(), 11, 0);
+  std::vector<uint8_t> first(compression::compressed_bytes(params, 1024));
+  std::vector<uint8_t> second(compression::compressed_bytes(params, 3072));
+  compression::compress(params, x.data(), 1024, first.data(), 11, 0);
+  compression::compress(params, x.data() + 1024, 3072, second.data(), 11, 1024);
+  const auto w = compression::wire_layout(params, 4096);
+  const auto a = compression::wire_layout(params, 1024);
+  const auto b = compression::wire_layout(params, 3072);
+  CHECK(std::equal(first.begin(), first.begin() + 16, whole.begin()));  // 4 rms
+  CHECK(std::equal(second.begin(), second.begin() + 48, whole.begin() + 16));  // 12 rms
+  CHECK(std::equal(first.begin() + a.levels_offset, first.begin() + a.levels_offset + a.levels_bytes,
+                   whole.begin() + w.levels_offset));
+  CHECK(std::equal(second.begin() + b.levels_offset, second.begin() + b.levels_offset + b.levels_bytes,
+                   whole.begin() + w.levels_offset + 1024 * 3 / 8));
 }
 
 }  // namespace

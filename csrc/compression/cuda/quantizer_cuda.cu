@@ -278,11 +278,21 @@ void decompress_as(const QuantizerParams& params, const uint8_t* src, int64_t n,
   check(cudaGetLastError(), "decompress launch");
 }
 
+// The CUDA kernels implement the maxmin scheme only; a hadamard segment on a GPU tensor is
+// refused before anything runs (the CPU codec has it).
+void check_scheme(const QuantizerParams& params) {
+  validate(params);
+  if (params.scheme != Scheme::kMaxMin)
+    throw std::invalid_argument(
+        "the hadamard scheme is not implemented for CUDA tensors yet; use scheme 'maxmin' "
+        "for layers on a GPU");
+}
+
 }  // namespace
 
 void compress(const QuantizerParams& params, const void* src, DType dtype, int64_t n,
               uint8_t* dst, uint64_t seed, uint64_t stream_offset, cudaStream_t stream) {
-  validate(params);
+  check_scheme(params);
   switch (dtype) {
     case DType::Float32:
       return compress_as(params, static_cast<const float*>(src), n, dst, seed, stream_offset, stream);
@@ -295,7 +305,7 @@ void compress(const QuantizerParams& params, const void* src, DType dtype, int64
 
 void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, void* dst,
                 DType dtype, bool add, cudaStream_t stream) {
-  validate(params);
+  check_scheme(params);
   switch (dtype) {
     case DType::Float32:
       return decompress_as(params, src, n, static_cast<float*>(dst), add, stream);

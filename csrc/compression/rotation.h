@@ -1,0 +1,70 @@
+// The randomized Hadamard rotation of one bucket, used by the hadamard scheme of the
+// quantizer (quantizer.h, docs/wire-format.md): y = H D x / n, where D flips the signs of a
+// fixed pseudo-random half of the positions and H is the n-point Walsh-Hadamard transform
+// (n a power of two). Rotating spreads an outlier over the whole bucket, so the rotated
+// values are close to normal and a few levels cover them well. Header-only: the codec's
+// SSE2 and AVX2 clones each inline their own copy.
+//
+// The prescale by 1/n is exact (a power of two) and happens first, so no butterfly can
+// overflow: every partial sum is a mean of at most n values. The butterflies run in a fixed
+// order, each sum and difference rounded on its own, so every machine computes the same bits.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "compression/stream_hash.h"
+
+namespace cgx::compression {
+
+// Position j's sign in every bucket, on every rank: -1 where bit 0 of the hash is set.
+constexpr uint32_t kRotationSignKey = 0x5bd1e995u;
+
+CGX_HASH_INLINE float rotation_sign(int64_t j) {
+  return (lowbias32(static_cast<uint32_t>(j) ^ kRotationSignKey) & 1u) ? -1.0f : 1.0f;
+}
+
+// rotation_sign(j) for j < n, computed once per thread and bucket size.
+inline const float* rotation_signs(int64_t n) {
+  thread_local std::vector<float> signs;
+  if (static_cast<int64_t>(signs.size()) < n) {
+    const int64_t from = static_cast<int64_t>(signs.size());
+    signs.resize(static_cast<size_t>(n));
+    for (int64_t j = from; j < n; ++j) signs[static_cast<size_t>(j)] = rotation_sign(j);
+  }
+  return signs.data();
+}
+
+// One stage of butterflies: x[k], x[k + h] <- x[k] + x[k + h], x[k] - x[k + h].
+CGX_HASH_INLINE void butterflies(float* __restrict x, int64_t n, int64_t h) {
+  for (int64_t i = 0; i < n; i += 2 * h)
+    for (int64_t k = i; k < i + h; ++k) {
+      const float a = x[k], b = x[k + h];
+      x[k] = a + b;
+      x[k + h] = a - b;
+    }
+}
+
+// The stages h = 1, 2, 4, ... n/2 in turn (n >= 8). The first three have their stride as
+// a constant, so the compiler vectorizes them too.
+CGX_HASH_INLINE void walsh_hadamard(float* __restrict x, int64_t n) {
+  butterflies(x, n, 1);
+  butterflies(x, n, 2);
+  butterflies(x, n, 4);
+  for (int64_t h = 8; h < n; h *= 2) butterflies(x, n, h);
+}
+
+// x <- H D x / n, in place; `signs` from rotation_signs(n).
+CGX_HASH_INLINE void rotate(float* __restrict x, int64_t n, const float* __restrict signs) {
+  const float inv_n = 1.0f / static_cast<float>(n);  // exact: n is a power of two
+  for (int64_t j = 0; j < n; ++j) x[j] = x[j] * (signs[j] * inv_n);
+  walsh_hadamard(x, n);
+}
+
+// y <- D H y, in place: the inverse of rotate (H H = n I), up to float rounding.
+CGX_HASH_INLINE void unrotate(float* __restrict y, int64_t n, const float* __restrict signs) {
+  walsh_hadamard(y, n);
+  for (int64_t j = 0; j < n; ++j) y[j] = y[j] * signs[j];
+}
+
+}  // namespace cgx::compression
