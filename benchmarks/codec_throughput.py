@@ -31,6 +31,8 @@ def parse_args():
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8],
                         help="quantization widths (default: 2 4 8)")
     parser.add_argument("--bucket-size", type=int, default=512)
+    parser.add_argument("--schemes", nargs="+", default=["maxmin"], choices=["maxmin", "hadamard"],
+                        help="quantizer schemes to measure (hadamard: bits 1-4)")
     parser.add_argument("--stochastic", action="store_true",
                         help="time stochastic rounding instead of round-to-nearest")
     parser.add_argument("--repeats", type=int, default=15,
@@ -71,20 +73,21 @@ def median_seconds_per_call(ops, repeats, min_seconds, sync=lambda: None):
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def measure(numel, bits, args):
+def measure(numel, bits, scheme, args):
     src = torch.randn(numel, dtype=torch.float32).to(args.device)
     copy_dst = torch.empty_like(src)
     accumulator = torch.zeros_like(src)
     compressed = torch.empty(
-        cgx.compressed_size(numel, bits, args.bucket_size), dtype=torch.uint8, device=args.device)
+        cgx.compressed_size(numel, bits, args.bucket_size, scheme=scheme), dtype=torch.uint8,
+        device=args.device)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     def compress():
         cgx.compress(src, bits, args.bucket_size, stochastic=args.stochastic, seed=args.seed,
-                     out=compressed)
+                     out=compressed, scheme=scheme)
 
     def decompress_add():
-        cgx.decompress(compressed, numel, bits, args.bucket_size, out=accumulator, add=True)
+        cgx.decompress(compressed, numel, bits, args.bucket_size, out=accumulator, add=True, scheme=scheme)
 
     compress()  # decompress_add needs a valid buffer before its first call
     seconds = median_seconds_per_call(
@@ -96,6 +99,7 @@ def measure(numel, bits, args):
     return {
         "size_mib": input_bytes / 2**20,
         "bits": bits,
+        "scheme": scheme,
         "bucket_size": args.bucket_size,
         "stochastic": args.stochastic,
         "compressed_bytes": compressed.numel(),
@@ -109,13 +113,13 @@ def measure(numel, bits, args):
 
 def markdown_table(rows):
     lines = [
-        "| size (MiB) | bits | memcpy GB/s | compress GB/s | x memcpy "
+        "| size (MiB) | bits | scheme | memcpy GB/s | compress GB/s | x memcpy "
         "| decompress_add GB/s | x memcpy |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['size_mib']:g} | {r['bits']} | {r['memcpy_gbps']:.2f} "
+            f"| {r['size_mib']:g} | {r['bits']} | {r['scheme']} | {r['memcpy_gbps']:.2f} "
             f"| {r['compress_gbps']:.2f} | {r['compress_vs_memcpy']:.2f} "
             f"| {r['decompress_add_gbps']:.2f} | {r['decompress_add_vs_memcpy']:.2f} |")
     return "\n".join(lines)
@@ -129,7 +133,9 @@ def main():
     for size_mib in args.sizes_mib:
         numel = int(size_mib * 2**20) // 4
         for bits in args.bits:
-            rows.append(measure(numel, bits, args))
+            for scheme in args.schemes:
+                if scheme == "maxmin" or bits <= cgx._C.MAX_HADAMARD_BITS:
+                    rows.append(measure(numel, bits, scheme, args))
     rounding = "stochastic" if args.stochastic else "round-to-nearest"
     where = (torch.cuda.get_device_name() if args.device.startswith("cuda")
              else f"{args.threads} thread(s)")
