@@ -273,8 +273,8 @@ def layout_bytes(layout: list[Segment], skip_incomplete_buckets: bool) -> int:
     """The payload of a float32 buffer sent with `layout`: raw segments as float32, the
     others in their compressed size."""
     return sum(4 * numel if bits == RAW_BITS else _C.compressed_size(
-        numel, bits, bucket_size, skip_incomplete_buckets=skip_incomplete_buckets, scheme=scheme)
-        for _, numel, bits, bucket_size, scheme in layout)
+        numel, bits, bucket_size, skip_incomplete_buckets=skip_incomplete_buckets, scheme=(scheme or ["maxmin"])[0])
+        for _, numel, bits, bucket_size, *scheme in layout)  # a 4-tuple is maxmin, as in the backend
 
 
 RAW = LayerSetting(RAW_BITS, 1)  # a segment sent exactly
