@@ -186,7 +186,8 @@ def _describe(plan: list[Segment]) -> str:
     if not plan:
         return "no segments"
     numel = sum(n for _, n, *_ in plan)
-    shown = ", ".join(f"({o}, {n}, {b}, {k}{'' if s == 'maxmin' else ', ' + s})" for o, n, b, k, s in plan[:3])
+    shown = ", ".join(f"({o}, {n}, {b}, {k}{''.join(', ' + x for x in s if x != 'maxmin')})"
+                      for o, n, b, k, *s in plan[:3])
     return f"{len(plan)} segments over {numel} elements [{shown}{', ...' if len(plan) > 3 else ''}]"
 
 

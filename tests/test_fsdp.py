@@ -415,7 +415,7 @@ def test_qsdp_trains_with_exact_and_bounded_layers(world, rounding):
         for given, out in log:
             shard = given.numel()
             own = out[rank * shard:(rank + 1) * shard]
-            for offset, numel, bits, bucket in plan:  # raw layers exact, the others in bound
+            for offset, numel, bits, bucket, _ in plan:  # raw layers exact, the others in bound
                 x, y = given[offset:offset + numel], own[offset:offset + numel]
                 if bits == 32:
                     assert torch.equal(x, y)

@@ -102,7 +102,7 @@ def _hook_run(rank, shape, gloo, steps, start=0, saved=None):
     def recording_hook(state, bucket):
         local = bucket.buffer().clone()
         future = cgx.cgx_hook(state, bucket)
-        raw = [(o, n) for o, n, bits, _ in bucket_plan(bucket, state._settings_by_param)[0] if bits == RAW_BITS]
+        raw = [(o, n) for o, n, bits, *_ in bucket_plan(bucket, state._settings_by_param)[0] if bits == RAW_BITS]
 
         call = [local, None, raw]
         calls.append(call)  # in call order, the same on every rank
@@ -238,7 +238,7 @@ def _qsdp_run(rank, shape, gloo, steps, start=0, saved=None):
             dist.reduce_scatter_tensor(reference, given, group=gloo)
             reference /= dist.get_world_size()
             raw_exact = raw_exact and all(torch.equal(out[o:o + n], reference[o:o + n])
-                                          for o, n, bits, _ in plan if bits == 32)
+                                          for o, n, bits, *_ in plan if bits == 32)
     checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
                   "cgx": handle.state_dict()}
     return model, handle, raw_exact and calls > 0, checkpoint
