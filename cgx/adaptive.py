@@ -32,7 +32,7 @@ from typing import Iterable, Mapping
 import torch
 
 from cgx import _C
-from cgx.layers import LayerSetting, check_bits, check_bucket_size
+from cgx.layers import LayerSetting, check_bits, check_bucket_size, check_setting
 
 __all__ = ["AdaptiveBits", "choose_settings", "normalized_error", "quantization_error"]
 
@@ -120,8 +120,9 @@ class AdaptiveBits:
     """Periodic L-GreCo selection for :class:`cgx.CGXState` (``adaptive=``).
 
     Args:
-        candidates: (bits, bucket_size) pairs a layer may use; smaller buckets cost more
-            bytes (8 per bucket) and err less, a second dimension beside the bits.
+        candidates: (bits, bucket_size) pairs a layer may use, or (bits, bucket_size,
+            scheme) triples ("maxmin" or "hadamard"); smaller buckets cost more bytes (8
+            per bucket, 4 with hadamard) and err less, a second dimension beside the bits.
         default: the uniform setting the error budget is measured against; must be a
             candidate.
         alpha: allowed total error as a multiple of the default's. At 1 the choice
@@ -141,10 +142,11 @@ class AdaptiveBits:
         alpha: float = 3.0,
         interval: int = 100,
     ) -> None:
-        self.candidates = tuple(LayerSetting(b, k) for b, k in candidates)
+        self.candidates = tuple(LayerSetting(*c) for c in candidates)
         for c in self.candidates:
             check_bits(c.bits, f"cgx.AdaptiveBits candidate {c}", allow_raw=False)
             check_bucket_size(c.bucket_size, f"cgx.AdaptiveBits candidate {c}")
+            check_setting(c.bits, c.bucket_size, c.scheme, f"cgx.AdaptiveBits candidate {c}")
         self.default = LayerSetting(*default)
         if self.default not in self.candidates:
             raise ValueError(f"cgx.AdaptiveBits: default {default} is not among the candidates")

@@ -31,7 +31,7 @@ from typing import Iterable
 import torch
 
 from cgx import _C
-from cgx._C import MAX_BITS, MAX_BUCKET_SIZE, MAX_HADAMARD_BITS, RAW_BITS, SCHEMES
+from cgx._C import MAX_BITS, MAX_BUCKET_SIZE, RAW_BITS, SCHEMES
 from cgx.config import _int_range
 
 __all__ = ["LayerRule", "LayerSetting", "CompressionPolicy", "Segment"]
@@ -60,18 +60,30 @@ def check_scheme(scheme: str, what: str) -> None:
         raise ValueError(f"{what}: scheme must be one of {', '.join(map(repr, SCHEMES))}, got {scheme!r}")
 
 
-def hadamard_fits(bits: int, bucket_size: int) -> bool:
-    """Whether the hadamard scheme can quantize with these bits and bucket size."""
-    return (1 <= bits <= MAX_HADAMARD_BITS and 8 <= bucket_size <= _C.MAX_HADAMARD_BUCKET
-            and bucket_size & (bucket_size - 1) == 0)
+def scheme_problem(bits: int, bucket_size: int, scheme: str) -> str | None:
+    """Why the codec refuses these bits and bucket size in `scheme` (its own words), or None."""
+    if bits == RAW_BITS:
+        return None
+    try:
+        _C.compressed_size(0, bits, bucket_size, scheme=scheme)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def check_setting(bits: int, bucket_size: int, scheme: str, what: str) -> None:
     check_scheme(scheme, what)
-    if scheme == "hadamard" and bits != RAW_BITS and not hadamard_fits(bits, bucket_size):
-        raise ValueError(f"{what}: the hadamard scheme needs 1..{MAX_HADAMARD_BITS} bits and a bucket_size "
-                         f"that is a power of two in 8..{_C.MAX_HADAMARD_BUCKET}, got {bits} bits, "
-                         f"bucket_size {bucket_size}")
+    problem = scheme_problem(bits, bucket_size, scheme)
+    if problem:
+        raise ValueError(f"{what}: {problem}")
+
+
+def fitted(bits: int, bucket_size: int, scheme: str) -> "LayerSetting":
+    """The setting in `scheme` where the codec takes it, else in maxmin (hadamard stops at
+    4 bits and needs a power-of-two bucket)."""
+    if bits == RAW_BITS:
+        return LayerSetting(RAW_BITS, bucket_size)
+    return LayerSetting(bits, bucket_size, "maxmin" if scheme_problem(bits, bucket_size, scheme) else scheme)
 
 
 @dataclass(frozen=True)
@@ -87,12 +99,8 @@ class LayerSetting:
         return self.bits != RAW_BITS
 
     def with_bits(self, bits: int) -> "LayerSetting":
-        """This setting at other bits (raw stays raw); the scheme falls back to maxmin
-        where hadamard cannot take them."""
-        if not self.compressed or bits == RAW_BITS:
-            return LayerSetting(RAW_BITS, self.bucket_size)
-        fits = self.scheme != "hadamard" or hadamard_fits(bits, self.bucket_size)
-        return LayerSetting(bits, self.bucket_size, self.scheme if fits else "maxmin")
+        """This setting at other bits (raw stays raw), as :func:`fitted` gives it."""
+        return fitted(bits if self.compressed else RAW_BITS, self.bucket_size, self.scheme)
 
 
 @dataclass(frozen=True)
@@ -120,8 +128,10 @@ class LayerRule:
         check_bits(self.bits, what)
         if self.bucket_size is not None:
             check_bucket_size(self.bucket_size, what)
-        if self.scheme is not None:
-            check_setting(self.bits, self.bucket_size or 8, self.scheme, what)
+        if self.scheme is not None:  # with the policy's bucket size it is checked at resolve()
+            check_scheme(self.scheme, what)
+            if self.bucket_size is not None:
+                check_setting(self.bits, self.bucket_size, self.scheme, what)
         if self.max_numel is not None and (not isinstance(self.max_numel, int) or self.max_numel < 0):
             raise ValueError(f"{what}: max_numel must be an integer >= 0, got {self.max_numel!r}")
 
@@ -179,17 +189,10 @@ class CompressionPolicy:
                 bucket_size = rule.bucket_size or self.bucket_size
                 if rule.scheme is not None:
                     check_setting(rule.bits, bucket_size, rule.scheme, f"cgx.LayerRule for {name!r}")
-                return self._setting(rule.bits, bucket_size, rule.scheme)
+                return fitted(rule.bits, bucket_size, rule.scheme or self.scheme)
         if param.numel() <= self.minimal_size or (param.dim() <= 1 and not self.compress_1d):
             return LayerSetting(RAW_BITS, self.bucket_size)
-        return self._setting(self.bits, self.bucket_size, None)
-
-    def _setting(self, bits: int, bucket_size: int, scheme: str | None) -> LayerSetting:
-        if bits == RAW_BITS:
-            return LayerSetting(RAW_BITS, bucket_size)
-        if scheme is None:  # the policy's, where it fits
-            scheme = self.scheme if self.scheme != "hadamard" or hadamard_fits(bits, bucket_size) else "maxmin"
-        return LayerSetting(bits, bucket_size, scheme)
+        return fitted(self.bits, self.bucket_size, self.scheme)
 
     def resolve(self, model: torch.nn.Module) -> dict[str, LayerSetting]:
         """The setting of every trainable parameter of `model`, by qualified name.

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 #include <torch/python.h>
 
+#include <iterator>
 #include <optional>
 #include <variant>
 
@@ -191,7 +192,7 @@ PYBIND11_MODULE(_C, m) {
 
   {
     py::enum_<cgx::compression::Scheme> scheme(m, "Scheme");
-    for (int i = 0; i < cgx::compression::kSchemes; ++i)
+    for (size_t i = 0; i < std::size(cgx::compression::kSchemeNames); ++i)
       scheme.value(cgx::compression::kSchemeNames[i], static_cast<cgx::compression::Scheme>(i));
   }
   py::enum_<InnerCommunicator>(m, "InnerCommunicator")

@@ -33,14 +33,16 @@ void validate(const Settings& o) {
                     " (no compression), got ", o.bits);
   TORCH_CHECK_VALUE(o.bucket_size >= 1 && o.bucket_size <= kMaxBucketSize,
                     "cgx: bucket_size must be in 1..", kMaxBucketSize, ", got ", o.bucket_size);
-  compression::QuantizerParams quantizer;
-  quantizer.bits = o.bits == kRawBits ? 1 : o.bits;
-  quantizer.bucket_size = o.bucket_size;
-  quantizer.scheme = o.scheme;
-  try {
-    compression::validate(quantizer);
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, "cgx: ", e.what());
+  if (o.bits != kRawBits) {  // what the scheme allows (compression off needs nothing of it)
+    compression::QuantizerParams quantizer;
+    quantizer.bits = o.bits;
+    quantizer.bucket_size = o.bucket_size;
+    quantizer.scheme = o.scheme;
+    try {
+      compression::validate(quantizer);
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK_VALUE(false, "cgx: ", e.what());
+    }
   }
   TORCH_CHECK_VALUE(o.minimal_size >= 0 && o.minimal_size <= kMaxMinimalSize,
                     "cgx: minimal_size must be in 0..", kMaxMinimalSize, ", got ", o.minimal_size);

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
+#include <iterator>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -438,8 +439,7 @@ CGX_INLINE void decode_rotated(const uint8_t* __restrict levels, int64_t len, in
   unrotate(y, len, signs);
 }
 
-// One bucket's working space on this thread: its values, its levels (a bucket of them, or
-// the maxmin tail's rounded up to whole groups of 8), and the rotation's signs.
+// One bucket's working space on this thread: its values, its levels and the rotation's signs.
 struct Scratch {
   float* values;
   uint8_t* levels;
@@ -452,6 +452,25 @@ Scratch bucket_scratch(int64_t bucket) {
   values.resize(static_cast<size_t>(bucket));
   levels.resize(static_cast<size_t>(bucket));
   return {values.data(), levels.data(), rotation_signs(bucket)};
+}
+
+// A hadamard buffer's shorter last bucket is a one-bucket maxmin buffer laid inside it: its
+// (min, scale) after the whole buckets' rms, its levels after theirs.
+struct Tail {
+  Layout layout;       // relative to meta_offset
+  size_t meta_offset;  // in the hadamard buffer
+  int64_t first;       // its first value
+};
+
+Tail hadamard_tail(const QuantizerParams& params, const Layout& layout) {
+  Tail tail;
+  tail.first = layout.rotated_buckets * params.bucket_size;
+  tail.meta_offset = static_cast<size_t>(layout.rotated_buckets) * sizeof(float);
+  tail.layout.quantized = layout.quantized - tail.first;
+  tail.layout.buckets = tail.layout.quantized > 0 ? 1 : 0;
+  tail.layout.levels_offset = layout.levels_offset +
+                              static_cast<size_t>(tail.first / 8 * params.bits) - tail.meta_offset;
+  return tail;
 }
 
 // The whole buckets of a hadamard buffer, then its shorter last bucket (if any) as maxmin.
@@ -473,23 +492,10 @@ CGX_AVX2_CLONE void encode_hadamard(const QuantizerParams& params, const Layout&
     std::memcpy(dst + b * sizeof(float), &rms, sizeof(rms));
     pack(params.bits, levels, bucket / 8, stream + first / 8 * params.bits);
   }
-  const int64_t first = layout.rotated_buckets * bucket;
-  const int64_t len = layout.quantized - first;
-  if (len == 0) return;
-  const float max_level = static_cast<float>((1 << params.bits) - 1);
-  const BucketCode code = encode_bucket(src + first, len, params.bits);
-  const float pair[2] = {code.min, code.scale};
-  std::memcpy(dst + layout.rotated_buckets * sizeof(float), pair, sizeof(pair));
-  if (!code.finite)
-    std::memset(levels, 0, static_cast<size_t>(len));
-  else if (params.stochastic)
-    quantize_stochastic(src + first, len, code, max_level,
-                        stream_offset + static_cast<uint32_t>(first), key, levels);
-  else
-    quantize_nearest(src + first, len, code, max_level, levels);
-  const int64_t groups = (len + 7) / 8;
-  std::memset(levels + len, 0, static_cast<size_t>(groups * 8 - len));
-  pack(params.bits, levels, groups, stream + first / 8 * params.bits);
+  const Tail tail = hadamard_tail(params, layout);
+  if (tail.layout.quantized > 0)
+    encode_levels(params, tail.layout, src + tail.first, seed,
+                  stream_offset + static_cast<uint32_t>(tail.first), dst + tail.meta_offset);
 }
 
 CGX_AVX2_CLONE void decode_hadamard(const QuantizerParams& params, const Layout& layout,
@@ -511,14 +517,9 @@ CGX_AVX2_CLONE void decode_hadamard(const QuantizerParams& params, const Layout&
     else
       std::memcpy(out, values, static_cast<size_t>(bucket) * sizeof(float));
   }
-  const int64_t first = layout.rotated_buckets * bucket;
-  const int64_t len = layout.quantized - first;
-  if (len == 0) return;
-  float pair[2];  // (min, scale)
-  std::memcpy(pair, src + layout.rotated_buckets * sizeof(float), sizeof(pair));
-  unpack(params.bits, stream + first / 8 * params.bits, (len + 7) / 8, levels);
-  dequantize(levels, len, pair[0], pair[1], static_cast<float>((1 << params.bits) - 1),
-             add, dst + first);
+  const Tail tail = hadamard_tail(params, layout);
+  if (tail.layout.quantized > 0)
+    decode_levels(params, tail.layout, src + tail.meta_offset, add, dst + tail.first);
 }
 
 void decode(const QuantizerParams& params, const uint8_t* src, int64_t n, bool add, float* dst) {
@@ -570,9 +571,12 @@ WireLayout wire_layout(const QuantizerParams& params, int64_t n) {
 }
 
 Scheme scheme_from_name(const std::string& name) {
-  for (int i = 0; i < kSchemes; ++i)
+  std::string known;
+  for (size_t i = 0; i < std::size(kSchemeNames); ++i) {
     if (name == kSchemeNames[i]) return static_cast<Scheme>(i);
-  throw std::invalid_argument("scheme must be 'maxmin' or 'hadamard', got '" + name + "'");
+    known += (i ? " or '" : "'") + std::string(kSchemeNames[i]) + "'";
+  }
+  throw std::invalid_argument("scheme must be " + known + ", got '" + name + "'");
 }
 
 void validate(const QuantizerParams& params) {

@@ -40,7 +40,6 @@ constexpr int64_t kMaxHadamardBucket = int64_t{1} << 16;
 enum class Scheme : int32_t { kMaxMin = 0, kHadamard = 1 };
 // The schemes' names, indexed by value: what Python and the docs call them.
 constexpr const char* kSchemeNames[] = {"maxmin", "hadamard"};
-constexpr int kSchemes = 2;
 inline const char* scheme_name(Scheme s) { return kSchemeNames[static_cast<int>(s)]; }
 // Throws std::invalid_argument naming the known schemes for any other name.
 Scheme scheme_from_name(const std::string& name);
