@@ -85,8 +85,8 @@ class DiLoCo:
             i mod P where layers are alike) or "sequential" (runs of consecutive layers
             of about 1/P of the elements each).
         bits, bucket_size: how outer gradients travel (1..8 bits, or 32 for exact
-            DiLoCo; the bucket size defaults to the group's). 1-D and small layers stay
-            exact, as in :class:`cgx.CompressionPolicy`.
+            DiLoCo; the bucket size and the scheme are the group's). 1-D and small layers
+            stay exact, as in :class:`cgx.CompressionPolicy`.
         policy: per-layer settings instead of bits / bucket_size.
         outer_lr, outer_momentum, nesterov: the outer SGD on the global copy.
         overlap: 0 waits for each sync at once; k >= 1 applies it k inner steps later.
@@ -133,6 +133,7 @@ class DiLoCo:
         self._backend = backend
         if policy is None:
             policy = CompressionPolicy(bits=bits, bucket_size=bucket_size or backend.settings.bucket_size,
+                                       scheme=backend.settings.scheme.name,
                                        minimal_size=backend.settings.minimal_size)
         params = _synced_parameters(model, inner_optimizer)
         layers = _layers(params)

@@ -276,6 +276,17 @@ def test_layouts_mix_schemes_and_ranks_that_differ_raise():
         assert error is not None and "hadamard" in error, error
 
 
+def _diloco_layout(rank, world):
+    init_cgx(rank, world, pg_options=cgx.Config(scheme="hadamard"))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    diloco = cgx.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+    return [segment[4] for segment in diloco._fragments[0].layout if segment[2] != 32]
+
+
+def test_diloco_takes_the_groups_scheme():
+    assert values(run_ranks(_diloco_layout, 1))[0] == ["hadamard", "hadamard"]
+
+
 def _train(rank, world, two_level):
     init_cgx(rank, world)
     torch.manual_seed(0)
