@@ -14,8 +14,10 @@ underneath, uncompressed unless a method compresses), once per method:
                 buckets 128 or 512, budget 3x uniform 4 bits' normalized error);
                 -hadamard: candidates of both schemes (HADAMARD_CANDIDATES)
   fsdp          FSDP2 (fully_shard per block and on the root), exact
-  qsdp-wAgB     FSDP2 with cgx.qsdp: weights gathered at A bits (stochastic rounding),
-                gradients reduce-scattered at B bits; -nearest: weights rounded to nearest
+  qsdp-wAgB[-nearest][-hadamard][-feedback]
+                FSDP2 with cgx.qsdp: weights gathered at A bits (stochastic rounding, or
+                rounded to nearest), gradients reduce-scattered at B bits; the maxmin
+                scheme (or hadamard where it fits); without error feedback (or with it)
   diloco-hH-pP-bB-oK  cgx.DiLoCo, no DDP: every rank a replica, syncing every H steps in P
                 fragments (strided; -seq: sequential), outer gradients at B bits with error
                 feedback, applied K steps later; outer Nesterov SGD lr 0.7, momentum 0.9,
@@ -65,7 +67,8 @@ from plotting import pyplot  # noqa: E402
 CGX_METHODS = tuple(f"cgx{b}{k}{s}{f}" for b in (2, 3, 4, 8) for k in ("", "-bucket128") for s in ("", "-hadamard")
                     for f in ("", "-one-level", "-no-feedback"))
 DDP_METHODS = ("allreduce", "fp16", "powersgd") + CGX_METHODS + ("cgx-adaptive", "cgx-adaptive-hadamard")
-FSDP_METHODS = ("fsdp", "qsdp-w8g8", "qsdp-w8g4", "qsdp-w4g4", "qsdp-w8g8-nearest", "qsdp-w4g4-nearest")
+FSDP_METHODS = ("fsdp",) + tuple(f"qsdp-w{w}g{g}{r}{s}{f}" for w in (8, 4) for g in (8, 4, 2)
+                                  for r in ("", "-nearest") for s in ("", "-hadamard") for f in ("", "-feedback"))
 DILOCO_METHODS = tuple(f"diloco-h{h}-p{p}-b{b}-o{k}" for h in (16, 32) for p in (1, 4) for b in (32, 4)
                        for k in (0, 1)) + tuple(f"diloco-h32-p4-b4-o1-{v}" for v in (
                            "seq", "lr1.0-m0", "lr0.5", "lr0.4", "lr0.7-m0.5", "lr0.7-x0.75"))
@@ -270,10 +273,12 @@ def shard_method(method, model):
     fully_shard(model, mesh=mesh)
     if method == "fsdp":
         return lambda step: (None, None)
-    _, bits, *rounding = method.split("-")
+    _, bits, *options = method.split("-")
     weight_bits, grad_bits = (int(b) for b in bits[1:].split("g"))
-    handle = cgx.qsdp(model, weight_bits=weight_bits, grad_bits=grad_bits,
-                      weight_rounding="nearest" if rounding else "stochastic")
+    policy = cgx.CompressionPolicy(scheme="hadamard" if "hadamard" in options else "maxmin")
+    handle = cgx.qsdp(model, weight_bits=weight_bits, grad_bits=grad_bits, policy=policy,
+                      weight_rounding="nearest" if "nearest" in options else "stochastic",
+                      error_feedback="feedback" in options)
 
     def traffic(step):
         stats = handle.stats()
@@ -406,8 +411,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="gpt")
     parser.add_argument("--methods", nargs="+", choices=METHODS, metavar="METHOD",
-                        default=["allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx-adaptive",
-                                 *FSDP_METHODS])
+                        default=["allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx-adaptive", "fsdp",
+                                 "qsdp-w8g8", "qsdp-w8g4", "qsdp-w4g4", "qsdp-w8g8-nearest", "qsdp-w4g4-nearest"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")

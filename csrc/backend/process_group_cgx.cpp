@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <optional>
 #include <utility>
@@ -236,6 +237,24 @@ void check_tensors(const std::vector<at::Tensor>& tensors, const char* what, boo
   }
   check_writable(tensors, what);
 }
+
+// The CUDA kernels implement the maxmin scheme only: a GPU call whose layout needs another
+// is refused here, on the caller's thread and before it is numbered, so the group stays
+// usable (not by the kernels' own check, on the worker, once the call has begun).
+void check_cuda_scheme(const at::Tensor& tensor, const compression::LayoutCodec* codec,
+                       compression::Scheme group_scheme, const char* what) {
+  if (!tensor.is_cuda()) return;
+  bool maxmin = group_scheme == compression::Scheme::kMaxMin;
+  if (codec) {
+    const auto& segments = codec->segments();
+    maxmin = std::all_of(segments.begin(), segments.end(), [](const compression::Segment& s) {
+      return s.raw || s.params.scheme == compression::Scheme::kMaxMin;
+    });
+  }
+  TORCH_CHECK_VALUE(maxmin, "cgx ", what,
+                    ": the hadamard scheme is not implemented for CUDA tensors yet; use scheme "
+                    "'maxmin' for layers on a GPU");
+}
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce(std::vector<at::Tensor>& tensors,
@@ -330,11 +349,14 @@ std::shared_ptr<const compression::LayoutCodec> checked_shard_call(
                     ": input and output must be contiguous");
   TORCH_CHECK_VALUE(full.numel() == shard.numel() * size, "cgx ", what, ": the full tensor has ",
                     full.numel(), " elements, expected ", size, " shards of ", shard.numel());
+  std::shared_ptr<const compression::LayoutCodec> codec;
   try {
-    return std::make_shared<compression::LayoutCodec>(std::move(layout), shard.numel());
+    codec = std::make_shared<compression::LayoutCodec>(std::move(layout), shard.numel());
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, "cgx ", what, ": ", e.what());
   }
+  check_cuda_scheme(full, codec.get(), compression::Scheme::kMaxMin, what);
+  return codec;
 }
 }  // namespace
 
@@ -455,6 +477,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
     std::shared_ptr<const compression::LayoutCodec> codec, std::optional<at::Tensor> residual) {
+  check_cuda_scheme(tensors[0], codec.get(), settings_.scheme, "allreduce");
   std::vector<at::Tensor> used = tensors;
   if (residual) used.push_back(*residual);
   return enqueue_compressed(used, tensors, op_type,

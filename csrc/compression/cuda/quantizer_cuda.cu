@@ -278,8 +278,8 @@ void decompress_as(const QuantizerParams& params, const uint8_t* src, int64_t n,
   check(cudaGetLastError(), "decompress launch");
 }
 
-// The CUDA kernels implement the maxmin scheme only; a hadamard segment on a GPU tensor is
-// refused before anything runs (the CPU codec has it).
+// The CUDA kernels implement the maxmin scheme only (the CPU codec has hadamard). The
+// backend refuses such a call before it begins; this guards the codec's other callers.
 void check_scheme(const QuantizerParams& params) {
   validate(params);
   if (params.scheme != Scheme::kMaxMin)
