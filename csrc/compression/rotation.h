@@ -20,7 +20,7 @@ namespace cgx::compression {
 // Position j's sign in every bucket, on every rank: -1 where bit 0 of the hash is set.
 constexpr uint32_t kRotationSignKey = 0x5bd1e995u;
 
-CGX_HASH_INLINE float rotation_sign(int64_t j) {
+CGX_HOST_DEVICE_INLINE float rotation_sign(int64_t j) {
   return (lowbias32(static_cast<uint32_t>(j) ^ kRotationSignKey) & 1u) ? -1.0f : 1.0f;
 }
 
@@ -36,7 +36,7 @@ inline const float* rotation_signs(int64_t n) {
 }
 
 // One stage of butterflies: x[k], x[k + h] <- x[k] + x[k + h], x[k] - x[k + h].
-CGX_HASH_INLINE void butterflies(float* __restrict x, int64_t n, int64_t h) {
+CGX_HOST_DEVICE_INLINE void butterflies(float* __restrict x, int64_t n, int64_t h) {
   for (int64_t i = 0; i < n; i += 2 * h)
     for (int64_t k = i; k < i + h; ++k) {
       const float a = x[k], b = x[k + h];
@@ -47,7 +47,7 @@ CGX_HASH_INLINE void butterflies(float* __restrict x, int64_t n, int64_t h) {
 
 // The stages h = 1, 2, 4, ... n/2 in turn (n >= 8). The first three have their stride as
 // a constant, so the compiler vectorizes them too.
-CGX_HASH_INLINE void walsh_hadamard(float* __restrict x, int64_t n) {
+CGX_HOST_DEVICE_INLINE void walsh_hadamard(float* __restrict x, int64_t n) {
   butterflies(x, n, 1);
   butterflies(x, n, 2);
   butterflies(x, n, 4);
@@ -55,14 +55,14 @@ CGX_HASH_INLINE void walsh_hadamard(float* __restrict x, int64_t n) {
 }
 
 // x <- H D x / n, in place; `signs` from rotation_signs(n).
-CGX_HASH_INLINE void rotate(float* __restrict x, int64_t n, const float* __restrict signs) {
+CGX_HOST_DEVICE_INLINE void rotate(float* __restrict x, int64_t n, const float* __restrict signs) {
   const float inv_n = 1.0f / static_cast<float>(n);  // exact: n is a power of two
   for (int64_t j = 0; j < n; ++j) x[j] = x[j] * (signs[j] * inv_n);
   walsh_hadamard(x, n);
 }
 
 // y <- D H y, in place: the inverse of rotate (H H = n I), up to float rounding.
-CGX_HASH_INLINE void unrotate(float* __restrict y, int64_t n, const float* __restrict signs) {
+CGX_HOST_DEVICE_INLINE void unrotate(float* __restrict y, int64_t n, const float* __restrict signs) {
   walsh_hadamard(y, n);
   for (int64_t j = 0; j < n; ++j) y[j] = y[j] * signs[j];
 }

@@ -9,15 +9,15 @@
 #include <cstdint>
 
 #ifdef __CUDACC__
-#define CGX_HASH_INLINE __host__ __device__ __forceinline__
+#define CGX_HOST_DEVICE_INLINE __host__ __device__ __forceinline__
 #else
 // Always inlined: the CPU codec's SSE2 and AVX2 clones each need their own copy.
-#define CGX_HASH_INLINE inline __attribute__((always_inline))
+#define CGX_HOST_DEVICE_INLINE inline __attribute__((always_inline))
 #endif
 
 namespace cgx::compression {
 
-CGX_HASH_INLINE uint32_t lowbias32(uint32_t x) {
+CGX_HOST_DEVICE_INLINE uint32_t lowbias32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352dU;
   x ^= x >> 15;
@@ -26,7 +26,7 @@ CGX_HASH_INLINE uint32_t lowbias32(uint32_t x) {
   return x;
 }
 
-CGX_HASH_INLINE uint32_t stream_key(uint64_t seed) {
+CGX_HOST_DEVICE_INLINE uint32_t stream_key(uint64_t seed) {
   return lowbias32(static_cast<uint32_t>(seed) ^ lowbias32(static_cast<uint32_t>(seed >> 32)));
 }
 
