@@ -26,8 +26,11 @@ bucket's per-layer plan (which slice is which parameter, with its bits and bucke
 travels with the call, so other allreduces on the same group in between (metrics, loss
 averaging, a distributed loss) cannot disturb it.
 
-Error feedback (on by default) keeps, per compressed parameter, what quantization dropped
-and adds it to the next step's gradient. Two-level (the default) feeds back both stages:
+Error feedback keeps, per compressed parameter, what quantization dropped and adds it to
+the next step's gradient. By default it is on for layers compressed at
+FEEDBACK_MAX_BITS (2) bits or fewer and off above: measured on three tasks and three
+seeds (docs/benchmarks.md), it helped at 2 bits where the error is large and made 3- and
+4-bit runs no better, often worse, than none. Two-level (the default form) feeds back both stages:
 the collective records, on each rank, what every quantization that rank made dropped:
 its own contributions, and the sums it re-quantized as a chunk's owner (or a ring hop).
 The ranks' residuals then add up to exactly what the averaged gradient lacked, so over
@@ -54,6 +57,10 @@ from cgx.layers import (RAW_BITS, SCHEMES, CompressionPolicy, LayerSetting, buck
 
 __all__ = ["CGXState", "cgx_hook"]
 
+# Layers compressed at this many bits or fewer get error feedback unless the state says
+# otherwise (error_feedback=True or False).
+FEEDBACK_MAX_BITS = 2
+
 
 class CGXState:
     """State of :func:`cgx_hook`: the policy, error-feedback residuals, warm-up, stats.
@@ -71,7 +78,11 @@ class CGXState:
             elements (and more than the group's minimal size) are compressed with
             ``compression_params["bits"]`` and ``["bucket_size"]`` (each defaulting to
             the group's setting).
-        error_feedback: keep and re-add each layer's quantization residual.
+        error_feedback: keep and re-add each layer's quantization residual: True for
+            every compressed layer, False for none, None (the default) for the layers
+            compressed at ``FEEDBACK_MAX_BITS`` (2) bits or fewer, whatever their
+            setting is at the time (an adaptive plan may move a layer across; it then
+            starts or drops its residual).
         two_level: with error_feedback, feed back the owners' re-quantization of the sums
             too, as the collective measures it (both stages); False: each rank's own
             quantization only, estimated locally.
@@ -115,7 +126,7 @@ class CGXState:
         *,
         layer_min_size: int | None = None,
         compression_params: dict[str, int] | None = None,
-        error_feedback: bool = True,
+        error_feedback: bool | None = None,
         two_level: bool = True,
         warmup_steps: int = 0,
         stats_every: int = 10,
@@ -140,7 +151,9 @@ class CGXState:
         self.process_group = process_group
         self.policy = policy
         self._torch_cgx = _torch_cgx_args(layer_min_size, compression_params) if torch_cgx_form else None
-        self.error_feedback = bool(error_feedback)
+        if error_feedback is not None and not isinstance(error_feedback, bool):
+            raise TypeError(f"cgx.CGXState: error_feedback must be True, False or None, got {error_feedback!r}")
+        self.error_feedback = error_feedback
         self.two_level = bool(two_level)
         self.warmup_steps = warmup_steps
         self.stats_every = stats_every
@@ -319,7 +332,7 @@ class CGXState:
         residual to its gradient and keeps the new one."""
         sample = self.stats_every > 0 and self.step % self.stats_every == 0
         adaptive = self.adaptive if decides else None
-        local_feedback = self.error_feedback and not self.two_level
+        local_feedback = not self.two_level and any(self.feeds_back(s) for *_, s in compressed)
         if not (local_feedback or sample or adaptive):
             return
         # The group's rounding settings, so that Q(g) here is what goes on the wire.
@@ -332,26 +345,45 @@ class CGXState:
                 grad = grad.clone()  # keep the unquantized values apart from the buffer
             if adaptive:
                 adaptive.accumulate(name, grad)
-            if not (local_feedback or sample):
+            local = not self.two_level and self.feeds_back(setting)
+            if not (local or sample):
                 continue
-            residual = self.residuals.get(name) if self.error_feedback else None
+            residual = self.residuals.get(name) if self.feeds_back(setting) else None
             if residual is not None and residual.numel() == numel:
                 grad += residual  # what will be quantized (two-level: the collective adds it)
-                if local_feedback:
+                if local:
                     view.copy_(grad)
             # One-level: the buffer as it goes on the wire (float16 rounds what it holds).
             decoded = _C.decompress(
-                _C.compress(view if local_feedback else grad, setting.bits, setting.bucket_size,
+                _C.compress(view if local else grad, setting.bits, setting.bucket_size,
                             stochastic=stochastic, seed=self.step, skip_incomplete_buckets=skip,
                             scheme=setting.scheme),
                 numel, setting.bits, setting.bucket_size, skip_incomplete_buckets=skip, scheme=setting.scheme,
             )
-            if local_feedback:
+            if local:
                 # A bucket that overflowed decodes to NaN: carry nothing of it forward.
                 self.residuals[name] = torch.nan_to_num(grad - decoded, nan=0.0, posinf=0.0, neginf=0.0)
             if sample:
                 norm = float(grad.norm())
                 self.layer_errors[name] = float((decoded - grad).norm()) / norm if norm > 0 else 0.0
+
+    def feeds_back(self, setting: LayerSetting) -> bool:
+        """Whether a layer compressed with `setting` keeps an error-feedback residual."""
+        if self.error_feedback is None:
+            return setting.bits <= FEEDBACK_MAX_BITS
+        return self.error_feedback
+
+    def _fed_back(self, compressed: list) -> list:
+        """The compressed layers that keep a residual; a layer whose setting is no longer
+        fed back (an adaptive plan moved it) forgets its stale one."""
+        fed = []
+        for entry in compressed:
+            name, _, _, setting = entry
+            if self.feeds_back(setting):
+                fed.append(entry)
+            else:
+                self.residuals.pop(name, None)
+        return fed
 
     def _bucket_residual(self, buffer: torch.Tensor, compressed: list) -> torch.Tensor:
         """The bucket's two-level residual: each compressed layer's, zero elsewhere."""
@@ -503,7 +535,7 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     state._bind(bucket)
     backend = get_backend(group)
     settings = backend.settings
-    if state.error_feedback and not state.two_level and settings.stochastic_rounding:
+    if state.error_feedback is not False and not state.two_level and settings.stochastic_rounding:
         raise ValueError(
             "cgx_hook: one-level error feedback (two_level=False) estimates the residual "
             "with round-to-nearest, but the group rounds stochastically "
@@ -522,15 +554,16 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
             layout = [(0, buffer.numel(), RAW_BITS, 1, "maxmin")]
         else:
             layout, compressed = bucket_plan(bucket, state._settings_by_param)
+            fed = state._fed_back(compressed)
             state._prepare(buffer, compressed, settings, decides=group.rank() == 0)
-            if state.error_feedback and state.two_level and compressed:
-                residual = state._bucket_residual(buffer, compressed)
+            if state.two_level and fed:
+                residual = state._bucket_residual(buffer, fed)
         state._count(buffer, layout, settings.skip_incomplete_buckets)
         future = backend.allreduce_layout(buffer, layout, residual=residual).get_future()
         if residual is not None:
-            def keep(done, residual=residual, compressed=compressed):
+            def keep(done, residual=residual, fed=fed):
                 result = done.value()  # a failed call raises here and keeps the old residuals
-                state._keep_residuals(residual, compressed)
+                state._keep_residuals(residual, fed)
                 return result
             future = future.then(keep)
     if bucket.is_last():

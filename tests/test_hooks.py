@@ -266,7 +266,7 @@ def _group_rounding_settings(rank, world):
     skip = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, skip_incomplete_buckets=True))
     model = make_model()
     ddp = DDP(model, process_group=skip)
-    state = cgx.CGXState(skip, model)  # policy from the group: 4 bits, bucket 512
+    state = cgx.CGXState(skip, model, error_feedback=True)  # policy from the group: 4 bits, bucket 512
     ddp.register_comm_hook(state, cgx.cgx_hook)
     x, y = batch(rank, 0)
     torch.nn.functional.cross_entropy(ddp(x), y).backward()
@@ -288,7 +288,7 @@ def _group_rounding_settings(rank, world):
     # replicas identical, and keeps a residual.
     model = make_model()
     ddp = DDP(model, process_group=stochastic)
-    state = cgx.CGXState(stochastic, model)
+    state = cgx.CGXState(stochastic, model, error_feedback=True)
     ddp.register_comm_hook(state, cgx.cgx_hook)
     _, same = train(ddp, model, rank, 3, check_every_step=True)
     out["stochastic two-level"] = same and bool(state.residuals["head.weight"].ne(0).any())
@@ -369,7 +369,7 @@ def _checkpoint(rank, world, two_level):
         # Adaptive choices at steps 2 and 4: the checkpoint falls between them.
         adaptive = cgx.AdaptiveBits(interval=2)
         state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=2), warmup_steps=1,
-                             adaptive=adaptive, two_level=two_level)
+                             adaptive=adaptive, error_feedback=True, two_level=two_level)
         ddp.register_comm_hook(state, cgx.cgx_hook)
         return model, ddp, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
@@ -484,7 +484,7 @@ def _torch_cgx_form(rank, world):
     # between owners; see test_checkpoint_round_trip_resumes_exactly.)
     one_level = lambda model: cgx.CGXState(dist.group.WORLD, layer_min_size=1024,  # noqa: E731
                                            compression_params={"bits": 4, "bucket_size": 1024},
-                                           two_level=False)
+                                           error_feedback=True, two_level=False)
     first, first_state, _ = run(one_level, 3)
     saved = {"model": first.state_dict(), "cgx": first_state.state_dict()}
     uninterrupted, _, _ = run(one_level, 5)
@@ -820,3 +820,41 @@ def test_policy_resolution_rules_and_defaults():
     assert settings["hidden.bias"] == cgx.LayerSetting(32, 512)  # 1-D: raw by default
     assert settings["embed.bias"] == cgx.LayerSetting(2, 512)  # a rule beats the 1-D default
     assert cgx.LayerRule(max_numel=100, bits=2).matches("x", torch.nn.Linear(1, 1), 101) is False
+
+
+def _feedback_by_bits(rank, world):
+    """Which layers keep a residual: by default those at 2 bits or fewer (also after an
+    adaptive plan moves a layer across), or every compressed one, or none."""
+    import cgx
+
+    init_cgx(rank, world)
+    out = {}
+    rules = [cgx.LayerRule(pattern="hidden.weight", bits=2), cgx.LayerRule(pattern="head.weight", bits=3)]
+    for form, feedback, two_level in (("default", None, True), ("default one-level", None, False),
+                                      ("all", True, True), ("none", False, True)):
+        model = make_model()
+        ddp = DDP(model)
+        state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=4, rules=rules),
+                             error_feedback=feedback, two_level=two_level)
+        ddp.register_comm_hook(state, cgx.cgx_hook)
+        train(ddp, model, rank, 2)
+        out[form] = sorted(n for n, r in state.residuals.items() if r.ne(0).any())
+        if form == "default":
+            # A plan that moves the 2-bit layer to 4 bits drops its residual at the next step.
+            state.set_layer_settings({"hidden.weight": cgx.LayerSetting(4, 512)})
+            train(ddp, model, rank, 1, start=2)
+            out["moved above"] = sorted(state.residuals)
+    try:
+        cgx.CGXState(None, make_model(), error_feedback="yes")
+    except TypeError as e:
+        out["bad value"] = str(e)
+    return out
+
+
+def test_error_feedback_by_default_only_at_two_bits_or_fewer():
+    for out in values(run_ranks(_feedback_by_bits, 2)):
+        assert out["default"] == out["default one-level"] == ["hidden.weight"], out
+        assert out["all"] == ["embed.weight", "head.weight", "hidden.weight"], out
+        assert out["none"] == [], out
+        assert out["moved above"] == [], out
+        assert "error_feedback must be True, False or None" in out["bad value"], out
