@@ -29,8 +29,8 @@ averaging, a distributed loss) cannot disturb it.
 Error feedback keeps, per compressed parameter, what quantization dropped and adds it to
 the next step's gradient. By default it is on for layers compressed at
 FEEDBACK_MAX_BITS (2) bits or fewer and off above: measured on three tasks and three
-seeds (docs/benchmarks.md), it helped at 2 bits where the error is large and made 3- and
-4-bit runs no better, often worse, than none. Two-level (the default form) feeds back both stages:
+seeds (docs/error-feedback.md), it helped at 2 bits where the error is large, and at 3-4
+bits moved the loss a point or two either way depending on the task. Two-level (the default form) feeds back both stages:
 the collective records, on each rank, what every quantization that rank made dropped:
 its own contributions, and the sums it re-quantized as a chunk's owner (or a ring hop).
 The ranks' residuals then add up to exactly what the averaged gradient lacked, so over

@@ -26,6 +26,17 @@ namespace {
 // calls made inside the caller's `with cgx.exact():` block.
 thread_local bool exact_on_this_thread = false;
 
+// The quantizer the group's settings give a compressed call without a layout of its own.
+compression::QuantizerParams quantizer_of(const Settings& s) {
+  compression::QuantizerParams params;
+  params.bits = s.bits;
+  params.bucket_size = s.bucket_size;
+  params.skip_incomplete_buckets = s.skip_incomplete_buckets;
+  params.stochastic = s.stochastic_rounding;
+  params.scheme = s.scheme;
+  return params;
+}
+
 void validate(const Settings& o) {
   // cgx/config.py validates first, naming the variable; this guards direct C++ callers
   // against the same limits (settings.h).
@@ -35,12 +46,8 @@ void validate(const Settings& o) {
   TORCH_CHECK_VALUE(o.bucket_size >= 1 && o.bucket_size <= kMaxBucketSize,
                     "cgx: bucket_size must be in 1..", kMaxBucketSize, ", got ", o.bucket_size);
   if (o.bits != kRawBits) {  // what the scheme allows (compression off needs nothing of it)
-    compression::QuantizerParams quantizer;
-    quantizer.bits = o.bits;
-    quantizer.bucket_size = o.bucket_size;
-    quantizer.scheme = o.scheme;
     try {
-      compression::validate(quantizer);
+      compression::validate(quantizer_of(o));
     } catch (const std::invalid_argument& e) {
       TORCH_CHECK_VALUE(false, "cgx: ", e.what());
     }
@@ -123,16 +130,6 @@ void ProcessGroupCGX::shutdown() {
   if (exact_cuda_ != exact_) exact_cuda_->shutdown();
 }
 
-compression::QuantizerParams ProcessGroupCGX::quantizer_params() const {
-  compression::QuantizerParams params;
-  params.bits = settings_.bits;
-  params.bucket_size = settings_.bucket_size;
-  params.skip_incomplete_buckets = settings_.skip_incomplete_buckets;
-  params.stochastic = settings_.stochastic_rounding;
-  params.scheme = settings_.scheme;
-  return params;
-}
-
 void ProcessGroupCGX::count(Counters Stats::*counters, const collectives::Traffic& traffic,
                             double bytes_per_value) {
   std::lock_guard<std::mutex> lock(stats_mutex_);
@@ -195,7 +192,7 @@ compression::LayoutCodec ProcessGroupCGX::per_tensor_codec(
     segment.offset = offset;
     segment.numel = t.numel();
     segment.raw = t.numel() <= settings_.minimal_size;
-    segment.params = quantizer_params();
+    segment.params = quantizer_of(settings_);
     segments.push_back(segment);
     offset += t.numel();
   }
@@ -581,7 +578,7 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   }
 
   std::optional<compression::LayoutCodec> uniform;
-  if (!codec) codec = &uniform.emplace(compression::LayoutCodec::uniform(quantizer_params(), flat.numel()));
+  if (!codec) codec = &uniform.emplace(compression::LayoutCodec::uniform(quantizer_of(settings_), flat.numel()));
 
   collectives::AllreduceOptions options;
   options.codec = codec;

@@ -166,8 +166,6 @@ class ProcessGroupCGX final : public c10d::Backend {
   uint64_t begin_call();
   // Marks the group unusable with its first cause (later calls raise it).
   void fail(const std::string& cause);
-  // The group's quantizer settings.
-  compression::QuantizerParams quantizer_params() const;
   // The group's settings per tensor of a coalesced call; tensors at or under
   // minimal_size travel unquantized.
   compression::LayoutCodec per_tensor_codec(const std::vector<at::Tensor>& tensors) const;
