@@ -10,9 +10,12 @@ underneath, uncompressed unless a method compresses), once per method:
                 cgx_hook at B = 2, 3, 4 or 8 bits, buckets of 512 (or 128) values, the
                 maxmin scheme (or hadamard), two-level error feedback (or one-level: each
                 rank's own quantization only; or none); e.g. cgx4, cgx2-hadamard
-  cgx-adaptive  cgx_hook with L-GreCo bit selection (cgx.AdaptiveBits' defaults: 2..8 bits,
-                buckets 128 or 512, budget 3x uniform 4 bits' normalized error);
-                -hadamard: candidates of both schemes (HADAMARD_CANDIDATES)
+  cgx-adaptive[-hadamard][-alphaA][-feedback-by-bits | -no-feedback]
+                cgx_hook with L-GreCo bit selection (cgx.AdaptiveBits' defaults: 2..8 bits,
+                buckets 128 or 512, budget 3x (or A x) uniform 4 bits' normalized error);
+                -hadamard: candidates of both schemes (HADAMARD_CANDIDATES); two-level
+                error feedback on every layer (or CGXState's default, two-level only on
+                layers at 2 bits or fewer; or none)
   fsdp          FSDP2 (fully_shard per block and on the root), exact
   qsdp-wAgB[-nearest][-hadamard][-feedback]
                 FSDP2 with cgx.qsdp: weights gathered at A bits (stochastic rounding, or
@@ -66,7 +69,9 @@ from plotting import pyplot  # noqa: E402
 # uniform setting; two-level error feedback unless the name says otherwise.
 CGX_METHODS = tuple(f"cgx{b}{k}{s}{f}" for b in (2, 3, 4, 8) for k in ("", "-bucket128") for s in ("", "-hadamard")
                     for f in ("", "-one-level", "-no-feedback"))
-DDP_METHODS = ("allreduce", "fp16", "powersgd") + CGX_METHODS + ("cgx-adaptive", "cgx-adaptive-hadamard")
+ADAPTIVE_METHODS = tuple(f"cgx-adaptive{s}{a}{f}" for s in ("", "-hadamard") for a in ("", "-alpha4", "-alpha5", "-alpha6")
+                         for f in ("", "-feedback-by-bits", "-no-feedback"))
+DDP_METHODS = ("allreduce", "fp16", "powersgd") + CGX_METHODS + ADAPTIVE_METHODS
 FSDP_METHODS = ("fsdp",) + tuple(f"qsdp-w{w}g{g}{r}{s}{f}" for w in (8, 4) for g in (8, 4, 2)
                                   for r in ("", "-nearest") for s in ("", "-hadamard") for f in ("", "-feedback"))
 DILOCO_METHODS = tuple(f"diloco-h{h}-p{p}-b{b}-o{k}" for h in (16, 32) for p in (1, 4) for b in (32, 4)
@@ -250,11 +255,13 @@ def attach_method(method, ddp, model):
     scheme = "hadamard" if "hadamard" in parts else "maxmin"
     adaptive = None
     if "adaptive" in parts:
-        adaptive = cgx.AdaptiveBits(interval=50) if scheme == "maxmin" else cgx.AdaptiveBits(
-            candidates=HADAMARD_CANDIDATES, interval=50)
+        alpha = next((float(p[5:]) for p in parts if p.startswith("alpha")), 3.0)
+        candidates = {"candidates": HADAMARD_CANDIDATES} if scheme == "hadamard" else {}
+        adaptive = cgx.AdaptiveBits(**candidates, alpha=alpha, interval=50)
+    feedback = None if method.endswith("-feedback-by-bits") else "no-feedback" not in method
     state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=bits, bucket_size=bucket_size, scheme=scheme),
                          warmup_steps=WARMUP_STEPS, adaptive=adaptive,
-                         error_feedback="no-feedback" not in method, two_level="one-level" not in method)
+                         error_feedback=feedback, two_level="one-level" not in method)
     ddp.register_comm_hook(state, cgx.cgx_hook)
     return lambda step: state.compression_stats()["bytes_sent"]
 

