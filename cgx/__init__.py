@@ -7,7 +7,7 @@ Importing cgx registers the torch.distributed backend ``"cgx"``::
     dist.all_reduce(t)                          # compressed when CGX_COMPRESSION_QUANTIZATION_BITS < 32
 
 Launch with torchrun, mp.spawn or mpirun (cgx.mpi reads the MPI launcher's ranks).
-Configuration: the CGX_* variables in :mod:`cgx.config` (``python -m cgx.config``).
+Configuration: the CGX_* variables in :mod:`cgx.config` (``python -m cgx`` lists them).
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension: the module has no RUNPATH)
@@ -22,6 +22,7 @@ from cgx.adaptive import AdaptiveBits
 from cgx.hooks import CGXState, cgx_hook
 from cgx.fsdp import QSDP, qsdp
 from cgx.diloco import DiLoCo
+from cgx.errors import CallMismatchError, CollectiveTimeoutError, PeerError
 from cgx.layers import CompressionPolicy, LayerRule, LayerSetting
 
 __all__ = [
@@ -41,6 +42,9 @@ __all__ = [
     "qsdp",
     "QSDP",
     "DiLoCo",
+    "PeerError",
+    "CollectiveTimeoutError",
+    "CallMismatchError",
     "CompressionPolicy",
     "LayerRule",
     "LayerSetting",

@@ -183,12 +183,35 @@ at::Tensor decompress(const at::Tensor& buffer, int64_t numel, const py::object&
   return dst;
 }
 
+// Sets the Python error to cgx.errors.<name> (RuntimeError should that module fail to
+// import), with the message torch itself would show: no C++ backtrace.
+void raise_as(const char* name, const c10::Error& e) {
+  try {
+    PyErr_SetString(py::module_::import("cgx.errors").attr(name).ptr(), e.what_without_backtrace());
+  } catch (const py::error_already_set&) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "cgx native module: ProcessGroupCGX and the max-min quantizer";
   // The base classes (Backend, Store) are registered by torch.distributed.
   py::module_::import("torch.distributed");
+  // Global, not module-local: the errors cross into Python through torch's bindings
+  // (Work.wait, Future.wait), which share pybind11's registry with this module.
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const cgx::backend::PeerError& e) {
+      raise_as("PeerError", e);
+    } catch (const cgx::backend::CollectiveTimeoutError& e) {
+      raise_as("CollectiveTimeoutError", e);
+    } catch (const cgx::backend::CallMismatchError& e) {
+      raise_as("CallMismatchError", e);
+    }
+  });
 
   {
     py::enum_<cgx::compression::Scheme> scheme(m, "Scheme");

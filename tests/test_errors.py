@@ -21,7 +21,9 @@ def _mismatched_sizes(rank, world):
     try:
         dist.all_reduce(t)
         first = "no error"
-    except RuntimeError as e:
+    except cgx.CallMismatchError as e:
+        # torch's own type for a backend's failure, so `except DistBackendError` works
+        assert isinstance(e, dist.DistBackendError) and isinstance(e, RuntimeError)
         first = str(e)
     # Rejected before any data moved: the group still works.
     ok = torch.ones(5000)
@@ -30,7 +32,7 @@ def _mismatched_sizes(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_different_sizes_raise_on_every_rank(world):
+def test_different_sizes_raise_call_mismatch_on_every_rank(world):
     for message, still_works in values(run_ranks(_mismatched_sizes, world)):
         assert "ranks were given different calls" in message
         assert "1000 elements" in message and "1024 elements" in message
@@ -64,7 +66,7 @@ def _different_calls(rank, world):
         try:
             call()
             message = "no error"
-        except RuntimeError as e:
+        except cgx.CallMismatchError as e:
             message = str(e)
         exact, compressed = torch.ones(10), torch.ones(1000)
         dist.all_reduce(exact)
@@ -101,7 +103,7 @@ def _paths_split(rank, world):
         dist.all_reduce(t)
         first = "no error"
     except RuntimeError as e:
-        first = str(e)
+        first = f"{type(e).__name__}: {e}"
     later = []
     # A compressed call, then an exact one of the size rank 0's stale Gloo call has.
     for ok in (torch.ones(1000), torch.ones(10)):
@@ -109,7 +111,7 @@ def _paths_split(rank, world):
             dist.all_reduce(ok)
             later.append("right" if bool((ok == world).all()) else f"garbage: {ok[:4].tolist()}")
         except RuntimeError as e:
-            later.append(str(e))
+            later.append(f"{type(e).__name__}: {e}")
     return first, later
 
 
@@ -121,7 +123,11 @@ def test_ranks_on_different_paths_raise_never_garbage():
     # Rank 1's compressed calls time out (or, racing rank 0's next call, fail its
     # signature check first): a timeout marks its group failed, so its exact call after
     # raises at once instead of reaching Gloo.
+    # The refusal has the type of the failure that caused it.
     assert "unusable after an earlier failure" in results[1][1][-1], results[1][1]
+    cause = results[1][1][0].split(":")[0]
+    assert cause in ("CollectiveTimeoutError", "CallMismatchError"), results[1][1]
+    assert results[1][1][-1].startswith(cause + ":"), results[1][1]
     assert results[0][1][-1] != "right", results[0][1]
 
 
@@ -304,19 +310,19 @@ def _dies_mid_collective(rank, world, timeout_s):
         os._exit(1)
     # The call matched with the dead rank's usually fails part-way; if that rank got
     # through it before dying, the next call must fail.
-    outcome, elapsed = "no error", 0.0
+    outcome, elapsed = None, 0.0
     for _ in range(2):
         start = time.monotonic()
         try:
             dist.all_reduce(t)
-        except RuntimeError as e:
-            outcome, elapsed = str(e), time.monotonic() - start
+        except (cgx.CollectiveTimeoutError, cgx.PeerError) as e:
+            outcome, elapsed = (type(e).__name__, str(e)), time.monotonic() - start
             break
-    try:  # later calls fail at once instead of waiting again
+    try:  # later calls fail at once instead of waiting again, with the cause's type
         dist.all_reduce(t)
-        later = "no error"
-    except RuntimeError as e:
-        later = str(e)
+        later = None
+    except (cgx.CollectiveTimeoutError, cgx.PeerError) as e:
+        later = (type(e).__name__, str(e))
     return outcome, elapsed, later
 
 
@@ -326,9 +332,9 @@ def test_dead_peer_raises_within_timeout(world):
     results = run_ranks(_dies_mid_collective, world, args=(timeout_s,), expect_exit={world - 1})
     assert results[-1] is None
     for outcome, elapsed, later in values(results[:-1]):
-        assert "timed out" in outcome or "failed" in outcome, outcome
+        assert outcome is not None and later is not None, (outcome, later)
         assert elapsed < timeout_s + 5, elapsed
-        assert "unusable after an earlier failure" in later
+        assert later[0] == outcome[0] and "unusable after an earlier failure" in later[1], (outcome, later)
 
 
 def _mismatched_settings(rank, world):
@@ -360,3 +366,31 @@ def _high_tag(rank, world):
 def test_user_tags_in_cgx_range_are_rejected():
     for message in values(run_ranks(_high_tag, 2)):
         assert "tags must be in 0.." in message
+
+
+def _dies_across_hosts(rank, world):
+    """One rank per emulated host: the compressed allreduce crosses through Gloo, whose
+    connection to a killed peer closes."""
+    import cgx
+
+    init_cgx(rank, world, timeout_s=20, pg_options=cgx.Config(bits=4, hostname=f"host{rank}",
+                                                              cross_communicator="GLOO"))
+    t = torch.randn(1 << 20)
+    dist.all_reduce(t)  # a healthy call first
+    if rank == world - 1:
+        dist.all_reduce(t, async_op=True)
+        os._exit(1)
+    start = time.monotonic()
+    try:
+        for _ in range(2):
+            dist.all_reduce(t)
+        return "no error"
+    except (cgx.PeerError, cgx.CollectiveTimeoutError) as e:
+        return type(e).__name__, isinstance(e, dist.DistNetworkError), time.monotonic() - start
+
+
+def test_a_peer_lost_across_hosts_raises_peer_error_before_the_timeout():
+    results = run_ranks(_dies_across_hosts, 2, expect_exit={1}, timeout_s=120)
+    kind, network_error, elapsed = values(results[:1])[0]
+    assert (kind, network_error) == ("PeerError", True)
+    assert elapsed < 20, elapsed  # the closed connection, not the group's timeout

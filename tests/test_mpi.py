@@ -126,5 +126,6 @@ def test_a_dead_peer_makes_the_survivor_raise_within_the_timeout():
         out.seek(0)
         assert report is not None, out.read()[-3000:]
     assert 9.5 <= float(report.group(1)) < 20, report.group(0)
+    assert report.group(2).startswith("CollectiveTimeoutError: "), report.group(0)
     assert "timed out waiting for peers" in report.group(2), report.group(0)
     assert cgx_shm_entries() == shm_before

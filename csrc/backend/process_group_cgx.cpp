@@ -169,8 +169,8 @@ bool ProcessGroupCGX::compressible(const std::vector<at::Tensor>& tensors,
 
 void ProcessGroupCGX::check_usable() const {
   std::lock_guard<std::mutex> lock(failure_mutex_);
-  TORCH_CHECK(failure_.empty(), "cgx: the process group is unusable after an earlier failure: ",
-              failure_);
+  if (!failure_.empty())
+    throw_failure(failure_kind_, "cgx: the process group is unusable after an earlier failure: " + failure_);
 }
 
 uint64_t ProcessGroupCGX::begin_call() {
@@ -178,9 +178,11 @@ uint64_t ProcessGroupCGX::begin_call() {
   return ++sequence_;
 }
 
-void ProcessGroupCGX::fail(const std::string& cause) {
+void ProcessGroupCGX::fail(Failure kind, const std::string& cause) {
   std::lock_guard<std::mutex> lock(failure_mutex_);
-  if (failure_.empty()) failure_ = cause;
+  if (!failure_.empty()) return;
+  failure_ = cause;
+  failure_kind_ = kind;
 }
 
 compression::LayoutCodec ProcessGroupCGX::per_tensor_codec(
@@ -507,15 +509,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::enqueue_compressed(
     } catch (const collectives::CallMismatchError& e) {
       // Only signatures moved. Unless the ranks are at different calls of the group
       // (they took different paths before): then the exact path may be out of step too.
-      if (e.out_of_step) fail(e.what());
-      error = std::current_exception();
+      if (e.out_of_step) fail(Failure::kMismatch, e.what());
+      error = reported(std::current_exception());
     } catch (const std::exception& e) {
       // Data may be half delivered, or this rank failed before the call's check (memory,
       // say) while its peers wait in it: the ranks are out of step for good.
-      fail(e.what());
-      error = std::current_exception();
+      error = reported(std::current_exception());
+      fail(failure_of(error), e.what());
     } catch (...) {
-      fail("an unknown error in a compressed collective");
+      fail(Failure::kOther, "an unknown error in a compressed collective");
       error = std::current_exception();
     }
     CGXWork::settle_async(std::move(work), error, done_on,

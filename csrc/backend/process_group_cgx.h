@@ -27,6 +27,7 @@
 #include "backend/completion_order.h"
 #include "backend/connect.h"
 #include "backend/cuda_lane.h"
+#include "backend/errors.h"
 #include "backend/settings.h"
 #include "backend/worker.h"
 #include "collectives/allreduce.h"
@@ -160,12 +161,12 @@ class ProcessGroupCGX final : public c10d::Backend {
   // The exact backend for tensors on the device of `tensor`.
   c10d::Backend& exact_for(const at::Tensor& tensor) const;
   c10d::Backend& exact_for(const std::vector<at::Tensor>& tensors) const;  // exact_ if none
-  // Raises once the group failed.
+  // Raises once the group failed (the type of the first failure: errors.h).
   void check_usable() const;
   // Every collective starts here: refused once the group failed; numbered (sequence_).
   uint64_t begin_call();
   // Marks the group unusable with its first cause (later calls raise it).
-  void fail(const std::string& cause);
+  void fail(Failure kind, const std::string& cause);
   // The group's settings per tensor of a coalesced call; tensors at or under
   // minimal_size travel unquantized.
   compression::LayoutCodec per_tensor_codec(const std::vector<at::Tensor>& tensors) const;
@@ -222,6 +223,7 @@ class ProcessGroupCGX final : public c10d::Backend {
   // of step): every later call raises it, exact ones included.
   mutable std::mutex failure_mutex_;
   std::string failure_;
+  Failure failure_kind_ = Failure::kOther;
   mutable std::mutex stats_mutex_;
   Stats stats_;
   // Shutdown runs the collectives already queued (as Gloo drains its queue): a rank that

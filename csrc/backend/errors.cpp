@@ -1,0 +1,70 @@
+#include "backend/errors.h"
+
+#include "collectives/call_signature.h"
+#include "transport/transport.h"
+
+namespace cgx::backend {
+namespace {
+
+c10::SourceLocation here(const char* function) { return {function, __FILE__, __LINE__}; }
+
+}  // namespace
+
+PeerError::PeerError(const std::string& message) : c10::DistNetworkError(here(__func__), message) {}
+CollectiveTimeoutError::CollectiveTimeoutError(const std::string& message)
+    : c10::DistBackendError(here(__func__), message) {}
+CallMismatchError::CallMismatchError(const std::string& message)
+    : c10::DistBackendError(here(__func__), message) {}
+
+Failure failure_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const transport::TimeoutError&) {  // before TransportError, its base
+    return Failure::kTimeout;
+  } catch (const CollectiveTimeoutError&) {
+    return Failure::kTimeout;
+  } catch (const transport::TransportError&) {
+    return Failure::kPeer;
+  } catch (const PeerError&) {
+    return Failure::kPeer;
+  } catch (const collectives::CallMismatchError&) {
+    return Failure::kMismatch;
+  } catch (const CallMismatchError&) {
+    return Failure::kMismatch;
+  } catch (...) {
+    return Failure::kOther;
+  }
+}
+
+std::exception_ptr reported(const std::exception_ptr& error) {
+  const Failure kind = failure_of(error);
+  if (kind == Failure::kOther) return error;
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error&) {  // already reported
+    return error;
+  } catch (const std::exception& e) {
+    try {
+      throw_failure(kind, e.what());
+    } catch (...) {
+      return std::current_exception();
+    }
+  }
+  return error;
+}
+
+void throw_failure(Failure kind, const std::string& message) {
+  switch (kind) {
+    case Failure::kPeer:
+      throw PeerError(message);
+    case Failure::kTimeout:
+      throw CollectiveTimeoutError(message);
+    case Failure::kMismatch:
+      throw CallMismatchError(message);
+    case Failure::kOther:
+      break;
+  }
+  throw c10::DistBackendError(here(__func__), message);
+}
+
+}  // namespace cgx::backend

@@ -1,0 +1,46 @@
+// The failures a collective reports, by what happened. Each is the c10 error whose Python
+// type torch already has (DistNetworkError, DistBackendError), so code that catches
+// RuntimeError or torch's types keeps working; the bindings raise cgx's Python subclass of
+// it (cgx/errors.py) wherever the error crosses into Python.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <exception>
+#include <string>
+
+namespace cgx::backend {
+
+enum class Failure {
+  kPeer,      // a peer died or the link to it failed
+  kTimeout,   // a wait passed the group's timeout
+  kMismatch,  // ranks were given different calls
+  kOther,     // anything else that left the group unusable
+};
+
+class PeerError : public c10::DistNetworkError {
+ public:
+  explicit PeerError(const std::string& message);
+};
+
+class CollectiveTimeoutError : public c10::DistBackendError {
+ public:
+  explicit CollectiveTimeoutError(const std::string& message);
+};
+
+class CallMismatchError : public c10::DistBackendError {
+ public:
+  explicit CallMismatchError(const std::string& message);
+};
+
+// The kind of `error` (kOther for errors that are not the core's failures).
+Failure failure_of(const std::exception_ptr& error);
+
+// `error` as the backend reports it: the core's TimeoutError, TransportError and
+// CallMismatchError become the types above with the same message; any other error stays.
+std::exception_ptr reported(const std::exception_ptr& error);
+
+// Throws the type of `kind` (kOther: c10::DistBackendError).
+[[noreturn]] void throw_failure(Failure kind, const std::string& message);
+
+}  // namespace cgx::backend
