@@ -15,9 +15,11 @@ import re
 import socket
 from typing import Any, Callable, Mapping
 
-# The limits are C++ constants, each declared once (csrc/backend/settings.h).
+# The limits and the enums' names are C++ constants, each declared once
+# (csrc/backend/settings.h, collectives/phases.h, compression/quantizer.h).
 from cgx._C import (MAX_BITS, MAX_BUCKET_SIZE, MAX_HADAMARD_BITS, MAX_HADAMARD_BUCKET, MAX_MINIMAL_SIZE,
-                    MAX_SHM_RING_BYTES, MIN_SHM_RING_BYTES, RAW_BITS, SCHEMES)
+                    MAX_SHM_RING_BYTES, MIN_SHM_RING_BYTES, RAW_BITS, SCHEMES, CrossCommunicator,
+                    InnerCommunicator, ReductionAlgorithm)
 
 __all__ = ["Variable", "VARIABLES", "Config", "from_env", "describe", "markdown_table"]
 
@@ -75,6 +77,7 @@ def _bool(text: str) -> bool:
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
+    """A parser accepting `choices` in any case, returning the spelling given here."""
     by_lower = {c.lower(): c for c in choices}
 
     def parse(text: str) -> str:
@@ -91,6 +94,10 @@ def _nonempty(text: str) -> str:
         raise ValueError
     return text
 
+
+_INNER = tuple(InnerCommunicator.__members__)
+_CROSS = tuple(CrossCommunicator.__members__)
+_REDUCTIONS = tuple(ReductionAlgorithm.__members__)
 
 VARIABLES: tuple[Variable, ...] = (
     Variable("CGX_COMPRESSION_QUANTIZATION_BITS", "bits", RAW_BITS,
@@ -116,20 +123,20 @@ VARIABLES: tuple[Variable, ...] = (
              "Round stochastically (unbiased) instead of to the nearest level."),
     Variable("CGX_COMPRESSION_SEED", "seed", 0, "integer in 0..2^64-1", _int_in(0, 2**64 - 1),
              "Seed of the stochastic-rounding streams: the same seed gives the same results."),
-    Variable("CGX_INNER_COMMUNICATOR_TYPE", "inner_communicator", "SHM", "SHM | MPI | GLOO",
-             _choice("SHM", "MPI", "GLOO"),
+    Variable("CGX_INNER_COMMUNICATOR_TYPE", "inner_communicator", "SHM", " | ".join(_INNER),
+             _choice(*_INNER),
              "How ranks on one host exchange compressed data: POSIX shared memory, MPI "
              "(needs an mpirun launch), or the wrapped Gloo backend."),
-    Variable("CGX_CROSS_COMMUNICATOR_TYPE", "cross_communicator", "GLOO", "MPI | GLOO",
-             _choice("MPI", "GLOO"),
+    Variable("CGX_CROSS_COMMUNICATOR_TYPE", "cross_communicator", "GLOO", " | ".join(_CROSS),
+             _choice(*_CROSS),
              "How ranks on different hosts exchange compressed data: MPI (needs an mpirun "
              "launch) or the wrapped Gloo backend."),
-    Variable("CGX_INNER_REDUCTION_TYPE", "inner_reduction", "SRA", "SRA | Ring",
-             _choice("SRA", "Ring"),
+    Variable("CGX_INNER_REDUCTION_TYPE", "inner_reduction", "SRA", " | ".join(_REDUCTIONS),
+             _choice(*_REDUCTIONS),
              "Allreduce algorithm among the ranks of one host: scatter-reduce-allgather "
              "(2 quantization stages) or ring (size stages, neighbour traffic only)."),
-    Variable("CGX_CROSS_REDUCTION_TYPE", "cross_reduction", "SRA", "SRA | Ring",
-             _choice("SRA", "Ring"),
+    Variable("CGX_CROSS_REDUCTION_TYPE", "cross_reduction", "SRA", " | ".join(_REDUCTIONS),
+             _choice(*_REDUCTIONS),
              "Allreduce algorithm across hosts (also the flat one when every host has "
              "one rank)."),
     Variable("CGX_INTRA_BROADCAST", "intra_broadcast", False, "0/1, true/false, yes/no, on/off",

@@ -183,6 +183,13 @@ at::Tensor decompress(const at::Tensor& buffer, int64_t numel, const py::object&
   return dst;
 }
 
+// A Python enum whose members are `names`, the C++ enum's values in order.
+template <typename Enum, size_t N>
+void bind_enum(py::module_& m, const char* name, const char* const (&names)[N]) {
+  py::enum_<Enum> bound(m, name);
+  for (size_t i = 0; i < N; ++i) bound.value(names[i], static_cast<Enum>(i));
+}
+
 // Sets the Python error to cgx.errors.<name> (RuntimeError should that module fail to
 // import), with the message torch itself would show: no C++ backtrace.
 void raise_as(const char* name, const c10::Error& e) {
@@ -213,21 +220,12 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
-  {
-    py::enum_<cgx::compression::Scheme> scheme(m, "Scheme");
-    for (size_t i = 0; i < std::size(cgx::compression::kSchemeNames); ++i)
-      scheme.value(cgx::compression::kSchemeNames[i], static_cast<cgx::compression::Scheme>(i));
-  }
-  py::enum_<InnerCommunicator>(m, "InnerCommunicator")
-      .value("SHM", InnerCommunicator::SHM)
-      .value("MPI", InnerCommunicator::MPI)
-      .value("GLOO", InnerCommunicator::GLOO);
-  py::enum_<CrossCommunicator>(m, "CrossCommunicator")
-      .value("MPI", CrossCommunicator::MPI)
-      .value("GLOO", CrossCommunicator::GLOO);
-  py::enum_<ReductionAlgorithm>(m, "ReductionAlgorithm")
-      .value("SRA", ReductionAlgorithm::SRA)
-      .value("Ring", ReductionAlgorithm::Ring);
+  // The enums' members come from their C++ name lists: cgx/config.py takes the choices it
+  // accepts from these (e.g. _C.InnerCommunicator.__members__).
+  bind_enum<cgx::compression::Scheme>(m, "Scheme", cgx::compression::kSchemeNames);
+  bind_enum<InnerCommunicator>(m, "InnerCommunicator", cgx::backend::kInnerCommunicatorNames);
+  bind_enum<CrossCommunicator>(m, "CrossCommunicator", cgx::backend::kCrossCommunicatorNames);
+  bind_enum<ReductionAlgorithm>(m, "ReductionAlgorithm", cgx::collectives::kReductionAlgorithmNames);
 
   // The limits of the settings (backend/settings.h), read by cgx/config.py and cgx/layers.py.
   m.attr("RAW_BITS") = cgx::backend::kRawBits;

@@ -132,6 +132,21 @@ def test_settings_round_trip_field_by_field():
             assert value == getattr(config, var.field), var.field
 
 
+def test_the_variables_table_and_the_cpp_settings_declare_the_same_fields_and_choices():
+    """Fields are named in VARIABLES and in the C++ Settings (bound field by field); enum
+    choices only in C++. Either drifting from the other fails here, not at a user's run."""
+    from cgx.backend import _ENUMS
+
+    cpp_fields = {name for name, attr in vars(cgx._C.Settings).items() if isinstance(attr, property)}
+    assert cpp_fields == {v.field for v in VARIABLES}
+    by_field = {v.field: v for v in VARIABLES}
+    for field, enum in _ENUMS.items():
+        names = tuple(enum.__members__)
+        assert by_field[field].accepted == " | ".join(names), field
+        assert [by_field[field].parse(n.lower()) for n in names] == list(names), field
+        assert [int(enum.__members__[n]) for n in names] == list(range(len(names))), field
+
+
 def test_wrong_pg_options_type_is_rejected():
     with pytest.raises(TypeError, match="cgx.Config"):
         cgx.create_backend(None, backend_options={"bits": 4})

@@ -1,7 +1,9 @@
 // A group's validated settings (cgx/config.py parses the CGX_* variables into these).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <string>
 
 #include "collectives/allreduce.h"
@@ -11,6 +13,12 @@ namespace cgx::backend {
 // How ranks on one host exchange compressed data, and ranks on different hosts.
 enum class InnerCommunicator { SHM, MPI, GLOO };
 enum class CrossCommunicator { MPI, GLOO };
+// The names users write (CGX_*_COMMUNICATOR_TYPE), in the enums' order; the one list of
+// them (cgx/config.py reads them through cgx._C).
+constexpr const char* kInnerCommunicatorNames[] = {"SHM", "MPI", "GLOO"};
+constexpr const char* kCrossCommunicatorNames[] = {"MPI", "GLOO"};
+static_assert(std::size(kInnerCommunicatorNames) == static_cast<size_t>(InnerCommunicator::GLOO) + 1);
+static_assert(std::size(kCrossCommunicatorNames) == static_cast<size_t>(CrossCommunicator::GLOO) + 1);
 
 // The limits of the settings, each declared once (the bit widths at the codec). cgx/config.py and cgx/layers.py read
 // them from cgx._C (RAW_BITS, MAX_BITS, ...) to parse and check values, naming the variable;

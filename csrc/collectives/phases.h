@@ -14,7 +14,9 @@
 // p - 1 decoded.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <vector>
 
 #include "compression/executor.h"
@@ -24,6 +26,9 @@
 namespace cgx::collectives {
 
 enum class ReductionAlgorithm { SRA, Ring };
+// The names users write (CGX_*_REDUCTION_TYPE), in the enum's order; the one list of them.
+constexpr const char* kReductionAlgorithmNames[] = {"SRA", "Ring"};
+static_assert(std::size(kReductionAlgorithmNames) == static_cast<size_t>(ReductionAlgorithm::Ring) + 1);
 
 // What one rank put on the wire: bytes, and the values they carried (the uncompressed
 // algorithm would send values * element size).
