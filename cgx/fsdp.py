@@ -36,15 +36,16 @@ the unit's unsharded gradient) and adds it the next time.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from cgx.agreement import first_difference
 from cgx.backend import get_backend
+from cgx.fsdp2_access import AllGather, ReduceScatter, UnitParameters, unit_parameters, unsupported
 from cgx.layers import RAW_BITS, CompressionPolicy, Segment, _is_int, append_segment, check_bits
 
 __all__ = ["qsdp", "QSDP"]
@@ -56,19 +57,17 @@ _KINDS = ("allgather", "reduce_scatter")
 class _Unit:
     """One FSDP2 unit: its name, parameters' shard sizes and plans, error feedback."""
 
-    def __init__(self, index: int, name: str, module: FSDPModule, settings: dict, names: dict,
-                 weight_bits: int, grad_bits: int) -> None:
+    def __init__(self, index: int, name: str, module: FSDPModule, parameters: UnitParameters,
+                 settings: dict, names: dict, weight_bits: int, grad_bits: int) -> None:
         self.index = index
         self.name = name
         self.module = module
-        param_group = module._get_fsdp_state()._fsdp_param_group  # the unit's parameters, in buffer order
-        self.group = param_group.mesh_info.shard_process_group
+        self.group = parameters.group
         weights: list[Segment] = []
         grads: list[Segment] = []
         offset = 0
-        for fsdp_param in param_group.fsdp_params:
-            numel = fsdp_param.padded_sharded_param_size.numel()
-            setting = settings[names[id(fsdp_param.sharded_param)]]
+        for param, numel in parameters.shards:
+            setting = settings[names[id(param)]]
             for plan, bits in ((weights, weight_bits), (grads, grad_bits)):
                 append_segment(plan, offset, numel, setting.with_bits(bits))
             offset += numel
@@ -97,11 +96,13 @@ class QSDP:
     """What :func:`qsdp` installed: per-rank error feedback, the seed of stochastic weight
     rounding, and the traffic of its calls (:meth:`stats`)."""
 
-    def __init__(self, units: list[_Unit], weight_rounding: str, error_feedback: bool, seed: int) -> None:
+    def __init__(self, units: list[_Unit], weight_rounding: str, error_feedback: bool, seed: int,
+                 unsupported: str | None = None) -> None:
         self.units = units
         self.weight_rounding = weight_rounding
         self.error_feedback = error_feedback
         self.seed = seed
+        self.unsupported = unsupported  # why nothing was installed (cgx.fsdp2_access)
         self.exact_units: dict[str, dict[str, str]] = {kind: {} for kind in _KINDS}
         self._exact = {kind: {"calls": 0, "bytes": 0} for kind in _KINDS}
 
@@ -121,7 +122,8 @@ class QSDP:
     def stats(self) -> dict[str, Any]:
         """This rank's traffic per collective: compressed calls, bytes_sent and
         uncompressed_bytes (from the backend, over the groups the units use), calls kept
-        exact and their bytes, and which units stayed exact and why."""
+        exact and their bytes, which units stayed exact and why, and ``unsupported``: why
+        cgx installed nothing on this torch (None where it did)."""
         groups = {id(u.group): u.group for u in self.units}.values()
         per_group = [get_backend(g).stats() for g in groups]
         out: dict[str, Any] = {}
@@ -132,6 +134,7 @@ class QSDP:
             counters["exact_bytes"] = self._exact[kind]["bytes"]
             out[kind] = counters
         out["exact_units"] = {kind: dict(units) for kind, units in self.exact_units.items()}
+        out["unsupported"] = self.unsupported
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -275,6 +278,10 @@ def qsdp(
     Every rank of each unit's group must call it alike: the arguments and the units'
     layouts are compared over the group (one small all-gather), and a difference raises
     ValueError on every rank naming it.
+
+    On a torch outside the releases cgx's FSDP2 adapter was checked against
+    (``cgx.fsdp2_access.CHECKED_TORCH``) it installs nothing: FSDP2's traffic stays exact,
+    a warning says why, and so does ``stats()["unsupported"]``.
     """
     check_bits(weight_bits, "cgx.qsdp weight_bits")
     check_bits(grad_bits, "cgx.qsdp grad_bits")
@@ -289,6 +296,13 @@ def qsdp(
         raise ValueError(
             f"cgx.qsdp: {type(module).__name__} has no FSDP2 unit: call "
             f"torch.distributed.fsdp.fully_shard on its blocks and on it first")
+    reason = unsupported()
+    if reason:
+        warnings.warn(f"cgx.qsdp: {reason}", RuntimeWarning, stacklevel=2)
+        handle = QSDP([], weight_rounding, error_feedback, seed, unsupported=reason)
+        for kind in _KINDS:
+            handle.exact_units[kind] = {name or "<root>": reason for name, _ in fsdp_units}
+        return handle
     policy = policy or CompressionPolicy()
     settings = policy.resolve(module)  # also refuses rules that match nothing
     owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
@@ -299,10 +313,10 @@ def qsdp(
             settings[name] = policy.setting_for(name, owners[id(param)], param)
     units = []
     for index, (name, unit_module) in enumerate(fsdp_units):
-        state = unit_module._get_fsdp_state()
-        if state._fsdp_param_group is None:
+        parameters = unit_parameters(unit_module)
+        if parameters is None:
             continue  # a unit that manages no parameter moves nothing
-        unit = _Unit(index, name or "<root>", unit_module, settings, names, weight_bits, grad_bits)
+        unit = _Unit(index, name or "<root>", unit_module, parameters, settings, names, weight_bits, grad_bits)
         try:
             get_backend(unit.group)
         except ValueError as e:

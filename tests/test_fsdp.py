@@ -350,6 +350,37 @@ def test_fsdp_uncompressed_is_bit_identical_to_gloo():
         assert torch.equal(ours[1][name], value), name
 
 
+def _qsdp_on_an_unchecked_torch(rank, world):
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import cgx
+    import cgx.fsdp2_access
+
+    init_cgx(rank, world)
+    cgx.fsdp2_access.CHECKED_TORCH = ((1, 0),)  # as if this torch were newer than any checked
+    model = _model(0)
+    _shard(model, init_device_mesh("cpu", (world,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = cgx.qsdp(model, weight_bits=4, grad_bits=4)
+    _train(model, rank, 4)
+    return _full_params(model), [str(w.message) for w in caught], handle.stats()
+
+
+def test_qsdp_on_a_torch_outside_the_checked_range_stays_exact_and_says_why():
+    results = values(run_ranks(_qsdp_on_an_unchecked_torch, 2))
+    gloo = values(run_ranks(_fsdp_plain, 2, args=("gloo",)))
+    for params, warned, stats in results:
+        for name, value in gloo[0].items():
+            assert torch.equal(params[name], value), name  # exact: Gloo's bits
+        assert any(f"torch {torch.__version__} is not among the releases" in w for w in warned), warned
+        assert torch.__version__ in stats["unsupported"] and "checked against (1.0)" in stats["unsupported"]
+        assert set(stats["exact_units"]["allgather"]) == {"<root>", "blocks.0", "blocks.1"}
+        assert stats["allgather"]["calls"] == 0 and stats["reduce_scatter"]["calls"] == 0
+
+
 class _Recording:
     """Wraps a unit's all-gather comm and keeps (input, output) of every call."""
 
