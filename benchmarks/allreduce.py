@@ -15,7 +15,7 @@ Link rates: `loopback` (all ranks on this host: cgx over shared memory, Gloo ove
 lo), `unshaped`, `10gbit`, `1gbit`, ... (one emulated host per rank, network namespaces
 joined by veth links shaped with tbf; benchmarks/netemu.py). Needs root for the
 emulated rates. Prints a table (median time, and each method's speed-up over Gloo),
-writes JSON and a PNG plot.
+writes JSON and a PNG plot (by default under benchmarks/results/, git-ignored).
 
     python -P benchmarks/allreduce.py                                  # the full matrix
     python -P benchmarks/allreduce.py --sizes-mib 64 --world-sizes 2 --rates 1gbit
@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from launch import join_worker, run_worker  # noqa: E402
 from netemu import link_counters  # noqa: E402
+from outputs import default_output, parent_made  # noqa: E402
 from plotting import pyplot  # noqa: E402
 
 CGX_METHODS = [f"cgx-{bits}-{alg}" for alg in ("SRA", "Ring") for bits in (8, 4, 2)]
@@ -68,8 +69,8 @@ def parse_args(argv=None):
     parser.add_argument("--bucket-size", type=int, default=512)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the tensors are (default cpu)")
-    parser.add_argument("--json", metavar="PATH", default="allreduce.json")
-    parser.add_argument("--plot", metavar="PATH", default="allreduce.png")
+    parser.add_argument("--json", metavar="PATH", type=parent_made, default=default_output("allreduce.json"))
+    parser.add_argument("--plot", metavar="PATH", type=parent_made, default=default_output("allreduce.png"))
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per (world size, rate) job")
     return parser.parse_args(argv)
 

@@ -9,7 +9,7 @@ size (of the full, unsharded buffer), world size and link rate:
 
 Every rank runs on its own emulated host (benchmarks/netemu.py; needs root) unless the
 rate is `loopback`. Prints a table (median time of the slowest rank, speed-up over Gloo)
-and writes JSON.
+and writes JSON (by default under benchmarks/results/, git-ignored).
 
     python -P benchmarks/sharded.py --sizes-mib 64 --world-sizes 2 4 --rates 1gbit
 """
@@ -33,6 +33,7 @@ import cgx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from launch import join_worker, run_worker  # noqa: E402
+from outputs import default_output, parent_made  # noqa: E402
 
 KINDS = ("allgather", "reduce_scatter")
 BUCKET_SIZE = 512
@@ -46,7 +47,7 @@ def parse_args():
     parser.add_argument("--bits", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--timeout-s", type=float, default=1800)
-    parser.add_argument("--json", default="sharded.json")
+    parser.add_argument("--json", type=parent_made, default=default_output("sharded.json"))
     return parser.parse_args()
 
 

@@ -38,7 +38,8 @@ Tasks:
     python benchmarks/train.py --task gpt --link 1gbit --steps 60 --gpt-dim 256   # root
 
 Prints a table (final loss / accuracy, payload bytes per step per rank, ratio to
-float32, seconds) and writes <out>/<task>.json and <out>/<task>.png (loss curves).
+float32, seconds) and writes <out>/<task>.json and <out>/<task>.png (loss curves);
+<out> is benchmarks/results/convergence (git-ignored) unless --out says otherwise.
 With --link RATE every rank runs on its own emulated host (benchmarks/netemu.py) behind
 a link of that rate, and the table adds steps per second and the bytes that crossed the
 links per step.
@@ -63,6 +64,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P: the helpers here
 
+from outputs import default_output  # noqa: E402
 from plotting import pyplot  # noqa: E402
 
 # cgx<bits>[-bucket<size>][-hadamard][-one-level | -no-feedback]: the cgx hook with that
@@ -428,7 +430,7 @@ def main():
     parser.add_argument("--link", metavar="RATE",
                         help="run each rank on its own emulated host behind a link of this rate "
                              "(e.g. 1gbit; needs root); default: all ranks local")
-    parser.add_argument("--out", default="convergence-results")
+    parser.add_argument("--out", default=default_output("convergence"))
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     task_options = {"dim": args.gpt_dim, "batch": args.gpt_batch} if args.task == "gpt" else {}
