@@ -34,7 +34,7 @@ namespace {
 int bits_of(const py::handle& bits) {
   if (PyBool_Check(bits.ptr()) || !PyLong_Check(bits.ptr()))
     throw py::type_error("cgx: bits must be an int, got " +
-                         std::string(py::str(bits.get_type().attr("__name__"))));
+                         std::string(py::str(py::type::handle_of(bits).attr("__name__"))));
   return bits.cast<int>();
 }
 

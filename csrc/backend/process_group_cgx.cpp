@@ -306,6 +306,22 @@ float* fold_residual(at::Tensor& flat, const std::optional<at::Tensor>& residual
 }
 }  // namespace
 
+template <typename CollectiveOptions, typename Run>
+void ProcessGroupCGX::agree_and_run(CollectiveOptions& options, uint64_t seed, const Lane& lane,
+                                    const collectives::CallSignature& signature, at::Tensor& flat,
+                                    const std::optional<at::Tensor>& residual, Counters Stats::*counters,
+                                    double bytes_per_value, Run run) {
+  collectives::CallOptions& call = options;
+  call.seed = seed;
+  call.deadline = deadline_after(timeout_);
+  call.executor = lane.executor;
+  call.scratch = lane.scratch;
+  collectives::check_same_on_all_ranks(*connection_.transport, getRank(), getSize(), signature,
+                                       call.deadline, *lane.scratch);
+  call.residual = fold_residual(flat, residual);  // once the call is known to go ahead
+  count(counters, run(options), bytes_per_value);
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
     at::Tensor tensor, std::vector<compression::Segment> layout, bool average,
     std::optional<at::Tensor> residual) {
@@ -375,16 +391,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_layout(
     collectives::AllgatherOptions options;
     options.shard = codec.get();
     options.algorithm = flat_algorithm();
-    options.seed = seed;
-    options.deadline = deadline_after(timeout_);
-    options.executor = lane.executor;
-    const std::vector<at::Tensor> tensors{input};
-    collectives::check_same_on_all_ranks(*connection_.transport, getRank(), getSize(),
-                                         signature_of(sequence, tensors, flat.numel(), *codec, "gather"),
-                                         options.deadline, *lane.scratch);
-    const auto traffic = collectives::compressed_allgather(
-        *connection_.transport, getRank(), getSize(), flat.data_ptr<float>(), options, *lane.scratch);
-    count(&Stats::allgather, traffic, input.element_size());
+    agree_and_run(options, seed, lane, signature_of(sequence, {input}, flat.numel(), *codec, "gather"),
+                  flat, std::nullopt, &Stats::allgather, input.element_size(), [&](const auto& o) {
+                    return collectives::compressed_allgather(*connection_.transport, getRank(), getSize(),
+                                                             flat.data_ptr<float>(), o);
+                  });
     if (!in_place) output.detach().view(-1).copy_(flat);
   };
   return enqueue_compressed({output, input}, {output}, c10d::OpType::_ALLGATHER_BASE, std::move(body));
@@ -409,18 +420,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_layout(
     at::Tensor flat = input.detach().view(-1).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     collectives::ReduceScatterOptions options;
     options.shard = codec.get();
-    options.seed = call_seed(sequence);
-    options.deadline = deadline_after(timeout_);
-    options.executor = lane.executor;
-    const std::vector<at::Tensor> tensors{output};
-    collectives::check_same_on_all_ranks(*connection_.transport, getRank(), getSize(),
-                                         signature_of(sequence, tensors, flat.numel(), *codec, op_text,
-                                                      op == c10d::ReduceOp::PREMUL_SUM ? factor : 1.0),
-                                         options.deadline, *lane.scratch);
-    options.residual = fold_residual(flat, residual);  // once the call is known to go ahead
-    const auto traffic = collectives::compressed_reduce_scatter(
-        *connection_.transport, getRank(), getSize(), flat.data_ptr<float>(), options, *lane.scratch);
-    count(&Stats::reduce_scatter, traffic, input.element_size());
+    const double scale = op == c10d::ReduceOp::PREMUL_SUM ? factor : 1.0;
+    agree_and_run(options, call_seed(sequence), lane,
+                  signature_of(sequence, {output}, flat.numel(), *codec, op_text, scale), flat, residual,
+                  &Stats::reduce_scatter, input.element_size(), [&](const auto& o) {
+                    return collectives::compressed_reduce_scatter(*connection_.transport, getRank(), getSize(),
+                                                                  flat.data_ptr<float>(), o);
+                  });
     at::Tensor own = flat.narrow(0, getRank() * shard, shard);
     if (op == c10d::ReduceOp::AVG) own.div_(getSize());
     if (op == c10d::ReduceOp::PREMUL_SUM) own.mul_(factor);
@@ -588,21 +594,16 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   options.cross = settings_.cross_reduction;
   options.leader_form = settings_.intra_broadcast;
   options.intra_compress = settings_.intra_compress;
-  options.seed = call_seed(sequence);
-  options.deadline = deadline_after(timeout_);
-  options.executor = lane.executor;
   options.cross_executor = lane.cross_executor;
-  options.scratch = lane.scratch;
   options.cross_scratch = lane.cross_scratch;
   options.run_cross = [this](std::function<void()> job) { cross_worker_.enqueue(std::move(job)); };
-  collectives::check_same_on_all_ranks(*connection_.transport, getRank(), getSize(),
-                                       signature_of(sequence, tensors, flat.numel(), *codec, op_name(op)),
-                                       options.deadline, *lane.scratch);
-  options.residual = fold_residual(flat, residual);  // once the call is known to go ahead
-  const auto traffic = collectives::allreduce(*connection_.transport, getRank(), connection_.hosts,
-                                              flat.data_ptr<float>(), options);
-  // In the callers' dtypes (2 bytes a value for float16 / bfloat16).
-  count(&Stats::allreduce, traffic, static_cast<double>(input_bytes) / flat.numel());
+  // Counted in the callers' dtypes (2 bytes a value for float16 / bfloat16).
+  agree_and_run(options, call_seed(sequence), lane,
+                signature_of(sequence, tensors, flat.numel(), *codec, op_name(op)), flat, residual,
+                &Stats::allreduce, static_cast<double>(input_bytes) / flat.numel(), [&](const auto& o) {
+                  return collectives::allreduce(*connection_.transport, getRank(), connection_.hosts,
+                                                flat.data_ptr<float>(), o);
+                });
   if (op == c10d::ReduceOp::AVG) flat.div_(getSize());
   if (in_place) return;
   int64_t offset = 0;

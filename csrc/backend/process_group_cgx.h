@@ -196,6 +196,16 @@ class ProcessGroupCGX final : public c10d::Backend {
   collectives::CallSignature signature_of(uint64_t sequence, const std::vector<at::Tensor>& tensors,
                                           int64_t numel, const compression::LayoutCodec& codec,
                                           const char* op, double scale = 1.0) const;
+  // The skeleton of every compressed call's body, once its values are in `flat` (float32):
+  // the call options (`seed`, the deadline, the lane's executor and scratch), agreement with
+  // every rank on `signature`, the residual folded in once the call is known to go ahead,
+  // `run(options)` (the collective), its traffic counted in `counters`. The body before it
+  // flattens the call's tensors; after it, writes the results back.
+  template <typename CollectiveOptions, typename Run>
+  void agree_and_run(CollectiveOptions& options, uint64_t seed, const Lane& lane,
+                     const collectives::CallSignature& signature, at::Tensor& flat,
+                     const std::optional<at::Tensor>& residual, Counters Stats::*counters,
+                     double bytes_per_value, Run run);
   // Stochastic rounding's seed for the call numbered `sequence`.
   uint64_t call_seed(uint64_t sequence) const;
   // Adds a call's traffic to `counters`; `bytes_per_value`: the caller's element size.

@@ -15,13 +15,7 @@ Traffic allreduce(transport::Transport& transport, int rank, const topology::Hos
   if (size == 1 || codec.total() == 0) return {};
   if (is_hierarchical(hosts)) return hierarchical_allreduce(transport, rank, hosts, data, options);
 
-  Phase phase;
-  phase.algorithm = hosts.num_hosts() == 1 ? options.inner : options.cross;
-  phase.seed = options.seed;
-  phase.residual = options.residual;
-  phase.deadline = options.deadline;
-  phase.executor = options.executor;
-  phase.piece_values = options.piece_values;
+  const Phase phase{options, hosts.num_hosts() == 1 ? options.inner : options.cross};
   const Chunking chunks(codec, {0, codec.total()}, size);
   Traffic traffic = reduce_scatter(transport, rank, data, codec, chunks, phase, *options.scratch);
   traffic += allgather(transport, rank, data, codec, chunks, phase,

@@ -17,7 +17,7 @@
 
 namespace cgx::collectives {
 
-struct AllreduceOptions {
+struct AllreduceOptions : CallOptions {
   const compression::LayoutCodec* codec = nullptr;  // the whole buffer's layout
   ReductionAlgorithm inner = ReductionAlgorithm::SRA;  // among the ranks of a host
   ReductionAlgorithm cross = ReductionAlgorithm::SRA;  // across hosts
@@ -25,18 +25,10 @@ struct AllreduceOptions {
   // host too (CGX_INTRA_COMPRESS).
   bool leader_form = false;
   bool intra_compress = true;
-  uint64_t seed = 0;  // the call's stochastic-rounding seed
-  // Where set (codec.total() values in the executors' memory): receives, added, what each
-  // quantization this rank makes dropped (Phase::residual). Summed over ranks it is
-  // exactly the input sum minus the result, up to float32 rounding of the sums.
-  float* residual = nullptr;
-  transport::Clock::time_point deadline;
-  int64_t piece_values = kPieceValues;  // 0: no pipeline
-  // Where the values are, and buffers reused across calls: the caller's thread's, and
-  // the hierarchical cross phases' (which run on `run_cross`'s thread).
-  compression::Executor* executor = &compression::host_executor();
+  // The hierarchical cross phases' executor and buffers (they run on `run_cross`'s
+  // thread); `residual` receives what every stage of this rank dropped, summed over
+  // ranks exactly the input sum minus the result, up to float32 rounding of the sums.
   compression::Executor* cross_executor = &compression::host_executor();
-  Scratch* scratch = nullptr;
   Scratch* cross_scratch = nullptr;
   // Runs a job on a persistent second thread (hierarchical only; unset: no overlap of the
   // cross phases with the host's).

@@ -134,14 +134,18 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
   // A: reduce piece p inside the host (inner algorithm).
   auto reduce_on_host = [&](int p) {
     if (k == 1) return Traffic{};
-    const Phase phase{options.inner, stream_seed(options.seed, host, kIntraScatterStage, p),
-                      options.deadline, options.executor, options.residual};
+    Phase phase{options, options.inner};
+    phase.seed = stream_seed(options.seed, host, kIntraScatterStage, p);
+    phase.piece_values = 0;  // the pieces are this function's own (p)
     return reduce_scatter(intra, i, data, intra_codec, chunks[p], phase, scratch);
   };
   // B: allreduce our chunk of piece p across hosts, keeping the final bytes.
   auto allreduce_across_hosts = [&](int p) {
-    const Phase phase{options.cross, stream_seed(options.seed, i, kCrossStage, p),
-                      options.deadline, options.cross_executor, options.residual};
+    Phase phase{options, options.cross};
+    phase.seed = stream_seed(options.seed, i, kCrossStage, p);
+    phase.executor = options.cross_executor;
+    phase.scratch = options.cross_scratch;
+    phase.piece_values = 0;
     Traffic t = reduce_scatter(cross, host, data, codec, parts[p][i], phase, cross_scratch);
     std::vector<uint8_t*> ours(kept.begin() + slot(p, i, 0), kept.begin() + slot(p, i, num_hosts));
     t += allgather(cross, host, data, codec, parts[p][i], phase, ours);

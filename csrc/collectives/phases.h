@@ -120,22 +120,32 @@ class PieceLayout {
 // 2^21 gave 6.26x and was no better at 10 Gbit/s.
 constexpr int64_t kPieceValues = int64_t{1} << 19;
 
-// One phase of an allreduce among `chunks.parts()` ranks of `transport` (this one is
-// `rank`). `seed` picks the stochastic-rounding streams: allgather's must be the same
-// wherever the same chunk is to come out bit-identical. `executor` holds the values
-// (`data` points into its memory); a phase returns with its work on them complete.
-struct Phase {
-  ReductionAlgorithm algorithm = ReductionAlgorithm::SRA;
+// What every compressed call carries, whatever its shape (allreduce, all-gather,
+// reduce-scatter): the backend builds it once per call, each entry point's options extend
+// it, and each phase gets it unchanged (a new per-call setting is a field here and the
+// line that sets it in the backend).
+struct CallOptions {
+  // Picks the stochastic-rounding streams: allgather's must be the same wherever the same
+  // chunk is to come out bit-identical.
   uint64_t seed = 0;
   transport::Clock::time_point deadline;
+  // Holds the values (`data` points into its memory); work on them is complete when a
+  // phase returns.
   compression::Executor* executor = &compression::host_executor();
+  Scratch* scratch = nullptr;  // buffers reused across calls, for the executor's thread
   // Where set (the whole buffer, in the executor's memory): every quantization this rank
-  // makes in the phase adds what it dropped at the values it quantized (add_error). Over
-  // an allreduce the ranks' residuals then sum to exactly what the result lacks: error
-  // feedback's record, for both stages (docs/error-feedback.md).
+  // makes adds what it dropped at the values it quantized (add_error). Over an allreduce
+  // the ranks' residuals then sum to exactly what the result lacks: error feedback's
+  // record, for both stages (docs/error-feedback.md).
   float* residual = nullptr;
   // Chunks travel in pieces of about this many values (0: each chunk in one piece).
-  int64_t piece_values = 0;
+  int64_t piece_values = kPieceValues;
+};
+
+// One phase of an allreduce among `chunks.parts()` ranks of `transport` (this one is
+// `rank`), under its call's options.
+struct Phase : CallOptions {
+  ReductionAlgorithm algorithm = ReductionAlgorithm::SRA;
 
   // The pieces of `chunks` under this phase (the same on every rank of the phase).
   PieceLayout pieces(const compression::LayoutCodec& codec, const Chunking& chunks) const;

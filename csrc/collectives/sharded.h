@@ -19,39 +19,31 @@
 
 namespace cgx::collectives {
 
-struct AllgatherOptions {
+// The call's seed is stochastic rounding's stream (mixed with the rank) for the
+// all-gather: the same seed and shard give the same bytes, so a forward and a backward
+// gather of one step agree. Its residual must be unset (nothing is reduced).
+struct AllgatherOptions : CallOptions {
   const compression::LayoutCodec* shard = nullptr;  // the layout of one shard
   // SRA: every owner sends its bytes to every peer; Ring: bytes are forwarded around the
   // ring unchanged. The same bytes are decoded either way.
   ReductionAlgorithm algorithm = ReductionAlgorithm::SRA;
-  // Stochastic rounding's stream (mixed with the rank): the same seed and shard give the
-  // same bytes, so a forward and a backward gather of one step agree.
-  uint64_t seed = 0;
-  transport::Clock::time_point deadline;
-  compression::Executor* executor = &compression::host_executor();
-  int64_t piece_values = kPieceValues;  // 0: no pipeline
 };
 
 // `data`: the full buffer (size shards), this rank's values in shard `rank`; afterwards
 // every shard holds its owner's values as decoded. Throws TimeoutError at the deadline.
 Traffic compressed_allgather(transport::Transport& transport, int rank, int size, float* data,
-                             const AllgatherOptions& options, Scratch& scratch);
+                             const AllgatherOptions& options);
 
-struct ReduceScatterOptions {
+// The residual (size shards), where set, receives what quantizing this rank's
+// contributions dropped, for error feedback.
+struct ReduceScatterOptions : CallOptions {
   const compression::LayoutCodec* shard = nullptr;
-  uint64_t seed = 0;
-  transport::Clock::time_point deadline;
-  compression::Executor* executor = &compression::host_executor();
-  int64_t piece_values = kPieceValues;  // 0: no pipeline
-  // Where set (size shards): receives, added, what quantizing this rank's contributions
-  // dropped (Phase::residual), for error feedback.
-  float* residual = nullptr;
 };
 
 // `data`: this rank's contributions, shard r for rank r; afterwards shard `rank` holds the
 // sum over ranks (the other shards are left as they were). Throws TimeoutError at the
 // deadline.
 Traffic compressed_reduce_scatter(transport::Transport& transport, int rank, int size, float* data,
-                                  const ReduceScatterOptions& options, Scratch& scratch);
+                                  const ReduceScatterOptions& options);
 
 }  // namespace cgx::collectives
