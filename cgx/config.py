@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping
 # The limits and the enums' names are C++ constants, each declared once
 # (csrc/backend/settings.h, collectives/phases.h, compression/quantizer.h).
 from cgx._C import (MAX_BITS, MAX_BUCKET_SIZE, MAX_HADAMARD_BITS, MAX_HADAMARD_BUCKET, MAX_MINIMAL_SIZE,
-                    MAX_SHM_RING_BYTES, MIN_SHM_RING_BYTES, RAW_BITS, SCHEMES, CrossCommunicator,
+                    MAX_PIECE_VALUES, MAX_SHM_RING_BYTES, MIN_SHM_RING_BYTES, PIECE_VALUES, RAW_BITS,
+                    SCHEMES, CrossCommunicator,
                     InnerCommunicator, ReductionAlgorithm)
 
 __all__ = ["Variable", "VARIABLES", "Config", "from_env", "describe", "markdown_table"]
@@ -159,6 +160,11 @@ VARIABLES: tuple[Variable, ...] = (
              _int_in(MIN_SHM_RING_BYTES, MAX_SHM_RING_BYTES),
              "Capacity of each shared-memory ring (one per ordered pair of local ranks); "
              "larger messages stream through it."),
+    Variable("CGX_PIPELINE_PIECE_VALUES", "piece_values", PIECE_VALUES,
+             f"integer in {_int_range(0, MAX_PIECE_VALUES)}", _int_in(0, MAX_PIECE_VALUES),
+             "Values per piece of a compressed collective's pipeline: each rank's chunk "
+             "travels in pieces of about this many values (at most 64), one on the wire "
+             "while the next is encoded. 0: each chunk in one piece, no overlap."),
     Variable("CGX_DEBUG_DEFERRED_EXECUTION", "deferred_execution", False,
              "0/1, true/false, yes/no, on/off", _bool,
              "Debugging: run the CPU codec work as a GPU stream would (queued until the "

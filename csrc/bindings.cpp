@@ -238,6 +238,8 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_MINIMAL_SIZE") = cgx::backend::kMaxMinimalSize;
   m.attr("MIN_SHM_RING_BYTES") = cgx::backend::kMinShmRingBytes;
   m.attr("MAX_SHM_RING_BYTES") = cgx::backend::kMaxShmRingBytes;
+  m.attr("PIECE_VALUES") = cgx::collectives::kPieceValues;  // the default
+  m.attr("MAX_PIECE_VALUES") = cgx::backend::kMaxPieceValues;
 
   // Filled field by field from a cgx.Config (cgx/backend.py to_settings): no defaults.
   py::class_<Settings>(m, "Settings")
@@ -256,6 +258,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("intra_broadcast", &Settings::intra_broadcast)
       .def_readwrite("intra_compress", &Settings::intra_compress)
       .def_readwrite("hostname", &Settings::hostname)
+      .def_readwrite("piece_values", &Settings::piece_values)
       .def_readwrite("shm_ring_bytes", &Settings::shm_ring_bytes)
       .def_readwrite("deferred_execution", &Settings::deferred_execution);
 

@@ -44,6 +44,8 @@ def test_defaults_follow_torch_cgx():
         ("CGX_HOSTNAME", "node7", "hostname", "node7"),
         ("CGX_SHM_RING_BYTES", "65536", "shm_ring_bytes", 65536),
         ("CGX_DEBUG_DEFERRED_EXECUTION", "on", "deferred_execution", True),
+        ("CGX_PIPELINE_PIECE_VALUES", "0", "piece_values", 0),
+        ("CGX_PIPELINE_PIECE_VALUES", "65536", "piece_values", 65536),
     ],
 )
 def test_parses_each_variable(variable, text, field, value):
@@ -69,6 +71,8 @@ def test_parses_each_variable(variable, text, field, value):
         ("CGX_HOSTNAME", "  "),
         ("CGX_HOSTNAME", " node7"),
         ("CGX_SHM_RING_BYTES", "1k"),
+        ("CGX_PIPELINE_PIECE_VALUES", "-1"),
+        ("CGX_PIPELINE_PIECE_VALUES", "2147483648"),
         # Strict: nothing around the value, ASCII digits only.
         ("CGX_COMPRESSION_QUANTIZATION_BITS", " 8 "),
         ("CGX_COMPRESSION_QUANTIZATION_BITS", "\u0664"),  # Arabic-Indic digit four
@@ -96,7 +100,7 @@ def test_every_setting_reaches_the_backend():
     config = cgx.Config(bits=3, bucket_size=77, minimal_size=5, skip_incomplete_buckets=True,
                         stochastic_rounding=True, seed=99, inner_communicator="GLOO",
                         inner_reduction="Ring", cross_reduction="Ring", intra_broadcast=True,
-                        intra_compress=False, hostname="h1", shm_ring_bytes=8192)
+                        intra_compress=False, hostname="h1", shm_ring_bytes=8192, piece_values=4096)
     dist.init_process_group("cgx", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=10), pg_options=config)
     try:
@@ -104,6 +108,7 @@ def test_every_setting_reaches_the_backend():
         assert settings.bits == 3 and settings.bucket_size == 77 and settings.minimal_size == 5
         assert settings.skip_incomplete_buckets and settings.stochastic_rounding
         assert settings.seed == 99 and settings.hostname == "h1" and settings.shm_ring_bytes == 8192
+        assert settings.piece_values == 4096
         assert settings.inner_communicator == cgx._C.InnerCommunicator.GLOO
         assert settings.inner_reduction == cgx._C.ReductionAlgorithm.Ring
         assert settings.cross_reduction == cgx._C.ReductionAlgorithm.Ring
@@ -122,7 +127,7 @@ def test_settings_round_trip_field_by_field():
                          stochastic_rounding=True, scheme="hadamard", seed=2**63, inner_communicator="GLOO",
                          cross_communicator="MPI", inner_reduction="Ring", cross_reduction="Ring",
                          intra_broadcast=True, intra_compress=False, hostname="x",
-                         shm_ring_bytes=8192, deferred_execution=True)
+                         shm_ring_bytes=8192, deferred_execution=True, piece_values=0)
     assert all(getattr(changed, v.field) != v.default for v in VARIABLES)
     for config in (cgx.Config(hostname="x"), changed):
         settings = to_settings(config)

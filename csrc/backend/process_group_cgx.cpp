@@ -57,6 +57,8 @@ void validate(const Settings& o) {
   TORCH_CHECK_VALUE(o.shm_ring_bytes >= kMinShmRingBytes && o.shm_ring_bytes <= kMaxShmRingBytes,
                     "cgx: shm_ring_bytes must be in ", kMinShmRingBytes, "..", kMaxShmRingBytes,
                     ", got ", o.shm_ring_bytes);
+  TORCH_CHECK_VALUE(o.piece_values >= 0 && o.piece_values <= kMaxPieceValues,
+                    "cgx: piece_values must be in 0..", kMaxPieceValues, ", got ", o.piece_values);
   TORCH_CHECK_VALUE(!o.hostname.empty(), "cgx: hostname must not be empty");
 }
 
@@ -316,6 +318,7 @@ void ProcessGroupCGX::agree_and_run(CollectiveOptions& options, uint64_t seed, c
   call.deadline = deadline_after(timeout_);
   call.executor = lane.executor;
   call.scratch = lane.scratch;
+  call.piece_values = settings_.piece_values;
   collectives::check_same_on_all_ranks(*connection_.transport, getRank(), getSize(), signature,
                                        call.deadline, *lane.scratch);
   call.residual = fold_residual(flat, residual);  // once the call is known to go ahead

@@ -30,6 +30,7 @@ constexpr int64_t kMaxBucketSize = int64_t{1} << 30;
 constexpr int64_t kMaxMinimalSize = int64_t{1} << 62;
 constexpr int64_t kMinShmRingBytes = 4096;
 constexpr int64_t kMaxShmRingBytes = int64_t{1} << 36;
+constexpr int64_t kMaxPieceValues = int64_t{1} << 30;
 
 // No defaults here: the defaults are cgx/config.py's (VARIABLES), and cgx/backend.py's
 // to_settings sets every field from a cgx.Config. The zeros below are "unset", and an unset
@@ -50,6 +51,7 @@ struct Settings {
   bool intra_compress{};   // hierarchical: compress inside a host too
   std::string hostname;  // ranks with the same name share a host
   int64_t shm_ring_bytes{};
+  int64_t piece_values{};  // pipeline piece size (collectives::CallOptions); 0: no pipeline
   bool deferred_execution{};  // debugging: host codec work queued until sync()
 };
 
