@@ -164,7 +164,8 @@ VARIABLES: tuple[Variable, ...] = (
              f"integer in {_int_range(0, MAX_PIECE_VALUES)}", _int_in(0, MAX_PIECE_VALUES),
              "Values per piece of a compressed collective's pipeline: each rank's chunk "
              "travels in pieces of about this many values (at most 64), one on the wire "
-             "while the next is encoded. 0: each chunk in one piece, no overlap."),
+             "while the next is encoded. 0: each chunk in one piece, no overlap. The flat "
+             "allreduce and the sharded collectives; the hierarchical one cuts its own."),
     Variable("CGX_DEBUG_DEFERRED_EXECUTION", "deferred_execution", False,
              "0/1, true/false, yes/no, on/off", _bool,
              "Debugging: run the CPU codec work as a GPU stream would (queued until the "
