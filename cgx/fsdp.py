@@ -45,7 +45,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from cgx.agreement import first_difference
 from cgx.backend import get_backend
-from cgx.fsdp2_access import AllGather, ReduceScatter, UnitParameters, unit_parameters, unsupported
+from cgx.fsdp2_access import AllGather, ReduceScatter, UnitParameters, Unsupported, unit_parameters, unsupported
 from cgx.layers import RAW_BITS, CompressionPolicy, Segment, _is_int, append_segment, check_bits
 
 __all__ = ["qsdp", "QSDP"]
@@ -296,15 +296,21 @@ def qsdp(
         raise ValueError(
             f"cgx.qsdp: {type(module).__name__} has no FSDP2 unit: call "
             f"torch.distributed.fsdp.fully_shard on its blocks and on it first")
+    policy = policy or CompressionPolicy()
+    settings = policy.resolve(module)  # also refuses rules that match nothing
     reason = unsupported()
+    parameters_of = {}
+    if reason is None:
+        try:
+            parameters_of = {name: unit_parameters(m) for name, m in fsdp_units}
+        except Unsupported as e:
+            reason = str(e)
     if reason:
         warnings.warn(f"cgx.qsdp: {reason}", RuntimeWarning, stacklevel=2)
         handle = QSDP([], weight_rounding, error_feedback, seed, unsupported=reason)
         for kind in _KINDS:
             handle.exact_units[kind] = {name or "<root>": reason for name, _ in fsdp_units}
         return handle
-    policy = policy or CompressionPolicy()
-    settings = policy.resolve(module)  # also refuses rules that match nothing
     owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
     names = {}
     for name, param in module.named_parameters():
@@ -313,7 +319,7 @@ def qsdp(
             settings[name] = policy.setting_for(name, owners[id(param)], param)
     units = []
     for index, (name, unit_module) in enumerate(fsdp_units):
-        parameters = unit_parameters(unit_module)
+        parameters = parameters_of[name]
         if parameters is None:
             continue  # a unit that manages no parameter moves nothing
         unit = _Unit(index, name or "<root>", unit_module, parameters, settings, names, weight_bits, grad_bits)

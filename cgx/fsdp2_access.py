@@ -8,9 +8,10 @@ in the order of its flat buffer with their padded shard sizes and its shard grou
 (``_get_fsdp_state()._fsdp_param_group``, ``fsdp_params``, ``padded_sharded_param_size``,
 ``sharded_param``, ``mesh_info.shard_process_group``). A torch that changes them could
 make cgx assign one parameter's bits to another's values; so on a torch outside
-:data:`CHECKED_TORCH`, or where these names are missing, :func:`unsupported` gives the
-reason and ``cgx.qsdp`` leaves FSDP2's traffic exact, warns, and shows the reason in its
-stats.
+:data:`CHECKED_TORCH`, or where the base classes are missing, :func:`unsupported` gives
+the reason, and where a unit lacks the attributes :func:`unit_parameters` raises
+:class:`Unsupported`; either way ``cgx.qsdp`` leaves FSDP2's traffic exact, warns, and
+shows the reason in its stats.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ except ImportError as e:  # a torch that moved them: qsdp stays exact (unsupport
     AllGather = ReduceScatter = object
     _IMPORT_PROBLEM = str(e)
 
-__all__ = ["CHECKED_TORCH", "AllGather", "ReduceScatter", "UnitParameters", "unit_parameters", "unsupported"]
+__all__ = ["CHECKED_TORCH", "AllGather", "ReduceScatter", "Unsupported", "UnitParameters", "unit_parameters",
+           "unsupported"]
 
 # The torch releases (major, minor) on which tests/test_fsdp.py passed with this module.
 CHECKED_TORCH = ((2, 13),)
@@ -54,10 +56,18 @@ class UnitParameters(NamedTuple):
     shards: list[tuple[torch.nn.Parameter, int]]  # in buffer order: parameter, padded shard numel
 
 
+class Unsupported(Exception):
+    """FSDP2's internals are not what this module reads; the message says which."""
+
+
 def unit_parameters(module: torch.nn.Module) -> UnitParameters | None:
     """The parameters of FSDP2 unit `module` as its comms see them (None: it has none)."""
-    param_group = module._get_fsdp_state()._fsdp_param_group
-    if param_group is None:
-        return None
-    shards = [(p.sharded_param, p.padded_sharded_param_size.numel()) for p in param_group.fsdp_params]
-    return UnitParameters(param_group.mesh_info.shard_process_group, shards)
+    try:
+        param_group = module._get_fsdp_state()._fsdp_param_group
+        if param_group is None:
+            return None
+        shards = [(p.sharded_param, p.padded_sharded_param_size.numel()) for p in param_group.fsdp_params]
+        return UnitParameters(param_group.mesh_info.shard_process_group, shards)
+    except AttributeError as e:
+        raise Unsupported(f"FSDP2's internals on torch {torch.__version__} are not what cgx reads ({e}), "
+                          f"so its traffic stays exact") from None

@@ -3,6 +3,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "backend/errors.h"
+
 namespace cgx::backend {
 
 using transport::Clock;
@@ -63,8 +65,7 @@ std::unique_ptr<Pending> C10dTransport::post(const std::vector<Send>& sends,
   } catch (const std::exception& e) {
     // Settle what was posted before its buffers go away.
     abandon(*posted, Clock::now());
-    throw transport::TransportError(std::string("cgx transport over the wrapped backend failed: ") +
-                                    e.what());
+    throw transport::TransportError("cgx transport over the wrapped backend failed: " + message_of(e));
   }
   return posted;
 }
@@ -79,7 +80,7 @@ void C10dTransport::wait(Pending& pending, Clock::time_point deadline) {
       if (left.count() <= 0) left = std::chrono::milliseconds(1);
       if (!work->wait(left) && first_error.empty()) first_error = "operation aborted";
     } catch (const std::exception& e) {
-      if (first_error.empty()) first_error = e.what();
+      if (first_error.empty()) first_error = message_of(e);
     }
   }
   works.clear();

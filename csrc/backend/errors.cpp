@@ -53,6 +53,11 @@ std::exception_ptr reported(const std::exception_ptr& error) {
   return error;
 }
 
+std::string message_of(const std::exception& error) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+  return c10_error ? c10_error->what_without_backtrace() : error.what();
+}
+
 void throw_failure(Failure kind, const std::string& message) {
   switch (kind) {
     case Failure::kPeer:

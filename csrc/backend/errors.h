@@ -40,6 +40,10 @@ Failure failure_of(const std::exception_ptr& error);
 // CallMismatchError become the types above with the same message; any other error stays.
 std::exception_ptr reported(const std::exception_ptr& error);
 
+// What `error` says, without the C++ backtrace a c10::Error carries: for messages that
+// reach users inside other errors.
+std::string message_of(const std::exception& error);
+
 // Throws the type of `kind` (kOther: c10::DistBackendError).
 [[noreturn]] void throw_failure(Failure kind, const std::string& message);
 

@@ -524,7 +524,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::enqueue_compressed(
       // Data may be half delivered, or this rank failed before the call's check (memory,
       // say) while its peers wait in it: the ranks are out of step for good.
       error = reported(std::current_exception());
-      fail(failure_of(error), e.what());
+      fail(failure_of(error), message_of(e));
     } catch (...) {
       fail(Failure::kOther, "an unknown error in a compressed collective");
       error = std::current_exception();
