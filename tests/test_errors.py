@@ -386,11 +386,21 @@ def _dies_across_hosts(rank, world):
             dist.all_reduce(t)
         return "no error"
     except (cgx.PeerError, cgx.CollectiveTimeoutError) as e:
-        return type(e).__name__, isinstance(e, dist.DistNetworkError), time.monotonic() - start
+        first, elapsed = e, time.monotonic() - start
+    try:  # the group is unusable now, with the first failure's type and words
+        dist.all_reduce(t)
+        later = "no error"
+    except cgx.PeerError as e2:
+        later = str(e2)
+    return type(first).__name__, isinstance(first, dist.DistNetworkError), elapsed, str(first), later
 
 
 def test_a_peer_lost_across_hosts_raises_peer_error_before_the_timeout():
     results = run_ranks(_dies_across_hosts, 2, expect_exit={1}, timeout_s=120)
-    kind, network_error, elapsed = values(results[:1])[0]
+    kind, network_error, elapsed, message, later = values(results[:1])[0]
     assert (kind, network_error) == ("PeerError", True)
     assert elapsed < 20, elapsed  # the closed connection, not the group's timeout
+    assert "unusable after an earlier failure" in later, later
+    # Gloo's own error is a c10 error: its C++ backtrace stays out of what users read.
+    for text in (message, later):
+        assert "Exception raised from" not in text and "frame #" not in text, text
