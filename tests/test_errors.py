@@ -400,7 +400,4 @@ def test_a_peer_lost_across_hosts_raises_peer_error_before_the_timeout():
     kind, network_error, elapsed, message, later = values(results[:1])[0]
     assert (kind, network_error) == ("PeerError", True)
     assert elapsed < 20, elapsed  # the closed connection, not the group's timeout
-    assert "unusable after an earlier failure" in later, later
-    # Gloo's own error is a c10 error: its C++ backtrace stays out of what users read.
-    for text in (message, later):
-        assert "Exception raised from" not in text and "frame #" not in text, text
+    assert "unusable after an earlier failure" in later and message.split(": ")[-1] in later, (message, later)
