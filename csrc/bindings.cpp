@@ -242,25 +242,11 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_PIECE_VALUES") = cgx::backend::kMaxPieceValues;
 
   // Filled field by field from a cgx.Config (cgx/backend.py to_settings): no defaults.
-  py::class_<Settings>(m, "Settings")
-      .def(py::init<>())
-      .def_readwrite("bits", &Settings::bits)
-      .def_readwrite("bucket_size", &Settings::bucket_size)
-      .def_readwrite("minimal_size", &Settings::minimal_size)
-      .def_readwrite("skip_incomplete_buckets", &Settings::skip_incomplete_buckets)
-      .def_readwrite("stochastic_rounding", &Settings::stochastic_rounding)
-      .def_readwrite("scheme", &Settings::scheme)
-      .def_readwrite("seed", &Settings::seed)
-      .def_readwrite("inner_communicator", &Settings::inner_communicator)
-      .def_readwrite("cross_communicator", &Settings::cross_communicator)
-      .def_readwrite("inner_reduction", &Settings::inner_reduction)
-      .def_readwrite("cross_reduction", &Settings::cross_reduction)
-      .def_readwrite("intra_broadcast", &Settings::intra_broadcast)
-      .def_readwrite("intra_compress", &Settings::intra_compress)
-      .def_readwrite("hostname", &Settings::hostname)
-      .def_readwrite("piece_values", &Settings::piece_values)
-      .def_readwrite("shm_ring_bytes", &Settings::shm_ring_bytes)
-      .def_readwrite("deferred_execution", &Settings::deferred_execution);
+  py::class_<Settings> settings(m, "Settings");
+  settings.def(py::init<>());
+#define CGX_BIND_SETTING(type, name) settings.def_readwrite(#name, &Settings::name);
+  CGX_SETTINGS_FIELDS(CGX_BIND_SETTING)
+#undef CGX_BIND_SETTING
 
   py::class_<ProcessGroupCGX, c10d::Backend, c10::intrusive_ptr<ProcessGroupCGX>>(
       m, "ProcessGroupCGX")

@@ -138,7 +138,7 @@ def test_settings_round_trip_field_by_field():
 
 
 def test_the_variables_table_and_the_cpp_settings_declare_the_same_fields_and_choices():
-    """Fields are named in VARIABLES and in the C++ Settings (bound field by field); enum
+    """Fields are named in VARIABLES and in the C++ Settings (CGX_SETTINGS_FIELDS); enum
     choices only in C++. Either drifting from the other fails here, not at a user's run."""
     from cgx.backend import _ENUMS
 

@@ -32,27 +32,34 @@ constexpr int64_t kMinShmRingBytes = 4096;
 constexpr int64_t kMaxShmRingBytes = int64_t{1} << 36;
 constexpr int64_t kMaxPieceValues = int64_t{1} << 30;
 
-// No defaults here: the defaults are cgx/config.py's (VARIABLES), and cgx/backend.py's
-// to_settings sets every field from a cgx.Config. The zeros below are "unset", and an unset
-// bits, bucket_size, shm_ring_bytes or hostname fails validate().
+// The fields of Settings, each declared once here: the struct below and its Python binding
+// (bindings.cpp) expand this list, and tests/test_config.py checks it against cgx/config.py's
+// VARIABLES. No defaults here: the defaults are VARIABLES', and cgx/backend.py's to_settings
+// sets every field from a cgx.Config. The zeros are "unset"; an unset bits, bucket_size,
+// shm_ring_bytes or hostname fails validate().
+#define CGX_SETTINGS_FIELDS(X)                                                           \
+  X(int, bits)                        /* 1..kMaxBits, or kRawBits = no compression */    \
+  X(int64_t, bucket_size)                                                                \
+  X(int64_t, minimal_size)            /* tensors with at most this many go exactly */    \
+  X(bool, skip_incomplete_buckets)                                                       \
+  X(bool, stochastic_rounding)                                                           \
+  X(compression::Scheme, scheme)                                                         \
+  X(uint64_t, seed)                                                                      \
+  X(InnerCommunicator, inner_communicator)                                               \
+  X(CrossCommunicator, cross_communicator)                                               \
+  X(collectives::ReductionAlgorithm, inner_reduction)                                    \
+  X(collectives::ReductionAlgorithm, cross_reduction)                                    \
+  X(bool, intra_broadcast)            /* hierarchical: through one leader per host */    \
+  X(bool, intra_compress)             /* hierarchical: compress inside a host too */     \
+  X(std::string, hostname)            /* ranks with the same name share a host */        \
+  X(int64_t, shm_ring_bytes)                                                             \
+  X(int64_t, piece_values)            /* pipeline piece (CallOptions); 0: no pipeline */ \
+  X(bool, deferred_execution)         /* debugging: host codec work queued to sync() */
+
 struct Settings {
-  int bits{};  // 1..kMaxBits, or kRawBits = no compression
-  int64_t bucket_size{};
-  int64_t minimal_size{};  // tensors with at most this many elements go exactly
-  bool skip_incomplete_buckets{};
-  bool stochastic_rounding{};
-  compression::Scheme scheme{};
-  uint64_t seed{};
-  InnerCommunicator inner_communicator{};
-  CrossCommunicator cross_communicator{};
-  collectives::ReductionAlgorithm inner_reduction{};
-  collectives::ReductionAlgorithm cross_reduction{};
-  bool intra_broadcast{};  // hierarchical: through one leader per host
-  bool intra_compress{};   // hierarchical: compress inside a host too
-  std::string hostname;  // ranks with the same name share a host
-  int64_t shm_ring_bytes{};
-  int64_t piece_values{};  // pipeline piece size (collectives::CallOptions); 0: no pipeline
-  bool deferred_execution{};  // debugging: host codec work queued until sync()
+#define CGX_DECLARE_SETTING(type, name) type name{};
+  CGX_SETTINGS_FIELDS(CGX_DECLARE_SETTING)
+#undef CGX_DECLARE_SETTING
 };
 
 // Whether this build has the CUDA codec (a CUDA torch and nvcc at build time).
