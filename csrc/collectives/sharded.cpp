@@ -30,7 +30,7 @@ Traffic compressed_reduce_scatter(transport::Transport& transport, int rank, int
   check_options(options, options.shard, "compressed_reduce_scatter");
   const auto codec = compression::LayoutCodec::repeated(*options.shard, size);
   const Range all{0, codec.total()};
-  if (all.end == 0) return {};
+  if (size == 1 || all.end == 0) return {};  // one rank's sum is its values: exact, as the allreduce
   const Chunking shards = Chunking::even(all, size);
   const Phase phase{options, ReductionAlgorithm::SRA};
   return sra_reduce_scatter(transport, rank, data, codec, shards, phase, *options.scratch);

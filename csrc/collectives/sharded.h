@@ -11,6 +11,7 @@
 //     (its own included, unless with a residual: then it joins the sum as it is) and
 //     sends it; the owner decodes the contributions and sums them in float32 in rank
 //     order (SRA's first phase). One stage per contribution.
+//   On one rank both return at once: nothing moves, and the values stay exact.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +26,8 @@ namespace cgx::collectives {
 struct AllgatherOptions : CallOptions {
   const compression::LayoutCodec* shard = nullptr;  // the layout of one shard
   // SRA: every owner sends its bytes to every peer; Ring: bytes are forwarded around the
-  // ring unchanged. The same bytes are decoded either way.
+  // ring unchanged. Either way every rank decodes its owner's bytes; the two give the same
+  // bits except in stochastically rounded layers (each draws its own stream).
   ReductionAlgorithm algorithm = ReductionAlgorithm::SRA;
 };
 

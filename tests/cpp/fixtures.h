@@ -1,6 +1,8 @@
-// Layouts and values shared by the codec and chunking tests.
+// Layouts, values and the quantizer's bound, shared by the core tests.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -52,6 +54,32 @@ inline std::vector<float> random_values(int64_t n, uint32_t seed) {
   std::vector<float> values(static_cast<size_t>(n));
   for (auto& v : values) v = normal(generator);
   return values;
+}
+
+// The most each value of [begin, end) may move when `codec` quantizes `x` once (0 outside
+// the range): 0 for raw values and the raw tail of a skip_incomplete segment, half a step
+// of its bucket (a whole step with stochastic rounding) for the others, plus a few float
+// roundings. Maxmin segments only.
+inline std::vector<double> quantization_bounds(const compression::LayoutCodec& codec,
+                                               const std::vector<float>& x, int64_t begin, int64_t end) {
+  std::vector<double> bounds(x.size(), 0.0);
+  for (const auto& piece : codec.pieces(begin, end)) {
+    const compression::Segment& s = codec.segments()[piece.segment];
+    if (s.raw) continue;
+    const int64_t bucket = s.params.bucket_size;
+    const int64_t n = piece.numel;
+    const int64_t quantized = s.params.skip_incomplete_buckets ? n / bucket * bucket : n;
+    for (int64_t b = 0; b < quantized; b += bucket) {  // buckets are laid from the piece's start
+      const auto first = x.begin() + piece.begin + b;
+      const auto last = x.begin() + piece.begin + std::min(b + bucket, quantized);
+      const auto [lo, hi] = std::minmax_element(first, last);
+      const double step = (double(*hi) - double(*lo)) / ((1 << s.params.bits) - 1);
+      const double magnitude = std::max(std::fabs(*lo), std::fabs(*hi));
+      const double bound = (s.params.stochastic ? step : step / 2) + 4 * 0x1p-24 * magnitude;
+      std::fill(bounds.begin() + (first - x.begin()), bounds.begin() + (last - x.begin()), bound);
+    }
+  }
+  return bounds;
 }
 
 }  // namespace cgx::test

@@ -85,32 +85,14 @@ void check_round_trip(const LayoutCodec& codec, const std::vector<float>& x, int
   for (int64_t i = 0; i < static_cast<int64_t>(x.size()); ++i)
     if (i < begin || i >= end) CHECK_EQ(y[i], sentinel);  // nothing outside the range
 
-  for (const auto& piece : codec.pieces(begin, end)) {
-    const Segment& s = codec.segments()[piece.segment];
-    const int64_t from = piece.begin, n = piece.numel;
-    if (s.raw) {
-      CHECK(std::memcmp(&x[from], &y[from], n * sizeof(float)) == 0);
-      continue;
-    }
-    const int64_t bucket = s.params.bucket_size;
-    const int64_t q = s.params.skip_incomplete_buckets ? n / bucket * bucket : n;
-    CHECK(std::memcmp(&x[from + q], &y[from + q], (n - q) * sizeof(float)) == 0);
-    // Buckets are laid from the piece's start.
-    for (int64_t b = 0; b < q; b += bucket) {
-      const auto first = x.begin() + from + b, last = x.begin() + from + std::min(b + bucket, q);
-      const auto [lo, hi] = std::minmax_element(first, last);
-      const double step = (double(*hi) - double(*lo)) / ((1 << s.params.bits) - 1);
-      const double magnitude = std::max(std::fabs(*lo), std::fabs(*hi));
-      const double bound = (s.params.stochastic ? step : step / 2) + 4 * 0x1p-24 * magnitude;
-      for (auto it = first; it != last; ++it) {
-        const int64_t i = it - x.begin();
-        if (!(std::fabs(double(y[i]) - double(x[i])) <= bound))
-          fail(__FILE__, __LINE__,
-               "value " + std::to_string(i) + ": " + std::to_string(x[i]) + " decoded as " +
-                   std::to_string(y[i]) + ", bound " + std::to_string(bound) + " (bits " +
-                   std::to_string(s.params.bits) + ", bucket " + std::to_string(bucket) + ")");
-      }
-    }
+  const std::vector<double> bounds = quantization_bounds(codec, x, begin, end);
+  for (int64_t i = begin; i < end; ++i) {
+    const bool exact = bounds[i] == 0 ? std::memcmp(&x[i], &y[i], sizeof(float)) == 0
+                                      : std::fabs(double(y[i]) - double(x[i])) <= bounds[i];
+    if (!exact)
+      fail(__FILE__, __LINE__,
+           "value " + std::to_string(i) + ": " + std::to_string(x[i]) + " decoded as " +
+               std::to_string(y[i]) + ", bound " + std::to_string(bounds[i]));
   }
 }
 
