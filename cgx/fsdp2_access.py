@@ -32,7 +32,7 @@ __all__ = ["CHECKED_TORCH", "AllGather", "ReduceScatter", "Unsupported", "UnitPa
            "unsupported"]
 
 # The torch releases (major, minor) on which tests/test_fsdp.py passed with this module.
-CHECKED_TORCH = ((2, 13),)
+CHECKED_TORCH = ((2, 11), (2, 12), (2, 13))
 
 
 def _release(version: str) -> tuple[int, int]:

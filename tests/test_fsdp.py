@@ -762,3 +762,20 @@ def test_reshard_after_forward_to_a_smaller_group_names_why_backward_gathers_exa
         assert stats["allgather"]["calls"] > 0 and stats["allgather"]["exact_calls"] > 0
         for reason in stats["exact_units"]["allgather"].values():
             assert "backward re-gather over reshard_after_forward's group of 2 ranks" in reason, reason
+
+
+def test_the_checked_torch_range_is_the_one_users_see():
+    """pyproject's lower bound is the oldest release the adapter claims (CI runs this file
+    on it), and the README installs the newest (the full suite runs on it)."""
+    import pathlib
+    import re
+
+    from cgx.fsdp2_access import CHECKED_TORCH
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    lower = re.search(r'"torch>=(\d+)\.(\d+)"', (root / "pyproject.toml").read_text())
+    assert (int(lower[1]), int(lower[2])) == min(CHECKED_TORCH)
+    installed = set(re.findall(r"pip install torch==(\d+)\.(\d+)\.\d+", (root / "README.md").read_text()))
+    assert installed == {tuple(str(n) for n in max(CHECKED_TORCH))}
+    fsdp_doc = (root / "docs" / "fsdp.md").read_text()
+    assert ", ".join(f"{a}.{b}" for a, b in CHECKED_TORCH) in fsdp_doc
