@@ -121,7 +121,8 @@ VARIABLES: tuple[Variable, ...] = (
              "Send a partial last bucket raw (float32) instead of quantizing it."),
     Variable("CGX_COMPRESSION_STOCHASTIC_ROUNDING", "stochastic_rounding", False,
              "0/1, true/false, yes/no, on/off", _bool,
-             "Round stochastically (unbiased) instead of to the nearest level."),
+             ("Round stochastically instead of to the nearest level: unbiased with maxmin; with "
+              "hadamard only between its outer levels (beyond them values are clipped).")),
     Variable("CGX_COMPRESSION_SEED", "seed", 0, "integer in 0..2^64-1", _int_in(0, 2**64 - 1),
              "Seed of the stochastic-rounding streams: the same seed gives the same results."),
     Variable("CGX_INNER_COMMUNICATOR_TYPE", "inner_communicator", "SHM", " | ".join(_INNER),
