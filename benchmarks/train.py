@@ -35,6 +35,7 @@ Tasks:
 
     python benchmarks/train.py --task gpt --steps 300 --world-size 2
     python benchmarks/train.py --task digits --out docs/convergence
+    python benchmarks/train.py --task gpt --gpt-dim 288 --lr 1e-3   # AdamW lr other than the task's
     python benchmarks/train.py --task gpt --link 1gbit --steps 60 --gpt-dim 256   # root
 
 Prints a table (final loss / accuracy, payload bytes per step per rank, ratio to
@@ -321,7 +322,10 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
     torch.set_num_threads(1)
     dist.init_process_group("cgx", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
-    task = TASKS[task_name](**task_options)
+    options = dict(task_options)
+    lr = options.pop("lr", None)
+    task = TASKS[task_name](**options)
+    lr = lr or task.lr
     torch.manual_seed(seed)
     model = task.model()
     # One bucket for every method: torch's PowerSGD hook issues collectives from future
@@ -335,14 +339,14 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
         traffic = shard_method(method, model)
     elif method in DILOCO_METHODS:
         ddp = model
-        opt = torch.optim.AdamW(model.parameters(), lr=task.lr)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
         diloco = diloco_method(method, model, opt)
         traffic = lambda step: (diloco.stats()["bytes_sent"], float32 * step)  # noqa: E731
     else:
         ddp = DDP(model, bucket_cap_mb=1024)
         bytes_so_far = attach_method(method, ddp, model)
         traffic = lambda step: (bytes_so_far(step), float32 * step)  # noqa: E731
-    opt = opt or torch.optim.AdamW(model.parameters(), lr=task.lr)
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=lr)
     losses, step_ends = [], []
     start = time.perf_counter()
     for step in range(steps):
@@ -427,6 +431,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     parser.add_argument("--gpt-dim", type=int, default=128, help="width of the GPT model")
     parser.add_argument("--gpt-batch", type=int, default=16, help="GPT sequences per rank and step")
+    parser.add_argument("--lr", type=float, help="AdamW's learning rate (default: the task's)")
     parser.add_argument("--link", metavar="RATE",
                         help="run each rank on its own emulated host behind a link of this rate "
                              "(e.g. 1gbit; needs root); default: all ranks local")
@@ -434,6 +439,8 @@ def main():
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     task_options = {"dim": args.gpt_dim, "batch": args.gpt_batch} if args.task == "gpt" else {}
+    if args.lr:
+        task_options["lr"] = args.lr
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods:
@@ -456,7 +463,7 @@ def main():
     base = results[0]
     metric = "val_accuracy" if args.task == "digits" else "val_loss"
     print(f"\n{args.task}, {args.world_size} ranks, {args.steps} steps, seed {args.seed}, "
-          f"link {args.link or 'local'}, torch {torch.__version__}")
+          f"lr {args.lr or TASKS[args.task].lr}, link {args.link or 'local'}, torch {torch.__version__}")
     print(f"| method | {metric} | val_loss vs {base['method']} | payload bytes/step/rank | "
           f"x fewer than float32 | s | steps/s | x {base['method']} steps/s | wire MiB/step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -472,7 +479,7 @@ def main():
     stem = os.path.join(args.out, args.task + (f"-seed{args.seed}" if args.seed else ""))
     with open(stem + ".json", "w") as f:
         json.dump({"task": args.task, "world_size": args.world_size, "steps": args.steps,
-                   "seed": args.seed, "results": results}, f)
+                   "seed": args.seed, "lr": args.lr or TASKS[args.task].lr, "results": results}, f)
     print(f"wrote {stem}.json" + (f" and {stem}.png" if plot(results, args.task, stem + ".png") else ""))
 
 
