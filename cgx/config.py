@@ -116,6 +116,13 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CGX_COMPRESSION_MINIMAL_SIZE", "minimal_size", 16,
              f"integer in {_int_range(0, MAX_MINIMAL_SIZE)}", _int_in(0, MAX_MINIMAL_SIZE),
              "Tensors with at most this many elements are reduced exactly (uncompressed)."),
+    Variable("CGX_COMPRESSION_AUTO", "compression_auto", True, "0/1, true/false, yes/no, on/off",
+             _bool,
+             "Compression only where it pays: per group and size class, cgx times its "
+             "compressed calls and the same calls sent exactly (float32, over its own "
+             "transport) and sends each call the faster way, the same on every rank; the "
+             "slower way is re-tried now and then. 0: every compressible call is compressed. "
+             "cgx.stats() shows the choice per size class (docs/configuration.md)."),
     Variable("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "skip_incomplete_buckets", False,
              "0/1, true/false, yes/no, on/off", _bool,
              "Send a partial last bucket raw (float32) instead of quantizing it."),

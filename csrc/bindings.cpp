@@ -329,12 +329,27 @@ PYBIND11_MODULE(_C, m) {
             d["cross_host_bytes"] = s.cross_host_bytes;
             d["allgather"] = counters(s.allgather, py::dict());
             d["reduce_scatter"] = counters(s.reduce_scatter, py::dict());
+            py::list paths;
+            for (const auto& c : s.paths) {
+              py::dict p;
+              p["min_bytes"] = uint64_t{1} << c.size_class;  // the class: [min_bytes, 2 min_bytes)
+              p["path"] = c.path == cgx::collectives::Path::kExact ? "exact" : "compressed";
+              p["compressed_ms"] = c.compressed_us / 1e3;
+              p["exact_ms"] = c.exact_us / 1e3;
+              p["compressed_calls"] = c.compressed_calls;
+              p["exact_calls"] = c.exact_calls;
+              paths.append(p);
+            }
+            d["auto"] = paths;
             return d;
           },
           "This rank's totals: calls, bytes_sent and uncompressed_bytes (what the same "
           "algorithm sends uncompressed) of its compressed allreduces, the same under "
           "'allgather' and 'reduce_scatter' for the sharded collectives, and "
-          "cross_host_bytes (everything it sent to other hosts, call checks included).");
+          "cross_host_bytes (everything it sent to other hosts, call checks included); "
+          "'auto': CGX_COMPRESSION_AUTO's last choice per size class of allreduce (float32 "
+          "bytes in [min_bytes, 2 min_bytes)), the slowest rank's timings it compared (0: not "
+          "agreed yet) and the calls sent each way.");
 
   m.def("set_exact_on_this_thread", &ProcessGroupCGX::set_exact_on_this_thread,
         py::arg("exact"),

@@ -149,6 +149,7 @@ ProcessGroupCGX::Stats ProcessGroupCGX::stats() const {
   std::lock_guard<std::mutex> lock(stats_mutex_);
   Stats s = stats_;
   s.cross_host_bytes = connection_.transport->cross_host_bytes();
+  s.paths = paths_->stats();
   return s;
 }
 
@@ -310,17 +311,19 @@ float* fold_residual(at::Tensor& flat, const std::optional<at::Tensor>& residual
 
 template <typename CollectiveOptions, typename Run>
 void ProcessGroupCGX::agree_and_run(CollectiveOptions& options, uint64_t seed, const Lane& lane,
-                                    const collectives::CallSignature& signature, at::Tensor& flat,
+                                    collectives::CallSignature signature, at::Tensor& flat,
                                     const std::optional<at::Tensor>& residual, Counters Stats::*counters,
-                                    double bytes_per_value, Run run) {
+                                    double bytes_per_value, Run run, collectives::ChosenCall* chosen) {
   collectives::CallOptions& call = options;
   call.seed = seed;
   call.deadline = deadline_after(timeout_);
   call.executor = lane.executor;
   call.scratch = lane.scratch;
   call.piece_values = settings_.piece_values;
-  collectives::check_same_on_all_ranks(*connection_.transport, getRank(), getSize(), signature,
-                                       call.deadline, *lane.scratch);
+  if (chosen) paths_->sign(chosen->size_class, signature);
+  const collectives::CallSignature* all = collectives::check_same_on_all_ranks(
+      *connection_.transport, getRank(), getSize(), signature, call.deadline, *lane.scratch);
+  if (chosen) chosen->agreed(all, getSize());
   call.residual = fold_residual(flat, residual);  // once the call is known to go ahead
   count(counters, run(options), bytes_per_value);
 }
@@ -486,12 +489,45 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
     std::shared_ptr<const compression::LayoutCodec> codec, std::optional<at::Tensor> residual) {
   check_cuda_scheme(tensors[0], codec.get(), settings_.scheme, "allreduce");
+  // CGX_COMPRESSION_AUTO: the path of a CPU call that compresses something. (GPU calls
+  // complete on streams, which these timings do not follow.)
+  std::shared_ptr<collectives::ChosenCall> chosen;
+  if (settings_.compression_auto && !tensors[0].is_cuda() && !(codec && codec->all_raw())) {
+    int64_t numel = 0;
+    for (const auto& t : tensors) numel += t.numel();
+    const int size_class = collectives::size_class(numel);
+    const auto choice = paths_->choose(size_class);
+    if (choice.path == collectives::Path::kExact)
+      return chosen_exact_allreduce(tensors, op, op_type == c10d::OpType::ALLREDUCE_COALESCED,
+                                    residual, size_class);
+    chosen = std::make_shared<collectives::ChosenCall>(paths_, size_class, choice.index);
+  }
   std::vector<at::Tensor> used = tensors;
   if (residual) used.push_back(*residual);
   return enqueue_compressed(used, tensors, op_type,
-                            [this, tensors, op, codec, residual](uint64_t sequence, const Lane& lane) mutable {
-                              run_compressed(tensors, op, sequence, codec.get(), lane, residual);
+                            [this, tensors, op, codec, residual, chosen](uint64_t sequence, const Lane& lane) mutable {
+                              run_compressed(tensors, op, sequence, codec.get(), lane, residual, chosen.get());
+                              if (chosen) chosen->finished();
                             });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::chosen_exact_allreduce(
+    std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op, bool coalesced,
+    const std::optional<at::Tensor>& residual, int size_class) {
+  const auto issued = std::chrono::steady_clock::now();
+  if (residual) {
+    // Nothing is dropped on this path: the residual joins the values and is spent.
+    at::NoGradGuard no_grad;
+    tensors[0].detach().view(-1).add_(*residual);
+    residual->zero_();
+  }
+  auto work = exact_allreduce(tensors, op, coalesced);
+  work->getFuture()->addCallback([paths = paths_, size_class, issued](c10::ivalue::Future& done) {
+    if (done.hasError()) return;
+    const std::chrono::duration<double, std::micro> took = std::chrono::steady_clock::now() - issued;
+    paths->record(size_class, collectives::Path::kExact, took.count());
+  });
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::enqueue_compressed(
@@ -553,7 +589,7 @@ collectives::CallSignature ProcessGroupCGX::signature_of(uint64_t sequence,
                         (static_cast<int32_t>(settings_.cross_reduction) << 2) |
                         (settings_.skip_incomplete_buckets << 4) |
                         (settings_.stochastic_rounding << 5) | (settings_.intra_broadcast << 6) |
-                        (settings_.intra_compress << 7);
+                        (settings_.intra_compress << 7) | (settings_.compression_auto << 8);
   return collectives::CallSignature(sequence, shapes, numel, codec,
                                     c10::toString(tensors[0].scalar_type()), op, settings_.bits,
                                     settings_.bucket_size, flags, scale);
@@ -566,7 +602,7 @@ uint64_t ProcessGroupCGX::call_seed(uint64_t sequence) const {
 void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
                                      c10d::ReduceOp::RedOpType op, uint64_t sequence,
                                      const compression::LayoutCodec* codec, const Lane& lane,
-                                     const std::optional<at::Tensor>& residual) {
+                                     const std::optional<at::Tensor>& residual, collectives::ChosenCall* chosen) {
   // Communication, not a differentiable op: write through detached views.
   at::NoGradGuard no_grad;
   // One contiguous float32 buffer holding every tensor; in place when the single tensor
@@ -606,7 +642,7 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
                 &Stats::allreduce, static_cast<double>(input_bytes) / flat.numel(), [&](const auto& o) {
                   return collectives::allreduce(*connection_.transport, getRank(), connection_.hosts,
                                                 flat.data_ptr<float>(), o);
-                });
+                }, chosen);
   if (op == c10d::ReduceOp::AVG) flat.div_(getSize());
   if (in_place) return;
   int64_t offset = 0;

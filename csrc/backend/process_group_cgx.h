@@ -32,6 +32,7 @@
 #include "backend/worker.h"
 #include "collectives/allreduce.h"
 #include "collectives/call_signature.h"
+#include "collectives/path_choice.h"
 
 namespace cgx::backend {
 
@@ -72,6 +73,7 @@ class ProcessGroupCGX final : public c10d::Backend {
     Counters allgather;
     Counters reduce_scatter;
     uint64_t cross_host_bytes = 0;    // all bytes this rank sent to other hosts
+    std::vector<collectives::PathChooser::ClassStats> paths;  // CGX_COMPRESSION_AUTO's choices
   };
   Stats stats() const;
 
@@ -189,7 +191,13 @@ class ProcessGroupCGX final : public c10d::Backend {
       std::optional<at::Tensor> residual = std::nullopt);
   void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op,
                       uint64_t sequence, const compression::LayoutCodec* codec, const Lane& lane,
-                      const std::optional<at::Tensor>& residual);
+                      const std::optional<at::Tensor>& residual, collectives::ChosenCall* chosen);
+  // An allreduce CGX_COMPRESSION_AUTO sends the exact way: the residual folded into the
+  // tensor, then the exact path, timed for `size_class`.
+  c10::intrusive_ptr<c10d::Work> chosen_exact_allreduce(std::vector<at::Tensor>& tensors,
+                                                        c10d::ReduceOp::RedOpType op, bool coalesced,
+                                                        const std::optional<at::Tensor>& residual,
+                                                        int size_class);
   // What every rank must agree on before a compressed call moves data; `op`: the
   // collective and its reduction, as the mismatch message names them; `scale`: what the
   // sum is multiplied by.
@@ -198,14 +206,15 @@ class ProcessGroupCGX final : public c10d::Backend {
                                           const char* op, double scale = 1.0) const;
   // The skeleton of every compressed call's body, once its values are in `flat` (float32):
   // the call options (`seed`, the deadline, the lane's executor and scratch), agreement with
-  // every rank on `signature`, the residual folded in once the call is known to go ahead,
+  // every rank on `signature` (which carries `chosen`'s timings, when the call was chosen
+  // by CGX_COMPRESSION_AUTO), the residual folded in once the call is known to go ahead,
   // `run(options)` (the collective), its traffic counted in `counters`. The body before it
   // flattens the call's tensors; after it, writes the results back.
   template <typename CollectiveOptions, typename Run>
   void agree_and_run(CollectiveOptions& options, uint64_t seed, const Lane& lane,
-                     const collectives::CallSignature& signature, at::Tensor& flat,
+                     collectives::CallSignature signature, at::Tensor& flat,
                      const std::optional<at::Tensor>& residual, Counters Stats::*counters,
-                     double bytes_per_value, Run run);
+                     double bytes_per_value, Run run, collectives::ChosenCall* chosen = nullptr);
   // Stochastic rounding's seed for the call numbered `sequence`.
   uint64_t call_seed(uint64_t sequence) const;
   // Adds a call's traffic to `counters`; `bytes_per_value`: the caller's element size.
@@ -225,6 +234,9 @@ class ProcessGroupCGX final : public c10d::Backend {
   std::unique_ptr<compression::Executor> executor_;
   std::unique_ptr<compression::Executor> cross_executor_;
   CudaLane cuda_;                       // streams, executors and pinned scratch on a GPU
+  // CGX_COMPRESSION_AUTO's timings and choices (shared with the callbacks that time exact
+  // calls, which may outlive the group).
+  std::shared_ptr<collectives::PathChooser> paths_ = std::make_shared<collectives::PathChooser>();
   // Collectives issued, exact ones included (callers' threads): a compressed call's
   // number differs between ranks whenever they took different paths before it (a size
   // on either side of minimal_size, a dtype mismatch), and its signature check fails.

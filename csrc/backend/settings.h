@@ -41,6 +41,7 @@ constexpr int64_t kMaxPieceValues = int64_t{1} << 30;
   X(int, bits)                        /* 1..kMaxBits, or kRawBits = no compression */    \
   X(int64_t, bucket_size)                                                                \
   X(int64_t, minimal_size)            /* tensors with at most this many go exactly */    \
+  X(bool, compression_auto)           /* each call the faster way (path_choice.h) */     \
   X(bool, skip_incomplete_buckets)                                                       \
   X(bool, stochastic_rounding)                                                           \
   X(compression::Scheme, scheme)                                                         \

@@ -101,7 +101,7 @@ CallSignature::CallSignature(uint64_t sequence, const std::vector<std::vector<in
   set_text(this->op, op);
 }
 
-void check_same_on_all_ranks(transport::Transport& transport, int rank, int size,
+const CallSignature* check_same_on_all_ranks(transport::Transport& transport, int rank, int size,
                              const CallSignature& mine, transport::Clock::time_point deadline,
                              Scratch& scratch) {
   auto* theirs = reinterpret_cast<CallSignature*>(
@@ -123,6 +123,7 @@ void check_same_on_all_ranks(transport::Transport& transport, int rank, int size
                                   zero + ", rank " + std::to_string(p) + " has " + other,
                               theirs[0].sequence != theirs[p].sequence);
   }
+  return theirs;
 }
 
 }  // namespace cgx::collectives

@@ -37,9 +37,13 @@ struct CallSignature {
   // the layout's segments, "4096:4b/512 128:raw".
   char shapes_text[40] = {};
   char plan_text[40] = {};
+  // Not compared: this rank's timing estimates for the call's class (path_choice.h),
+  // microseconds, 0 where unknown or unused.
+  float compressed_us = 0;
+  float exact_us = 0;
 };
 
-static_assert(sizeof(CallSignature) == 160, "sent as raw bytes: no padding");
+static_assert(sizeof(CallSignature) == 168, "sent as raw bytes: no padding");
 
 // Copies `text` into a signature's text field, cut with "..." where it does not fit.
 template <size_t N>
@@ -61,8 +65,9 @@ class CallMismatchError : public std::runtime_error {
 
 // Sends our signature to every peer and reads theirs (into `scratch`, which outlives a
 // failed exchange). Throws CallMismatchError naming the first field that differs and the
-// ranks involved; all ranks see all signatures, so all of them throw.
-void check_same_on_all_ranks(transport::Transport& transport, int rank, int size,
+// ranks involved; all ranks see all signatures, so all of them throw. Returns every rank's
+// signature, [0, size), valid until `scratch` is used again.
+const CallSignature* check_same_on_all_ranks(transport::Transport& transport, int rank, int size,
                              const CallSignature& mine, transport::Clock::time_point deadline,
                              Scratch& scratch);
 

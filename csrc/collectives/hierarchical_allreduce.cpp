@@ -147,6 +147,7 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
     phase.scratch = options.cross_scratch;
     phase.piece_values = 0;
     Traffic t = reduce_scatter(cross, host, data, codec, parts[p][i], phase, cross_scratch);
+    phase.keep_bytes = true;  // share_on_host forwards them
     std::vector<uint8_t*> ours(kept.begin() + slot(p, i, 0), kept.begin() + slot(p, i, num_hosts));
     t += allgather(cross, host, data, codec, parts[p][i], phase, ours);
     return t;

@@ -146,16 +146,25 @@ struct CallOptions {
 // `rank`), under its call's options.
 struct Phase : CallOptions {
   ReductionAlgorithm algorithm = ReductionAlgorithm::SRA;
+  // allgather: a caller forwards the bytes left in its buffers (see allgather below).
+  bool keep_bytes = false;
 
   // The pieces of `chunks` under this phase (the same on every rank of the phase).
   PieceLayout pieces(const compression::LayoutCodec& codec, const Chunking& chunks) const;
+  // Whether values travel straight from and into the buffer, not through compressed
+  // bytes: an all-raw layout (the exact path) on host values, under SRA. A piece then
+  // moves as its float32 values, unpadded. Same sums, same bits, fewer passes.
+  bool straight(const compression::LayoutCodec& codec) const {
+    return codec.all_raw() && executor->host_values() && algorithm == ReductionAlgorithm::SRA;
+  }
 };
 
 Traffic reduce_scatter(transport::Transport& transport, int rank, float* data,
                        const compression::LayoutCodec& codec, const Chunking& chunks,
                        const Phase& phase, Scratch& scratch);
-// `buffers[c]` has room for chunk c compressed (phase.pieces(...).chunk_bytes()); afterwards
-// it holds the bytes every rank decoded chunk c from, for a caller that forwards them.
+// `buffers[c]` has room for chunk c compressed (phase.pieces(...).chunk_bytes()); afterwards,
+// where phase.keep_bytes, it holds the bytes every rank decoded chunk c from, for a caller
+// that forwards them.
 Traffic allgather(transport::Transport& transport, int rank, float* data,
                   const compression::LayoutCodec& codec, const Chunking& chunks,
                   const Phase& phase, const std::vector<uint8_t*>& buffers);

@@ -41,7 +41,15 @@ Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* dat
   // re-quantizes, as a server's error feedback would, instead of widening the range of
   // a first quantization. Without, every contribution is quantized alike, so the result
   // does not depend on which rank owns which chunk.
-  const bool own_raw = phase.residual != nullptr;
+  // Exact and on the host (straight): a peer's piece is sent from the values themselves,
+  // and the owner adds the others' onto its own (an exact sum has nothing to keep
+  // independent of the owner; every rank still gets the owner's bits).
+  const bool straight = phase.straight(codec);
+  const bool own_raw = phase.residual != nullptr || straight;
+  auto wire_bytes = [&](int chunk, int q) {
+    const Range piece = pieces.range(chunk, q);
+    return straight ? sizeof(float) * (piece.end - piece.begin) : pieces.bytes(chunk, q);
+  };
   Steps steps;
   steps.count = pieces.count();
   steps.encode = [&](int q) {
@@ -49,14 +57,17 @@ Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* dat
     for (int p = 0; p < size; ++p) {
       if (p == rank && own_raw) continue;
       const Range piece = pieces.range(p, q);
+      if (p != rank) x.recvs.push_back({p, contribution(p, q), wire_bytes(rank, q)});
+      if (straight && p != rank) {
+        x.sends.push_back({p, data + piece.begin, wire_bytes(p, q)});
+        continue;
+      }
       uint8_t* dst = p == rank ? contribution(rank, q) : buf[p] + pieces.offset(p, q);
       executor.compress(codec, data, piece.begin, piece.end, dst,
                         stream_seed(phase.seed, rank, kScatterStage, p));
       if (phase.residual)
         executor.add_error(codec, dst, piece.begin, piece.end, data, phase.residual);
-      if (p == rank) continue;
-      x.sends.push_back({p, dst, pieces.bytes(p, q)});
-      x.recvs.push_back({p, contribution(p, q), pieces.bytes(rank, q)});
+      if (p != rank) x.sends.push_back({p, dst, wire_bytes(p, q)});
     }
     return x;
   };
@@ -76,7 +87,9 @@ Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* dat
 
   Traffic traffic;
   for (int p = 0; p < size; ++p)
-    if (p != rank) traffic += {sizes[p], static_cast<uint64_t>(chunks.length(p))};
+    if (p != rank)
+      traffic += {straight ? sizeof(float) * chunks.length(p) : sizes[p],
+                  static_cast<uint64_t>(chunks.length(p))};
   return traffic;
 }
 
@@ -87,21 +100,33 @@ Traffic sra_allgather(transport::Transport& transport, int rank, float* data,
   // buf[p]: chunk p compressed (ours by us, the others as received).
   const PieceLayout pieces = phase.pieces(codec, chunks);
   compression::Executor& executor = *phase.executor;
+  // Exact, on the host, and no caller wanting the bytes: values move straight between the
+  // owners' chunks and everyone's copies.
+  const bool straight = phase.straight(codec) && !phase.keep_bytes;
+  auto wire = [&](int chunk, int q) {
+    const Range piece = pieces.range(chunk, q);
+    return straight ? std::make_pair(reinterpret_cast<uint8_t*>(data + piece.begin),
+                                     sizeof(float) * (piece.end - piece.begin))
+                    : std::make_pair(buf[chunk] + pieces.offset(chunk, q), pieces.bytes(chunk, q));
+  };
   Steps steps;
   steps.count = pieces.count();
   steps.encode = [&](int q) {
-    uint8_t* own = buf[rank] + pieces.offset(rank, q);
-    quantize_owned_chunk(executor, codec, data, pieces.range(rank, q), own,
-                         stream_seed(phase.seed, rank, kGatherStage, rank), phase.residual);
+    const auto [own, own_bytes] = wire(rank, q);
+    if (!straight)
+      quantize_owned_chunk(executor, codec, data, pieces.range(rank, q), own,
+                           stream_seed(phase.seed, rank, kGatherStage, rank), phase.residual);
     StepExchange x;
     for (int p = 0; p < size; ++p) {
       if (p == rank) continue;
-      x.sends.push_back({p, own, pieces.bytes(rank, q)});
-      x.recvs.push_back({p, buf[p] + pieces.offset(p, q), pieces.bytes(p, q)});
+      const auto [theirs, their_bytes] = wire(p, q);
+      x.sends.push_back({p, own, own_bytes});
+      x.recvs.push_back({p, theirs, their_bytes});
     }
     return x;
   };
   steps.decode = [&](int q) {
+    if (straight) return;
     for (int p = 0; p < size; ++p) {
       if (p == rank) continue;
       const Range piece = pieces.range(p, q);
@@ -110,7 +135,8 @@ Traffic sra_allgather(transport::Transport& transport, int rank, float* data,
   };
   run_steps(transport, executor, phase.deadline, steps);
 
-  const uint64_t own_bytes = pieces.chunk_bytes()[rank];
+  const uint64_t own_bytes =
+      straight ? sizeof(float) * chunks.length(rank) : pieces.chunk_bytes()[rank];
   Traffic traffic;
   for (int p = 0; p < size; ++p)
     if (p != rank) traffic += {own_bytes, static_cast<uint64_t>(chunks.length(rank))};

@@ -33,6 +33,8 @@ class Executor {
   virtual void bind_thread() {}
   // Returns once every operation issued so far is complete.
   virtual void sync() = 0;
+  // Whether the values are in host memory, where a transport can read and write them.
+  virtual bool host_values() const { return true; }
 };
 
 // Values in host memory: every operation completes before it returns. Stateless, so one

@@ -44,6 +44,13 @@ LayoutCodec LayoutCodec::uniform(const QuantizerParams& params, int64_t total) {
   return LayoutCodec({s}, total);
 }
 
+LayoutCodec LayoutCodec::raw(int64_t total) {
+  Segment s;
+  s.numel = total;
+  s.raw = true;
+  return LayoutCodec({s}, total);
+}
+
 LayoutCodec LayoutCodec::repeated(const LayoutCodec& one, int times) {
   std::vector<Segment> segments;
   segments.reserve(one.segments_.size() * std::max(times, 0));

@@ -27,6 +27,8 @@ class LayoutCodec {
   LayoutCodec(std::vector<Segment> segments, int64_t total);
   // One quantized segment covering everything.
   static LayoutCodec uniform(const QuantizerParams& params, int64_t total);
+  // One raw segment covering everything: the values travel exactly.
+  static LayoutCodec raw(int64_t total);
   // `one` laid `times` times end to end: the layout of a buffer of `times` shards that
   // each have the layout `one` (an all-gather's output, a reduce-scatter's input).
   static LayoutCodec repeated(const LayoutCodec& one, int times);

@@ -32,6 +32,7 @@ class CudaExecutor final : public Executor {
   void add_error(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
                  const float* values, float* residual) override;
   void sync() override;
+  bool host_values() const override { return false; }
   // Makes `device` current for the calling thread (and leaves it so: restoring a device
   // the thread never used would create a context there).
   void bind_thread() override;

@@ -1,0 +1,111 @@
+"""CGX_COMPRESSION_AUTO over real ranks: every rank sends each call the same way, the
+results are bit-identical whichever way a call went, a call sent exactly is exact (its
+error-feedback residual spent), and cgx.stats() shows the choices. The choices
+themselves (the slowest rank's timings, re-tries, waiting for an agreement) are tested
+in tests/cpp/test_path_choice.cpp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bounds import allreduce_error_bound
+from harness import init_cgx, run_ranks, values
+
+CALLS = 40  # the first 11 calls of a class are compressed, then the two alternate
+
+
+def _path_of_last_call(group) -> str:
+    import cgx
+
+    (entry,) = cgx.stats(group)["auto"]
+    return entry["path"]
+
+
+def _allreduces(rank, world, auto, n):
+    import cgx
+
+    init_cgx(rank, world)
+    group = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, minimal_size=0,
+                                                               compression_auto=auto))
+    out = []
+    for call in range(CALLS):
+        # Integers: their exact sum is exact in float32.
+        inputs = [torch.randint(-1000, 1000, (n,), generator=torch.Generator().manual_seed(call * world + r))
+                  .float() for r in range(world)]
+        t = inputs[rank].clone()
+        dist.all_reduce(t, group=group)
+        path = _path_of_last_call(group) if auto else "compressed"
+        exact = torch.stack(inputs).sum(0)
+        error = float((t - exact).abs().max())
+        out.append((path, t, error, allreduce_error_bound(inputs, 4)))
+    return out, cgx.stats(group)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_takes_the_same_path_and_ends_bit_identical(world):
+    results = values(run_ranks(_allreduces, world, args=(True, 5000)))
+    per_rank = [calls for calls, _ in results]
+    paths = [[path for path, *_ in calls] for calls in per_rank]
+    assert all(p == paths[0] for p in paths)
+    # Measured first compressed, then both ways.
+    assert paths[0][:11] == ["compressed"] * 11
+    assert "exact" in paths[0][11:] and "compressed" in paths[0][11:]
+    for call in range(CALLS):
+        tensors = [calls[call][1] for calls in per_rank]
+        assert all(torch.equal(t, tensors[0]) for t in tensors), f"call {call}"
+        path, _, error, bound = per_rank[0][call]
+        if path == "exact":
+            assert error == 0, f"call {call} went the exact way but is off by {error}"
+        else:
+            assert 0 < error <= bound, f"call {call}: error {error}, bound {bound}"
+    stats = [s for _, s in results]
+    assert all(s["auto"] == stats[0]["auto"] for s in stats)  # timings agreed too
+    (entry,) = stats[0]["auto"]
+    assert entry["min_bytes"] == 16384  # 5000 float32 values: [16 KiB, 32 KiB)
+    assert entry["compressed_calls"] + entry["exact_calls"] == CALLS
+    assert entry["compressed_ms"] > 0 and entry["exact_ms"] > 0
+    # Compressed calls are counted in the allreduce totals, exact ones are Gloo's.
+    assert stats[0]["calls"] == entry["compressed_calls"]
+
+
+def test_with_auto_off_every_call_is_compressed():
+    results = values(run_ranks(_allreduces, 2, args=(False, 5000)))
+    for calls, stats in results:
+        assert stats["auto"] == []
+        assert stats["calls"] == CALLS
+        assert all(0 < error <= bound for _, _, error, bound in calls)
+
+
+def _layout_calls(rank, world):
+    """allreduce_layout with an error-feedback residual until a call goes the exact way:
+    that call must be exact on input + residual and leave the residual spent."""
+    import cgx
+
+    init_cgx(rank, world, pg_options=cgx.Config(bits=2, minimal_size=0))
+    backend = cgx.get_backend()
+    n = 3000
+    residual = torch.zeros(n)
+    for call in range(CALLS):
+        inputs = [torch.randint(-100, 100, (n,), generator=torch.Generator().manual_seed(call * world + r))
+                  .float() for r in range(world)]
+        carried = residual.clone()
+        t = inputs[rank].clone()
+        backend.allreduce_layout(t, [(0, n, 2, 512)], residual=residual).wait()
+        if _path_of_last_call(None) == "exact":
+            return call, t, carried, residual, torch.stack(inputs).sum(0)
+        assert residual.abs().max() > 0  # a 2-bit call drops something
+    raise AssertionError("no call went the exact way")
+
+
+def test_a_call_sent_exactly_spends_the_error_feedback_residual():
+    results = values(run_ranks(_layout_calls, 2))
+    assert results[0][0] == results[1][0]  # the same call, on both ranks
+    carried_sum = sum(carried for _, _, carried, _, _ in results)
+    for _, t, _, residual, exact in results:
+        # Exact on the inputs plus what the ranks carried (integers plus float residuals:
+        # summed in another order than here, so within float32 rounding).
+        torch.testing.assert_close(t, exact + carried_sum, rtol=0, atol=1e-4)
+        assert torch.equal(residual, torch.zeros_like(residual))
+    assert torch.equal(results[0][1], results[1][1])
