@@ -66,6 +66,9 @@ def parse_args(argv=None):
     parser.add_argument("--methods", nargs="+", choices=METHODS + TOPOLOGY_METHODS,
                         default=METHODS)
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per method")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed calls per size and method first (CGX_COMPRESSION_AUTO "
+                             "settles within about 30 calls of a size)")
     parser.add_argument("--bucket-size", type=int, default=512)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the tensors are (default cpu)")
@@ -110,6 +113,19 @@ def _bytes_sent(emulated, method, group):
     return wire, retransmitted, stats["bytes_sent"], stats["cross_host_bytes"]
 
 
+def _auto_calls(group, numel):
+    """CGX_COMPRESSION_AUTO's calls so far, per path, in the size class of `numel` float32
+    values (zeros for Gloo and with auto off)."""
+    calls = {"compressed": 0, "exact": 0}
+    if group is dist.group.WORLD:
+        return calls
+    min_bytes = 1 << (4 * numel).bit_length() - 1
+    for entry in cgx.stats(group)["auto"]:
+        if entry["min_bytes"] == min_bytes:
+            calls = {"compressed": entry["compressed_calls"], "exact": entry["exact_calls"]}
+    return calls
+
+
 def _allreduce(method, group, x):
     if method == "gloo-fp16":
         h = x.to(torch.float16)
@@ -134,12 +150,16 @@ def worker(config_path):
 
     samples = {}  # (size, method) -> [seconds per repeat on this rank]
     wire = {}  # (size, method) -> [bytes this host sent, payload cgx counted]
+    paths = {}  # (size, method) -> CGX_COMPRESSION_AUTO's timed calls {"compressed": n, "exact": m}
     for size_mib in cfg["sizes_mib"]:
         n = int(size_mib * 2**20) // 4
         source = torch.randn(n, generator=torch.Generator().manual_seed(rank)).to(device)
         x = torch.empty_like(source)
-        for repeat in range(-1, cfg["repeats"]):  # repeat -1: warm-up and bytes on the wire
-            if rank == 0:
+        # Negative repeats warm up; repeat -1 also counts the bytes on the wire.
+        for repeat in range(-max(cfg["warmup"], 1), cfg["repeats"]):
+            if repeat == 0:
+                auto_before = {m: _auto_calls(groups[m], n) for m in cfg["methods"]}
+            if rank == 0 and repeat >= -1:
                 print(f"  {size_mib:g} MiB, repeat {repeat + 1}/{cfg['repeats']}", flush=True)
             for method in cfg["methods"]:
                 group = groups[method]
@@ -158,6 +178,9 @@ def worker(config_path):
                         None if b is None else a - b for a, b in zip(after, before)]
                 else:
                     samples.setdefault((size_mib, method), []).append(elapsed)
+        for m in cfg["methods"]:
+            after = _auto_calls(groups[m], n)
+            paths[(size_mib, m)] = {p: after[p] - auto_before[m][p] for p in after}
     # Each sample's time is the slowest rank's; wire bytes are gathered per rank.
     keys = sorted(samples)
     times = torch.tensor([samples[k] for k in keys], dtype=torch.float64)
@@ -173,6 +196,7 @@ def worker(config_path):
                          "wire_bytes": [w[0] for w in per_rank],
                          "retransmitted_segments": [w[1] for w in per_rank],
                          "payload_bytes": [w[2] for w in per_rank],
+                         "auto_calls": paths[(size_mib, method)],
                          "cross_host_payload_bytes": [w[3] for w in per_rank]})
         with open(cfg["out"], "w") as f:
             json.dump(rows, f)
@@ -190,6 +214,7 @@ def run_matrix(args):
         for rate in args.rates:
             print(f"[world {world}, {rate}]", flush=True)
             cfg = {"methods": args.methods, "sizes_mib": args.sizes_mib, "repeats": args.repeats,
+                   "warmup": args.warmup,
                    "bucket_size": args.bucket_size, "device": args.device,
                    "emulated": rate != "loopback"}
             for row in run_worker(__file__, cfg, world, rate, ranks_per_host=args.ranks_per_host,
@@ -199,7 +224,8 @@ def run_matrix(args):
 
 
 def table(results) -> str:
-    """Markdown: median ms per method, and its speed-up over Gloo float32."""
+    """Markdown: median ms per method, its speed-up over Gloo float32, and how many of its
+    timed calls CGX_COMPRESSION_AUTO sent the exact way."""
     lines = []
     methods = [m for m in METHODS + TOPOLOGY_METHODS if any(r["method"] == m for r in results)]
     by_key = {(r["world_size"], r["rate"], r["size_mib"], r["method"]): r for r in results}
@@ -216,8 +242,10 @@ def table(results) -> str:
                 cells.append("")
                 continue
             ms = r["median_s"] * 1e3
+            exact = r.get("auto_calls", {}).get("exact", 0)
             cells.append(f"{ms:.1f}" + (f" ({gloo['median_s'] / r['median_s']:.2f}x)"
-                                        if gloo and m != "gloo" else ""))
+                                        if gloo and m != "gloo" else "")
+                         + (f" [{exact} exact]" if exact else ""))
         lines.append(f"| {world} | {rate} | {size:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -279,7 +307,9 @@ def main():
     args = parse_args()
     started = time.time()
     results = run_matrix(args)
-    print(f"\nallreduce of {args.device} tensors, median of {args.repeats}, {os.cpu_count()} cores, "
+    auto = "on" if cgx.from_env().compression_auto else "off"
+    print(f"\nallreduce of {args.device} tensors, median of {args.repeats} after {args.warmup} warm-up, "
+          f"CGX_COMPRESSION_AUTO {auto}, {os.cpu_count()} cores, "
           f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"bucket {args.bucket_size}, {args.ranks_per_host} rank(s) per host, "
           f"{time.time() - started:.0f} s")

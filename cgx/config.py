@@ -119,10 +119,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CGX_COMPRESSION_AUTO", "compression_auto", True, "0/1, true/false, yes/no, on/off",
              _bool,
              "Compression only where it pays: per group and size class, cgx times its "
-             "compressed calls and the same calls sent exactly (float32, over its own "
-             "transport) and sends each call the faster way, the same on every rank; the "
-             "slower way is re-tried now and then. 0: every compressible call is compressed. "
-             "cgx.stats() shows the choice per size class (docs/configuration.md)."),
+             "compressible CPU allreduces compressed and sent the exact way (Gloo's "
+             "allreduce) and sends each call the faster way, the same on every rank; the "
+             "slower way is re-tried now and then. Runs are then not bit-reproducible. 0: every "
+             "compressible call is compressed. cgx.stats() shows the choice per size class "
+             "(docs/configuration.md)."),
     Variable("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "skip_incomplete_buckets", False,
              "0/1, true/false, yes/no, on/off", _bool,
              "Send a partial last bucket raw (float32) instead of quantizing it."),
@@ -131,7 +132,8 @@ VARIABLES: tuple[Variable, ...] = (
              ("Round stochastically instead of to the nearest level: unbiased with maxmin; with "
               "hadamard only between its outer levels (beyond them values are clipped).")),
     Variable("CGX_COMPRESSION_SEED", "seed", 0, "integer in 0..2^64-1", _int_in(0, 2**64 - 1),
-             "Seed of the stochastic-rounding streams: the same seed gives the same results."),
+             "Seed of the stochastic-rounding streams: the same seed gives the same results "
+             "(with CGX_COMPRESSION_AUTO=0: auto's choices follow timings)."),
     Variable("CGX_INNER_COMMUNICATOR_TYPE", "inner_communicator", "SHM", " | ".join(_INNER),
              _choice(*_INNER),
              "How ranks on one host exchange compressed data: POSIX shared memory, MPI "

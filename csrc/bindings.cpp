@@ -10,6 +10,7 @@
 
 #include "backend/process_group_cgx.h"
 #include "collectives/call_signature.h"
+#include "collectives/path_choice.h"
 #include "compression/quantizer.h"
 #ifdef CGX_WITH_MPI
 #include "transport/mpi_runtime.h"

@@ -79,12 +79,16 @@ def run_ranks(
     timeout_s: float = 180.0,
     expect_exit: set[int] = frozenset(),
 ) -> list[Any]:
-    """fn(rank, world_size, *args) on each rank; returns the per-rank results in rank
+    """fn(rank, world_size, *args) on each rank, in the environment `env` adds to the
+    defaults (CGX_COMPRESSION_AUTO=0); returns the per-rank results in rank
     order (a RankError for a rank that raised, None for a rank in `expect_exit` that
     exited without reporting). Raises AssertionError on a hang or an unexpected death."""
     shm_before = cgx_shm_entries()
     with tempfile.TemporaryDirectory(prefix="cgx-test-") as tmp:
-        rank_env = {"CGX_TEST_INIT_METHOD": f"file://{tmp}/store", **(env or {})}
+        # CGX_COMPRESSION_AUTO off unless a test asks: its choices follow timings, and
+        # tests compare runs bit for bit (tests/test_auto.py turns it on).
+        rank_env = {"CGX_TEST_INIT_METHOD": f"file://{tmp}/store", "CGX_COMPRESSION_AUTO": "0",
+                    **(env or {})}
         ctx = mp.start_processes(
             _rank_main,
             args=(fn, world_size, rank_env, tmp, args),

@@ -109,3 +109,28 @@ def test_a_call_sent_exactly_spends_the_error_feedback_residual():
         torch.testing.assert_close(t, exact + carried_sum, rtol=0, atol=1e-4)
         assert torch.equal(residual, torch.zeros_like(residual))
     assert torch.equal(results[0][1], results[1][1])
+
+
+def _ddp_hook_with_auto(rank, world):
+    """The DDP hook on a group with auto on, static graph and buckets as gradient views:
+    buckets go both ways over the run, the replicas stay bit-identical after every step."""
+    import cgx
+    from test_hooks import make_model, train
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init_cgx(rank, world, pg_options=cgx.Config(minimal_size=0))  # auto is on by default
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.002, static_graph=True, gradient_as_bucket_view=True)
+    state = cgx.CGXState(None, compression_params={"bits": 4, "bucket_size": 128}, layer_min_size=16,
+                         warmup_steps=0)
+    ddp.register_comm_hook(state, cgx.cgx_hook)
+    _, same = train(ddp, model, rank, 30, check_every_step=True)
+    return same, cgx.stats()["auto"]
+
+
+def test_ddp_hook_buckets_go_both_ways_and_replicas_stay_identical():
+    results = values(run_ranks(_ddp_hook_with_auto, 2))
+    for same, auto in results:
+        assert same
+        assert auto == results[0][1]
+        assert sum(e["exact_calls"] for e in auto) > 0 and sum(e["compressed_calls"] for e in auto) > 0

@@ -127,7 +127,8 @@ def test_settings_round_trip_field_by_field():
                          stochastic_rounding=True, scheme="hadamard", seed=2**63, inner_communicator="GLOO",
                          cross_communicator="MPI", inner_reduction="Ring", cross_reduction="Ring",
                          intra_broadcast=True, intra_compress=False, hostname="x",
-                         shm_ring_bytes=8192, deferred_execution=True, piece_values=0)
+                         shm_ring_bytes=8192, deferred_execution=True, piece_values=0,
+                         compression_auto=False)
     assert all(getattr(changed, v.field) != v.default for v in VARIABLES)
     for config in (cgx.Config(hostname="x"), changed):
         settings = to_settings(config)

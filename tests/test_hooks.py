@@ -445,7 +445,7 @@ def _torch_cgx_form(rank, world):
     means, given with the model; a checkpoint resumes exactly without a model too."""
     import cgx
 
-    init_cgx(rank, world, pg_options=cgx.Config(bits=4, bucket_size=512))
+    init_cgx(rank, world, pg_options=cgx.Config(bits=4, bucket_size=512, compression_auto=False))
 
     def run(state_of, steps, start=0, checkpoint=None):
         model = make_model()
@@ -508,7 +508,7 @@ def _resume_with_other_buckets(rank, world, two_level):
     moved to such a DDP: each residual lands on its own parameter."""
     import cgx
 
-    init_cgx(rank, world, pg_options=cgx.Config(bits=4))
+    init_cgx(rank, world, pg_options=cgx.Config(bits=4, compression_auto=False))
 
     def setup(cap_mb):
         model = make_model(unused=True)
@@ -616,7 +616,7 @@ def _state_before_init(rank, world):
         "torch_cgx": cgx.CGXState(None, compression_params={"bits": 4, "bucket_size": 256}),
         "group defaults": cgx.CGXState(None),
     }
-    init_cgx(rank, world, pg_options=cgx.Config(bits=2, bucket_size=128, minimal_size=100))
+    init_cgx(rank, world, pg_options=cgx.Config(bits=2, bucket_size=128, minimal_size=100, compression_auto=False))
     late = {
         "torch_cgx": lambda: cgx.CGXState(None, compression_params={"bits": 4, "bucket_size": 256}),
         "group defaults": lambda: cgx.CGXState(None),
@@ -659,7 +659,7 @@ def _sparse_embedding(rank, world, hooked):
     import cgx
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    init_cgx(rank, world, pg_options=cgx.Config(bits=4))
+    init_cgx(rank, world, pg_options=cgx.Config(bits=4, compression_auto=False))
     gloo = dist.new_group(backend="gloo")
     exact = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=32))
 

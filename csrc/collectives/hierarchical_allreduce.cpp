@@ -96,11 +96,17 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
   const bool crosses = !leader_form || i == 0;
 
   // Inside a host: the call's codec, or float32 throughout.
-  compression::Segment raw_segment;
-  raw_segment.numel = total;
-  raw_segment.raw = true;
-  const compression::LayoutCodec raw({raw_segment}, total);
+  const compression::LayoutCodec raw = compression::LayoutCodec::raw(total);
   const compression::LayoutCodec& intra_codec = options.intra_compress ? codec : raw;
+  // The cross phases run on the cross thread's executor and scratch, and move each part
+  // in pieces of CallOptions::piece_values like the flat allreduce, so that the link is
+  // busy while the next piece is compressed.
+  auto cross_phase = [&] {
+    Phase phase{options, options.cross};
+    phase.executor = options.cross_executor;
+    phase.scratch = options.cross_scratch;
+    return phase;
+  };
 
   // The buffer is cut into pieces; chunk j of a piece is reduced by local rank j, and cut
   // into one part per host for the cross phase. Every cut is on the call's bucket grid.
@@ -109,6 +115,7 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
   const Chunking pieces(codec, {0, total}, num_pieces);
   std::vector<Chunking> chunks;           // [piece]
   std::vector<std::vector<Chunking>> parts;  // [piece][j]
+  std::vector<PieceLayout> part_pieces;   // [piece * k + j]: how the cross phases cut them
   std::vector<size_t> part_bytes;         // [(piece * k + j) * num_hosts + h]
   for (int p = 0; p < num_pieces; ++p) {
     chunks.push_back(leader_form ? Chunking::to_one(pieces.range(p), k, 0)
@@ -116,8 +123,8 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
     parts.emplace_back();
     for (int j = 0; j < k; ++j) {
       parts[p].emplace_back(codec, chunks[p].range(j), num_hosts);
-      for (size_t bytes : PieceLayout(codec, parts[p][j], 1).chunk_bytes())
-        part_bytes.push_back(bytes);
+      part_pieces.push_back(cross_phase().pieces(codec, parts[p][j]));
+      for (size_t bytes : part_pieces.back().chunk_bytes()) part_bytes.push_back(bytes);
     }
   }
   // The compressed parts as the cross phase leaves them, kept to be forwarded (arena 1:
@@ -141,11 +148,8 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
   };
   // B: allreduce our chunk of piece p across hosts, keeping the final bytes.
   auto allreduce_across_hosts = [&](int p) {
-    Phase phase{options, options.cross};
+    Phase phase = cross_phase();
     phase.seed = stream_seed(options.seed, i, kCrossStage, p);
-    phase.executor = options.cross_executor;
-    phase.scratch = options.cross_scratch;
-    phase.piece_values = 0;
     Traffic t = reduce_scatter(cross, host, data, codec, parts[p][i], phase, cross_scratch);
     phase.keep_bytes = true;  // share_on_host forwards them
     std::vector<uint8_t*> ours(kept.begin() + slot(p, i, 0), kept.begin() + slot(p, i, num_hosts));
@@ -168,11 +172,16 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
       }
     }
     intra.exchange(sends, recvs, options.deadline);
-    for (int j = 0; j < k; ++j)
-      if (j != i)
-        for (int h = 0; h < num_hosts; ++h)
-          options.executor->decompress(codec, kept[slot(p, j, h)], parts[p][j].offset(h),
-                                       parts[p][j].offset(h + 1), data);
+    for (int j = 0; j < k; ++j) {
+      if (j == i) continue;
+      const PieceLayout& layout = part_pieces[p * k + j];
+      for (int h = 0; h < num_hosts; ++h)
+        for (int q = 0; q < layout.count(); ++q) {
+          const Range piece = layout.range(h, q);
+          options.executor->decompress(codec, kept[slot(p, j, h)] + layout.offset(h, q),
+                                       piece.begin, piece.end, data);
+        }
+    }
     options.executor->sync();  // before the cross executor writes `kept` again
     return t;
   };
@@ -190,8 +199,7 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
   // Pipelined: this thread reduces and shares on the host (A0, A1, C0, A2, C1, ...: the
   // same order on every local rank), the cross thread runs the cross phases (B0, B1, ...)
   // as soon as their piece is reduced, so that the link is busy while the host computes.
-  // The two use disjoint peers, transports and scratch. (The phases themselves keep one
-  // piece per chunk: this pipeline already overlaps them.)
+  // The two use disjoint peers, transports and scratch.
   Pipeline pipeline;
   Traffic cross_traffic;
   options.run_cross([&] {

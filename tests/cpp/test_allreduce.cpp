@@ -66,6 +66,58 @@ CGX_TEST(allreduce_pipelined_equals_unpipelined_ring_3_ranks) {
   allreduce_pipelined_equals_unpipelined(3, collectives::ReductionAlgorithm::Ring);
 }
 
+// An all-raw layout (the exact way) is exact: integers sum exactly in float32, so every
+// rank must hold the exact sum, whatever the pieces, with a residual set or not (it stays
+// zero: nothing is dropped), flat (values moved straight, SRA) and hierarchical (its
+// cross phases forward bytes).
+void raw_allreduce_is_exact(std::vector<std::string> host_names, collectives::ReductionAlgorithm algorithm) {
+  const int size = static_cast<int>(host_names.size());
+  run_ranks(size, [&](int rank, KeyValueStore& store, const std::string& prefix) {
+    ShmTransport transport(rank, ranks_below(size), prefix, kRingBytes, store);
+    const int64_t n = 10007;
+    const compression::LayoutCodec codec = compression::LayoutCodec::raw(n);
+    const topology::HostMap hosts(host_names);
+    auto integers = [&](int r) {
+      std::vector<float> v(n);
+      for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>((i * 7 + r * 13) % 2001 - 1000);
+      return v;
+    };
+    std::vector<float> sum(n, 0.0f);
+    for (int r = 0; r < size; ++r)
+      for (int64_t i = 0; i < n; ++i) sum[i] += integers(r)[i];
+    collectives::Scratch scratch, cross_scratch;
+    collectives::AllreduceOptions options;
+    options.codec = &codec;
+    options.inner = options.cross = algorithm;
+    options.scratch = &scratch;
+    options.cross_scratch = &cross_scratch;
+    for (int64_t piece_values : {int64_t{0}, int64_t{1}, int64_t{1000}}) {
+      for (bool with_residual : {false, true}) {
+        std::vector<float> data = integers(rank), residual(n, 0.0f);
+        options.piece_values = piece_values;
+        options.residual = with_residual ? residual.data() : nullptr;
+        options.deadline = soon();
+        const collectives::Traffic traffic = collectives::allreduce(transport, rank, hosts, data.data(), options);
+        CHECK(data == sum);
+        CHECK(residual == std::vector<float>(n, 0.0f));
+        CHECK(traffic.bytes > 0);
+      }
+    }
+  });
+}
+
+CGX_TEST(raw_allreduce_is_exact_sra_3_ranks) {
+  raw_allreduce_is_exact({"h", "h", "h"}, collectives::ReductionAlgorithm::SRA);
+}
+
+CGX_TEST(raw_allreduce_is_exact_ring_3_ranks) {
+  raw_allreduce_is_exact({"h", "h", "h"}, collectives::ReductionAlgorithm::Ring);
+}
+
+CGX_TEST(raw_allreduce_is_exact_hierarchical_2x2) {
+  raw_allreduce_is_exact({"a", "a", "b", "b"}, collectives::ReductionAlgorithm::SRA);
+}
+
 // Error feedback's record (AllreduceOptions::residual): every quantization a rank makes
 // adds what it dropped, so the ranks' residuals sum to exactly what the result lacks of
 // the input sum (up to float32 rounding of the sums), both stages, on the flat and the
