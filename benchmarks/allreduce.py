@@ -3,9 +3,12 @@
 One run measures every method side by side, interleaved within each repeat (so that a
 noisy machine slows them alike), for each size, world size and link rate:
 
-- `gloo`: torch's Gloo allreduce of the float32 tensor;
+- `gloo`: torch's Gloo allreduce of the float32 tensor, on a Gloo group of its own (each
+  method has its own group; the barrier before each sample runs on the default one);
 - `gloo-fp16`: cast to float16, Gloo allreduce, cast back (the casts are timed);
-- `cgx-<bits>-<SRA|Ring>`: the cgx backend, compressed; with several ranks per host
+- `cgx-<bits>-<SRA|Ring>`: the cgx backend, compressed where CGX_COMPRESSION_AUTO finds it
+  pays (the table counts the timed calls it sent the exact way; CGX_COMPRESSION_AUTO=0
+  compresses every call; `--warmup 30` lets it settle first); with several ranks per host
   (`--ranks-per-host`) this is the hierarchical allreduce (shared memory inside a host,
   the algorithm across hosts), `-leader` its leader form (CGX_INTRA_BROADCAST), and
   `-flat` the same algorithm over all ranks with the topology ignored (every rank its own
@@ -87,7 +90,9 @@ def _groups(methods, bucket_size):
     groups = {}
     for method in methods:
         if method.startswith("gloo"):
-            groups[method] = dist.group.WORLD
+            # A group of its own, like each cgx method: the barrier before each sample runs
+            # on WORLD, and a group whose connections just carried it would start warm.
+            groups[method] = dist.new_group(backend="gloo")
         else:
             _, bits, algorithm, *form = method.split("-")
             config = dataclasses.replace(env_config, bits=int(bits), bucket_size=bucket_size,
@@ -113,11 +118,11 @@ def _bytes_sent(emulated, method, group):
     return wire, retransmitted, stats["bytes_sent"], stats["cross_host_bytes"]
 
 
-def _auto_calls(group, numel):
+def _auto_calls(method, group, numel):
     """CGX_COMPRESSION_AUTO's calls so far, per path, in the size class of `numel` float32
     values (zeros for Gloo and with auto off)."""
     calls = {"compressed": 0, "exact": 0}
-    if group is dist.group.WORLD:
+    if not method.startswith("cgx"):
         return calls
     min_bytes = 1 << (4 * numel).bit_length() - 1
     for entry in cgx.stats(group)["auto"]:
@@ -158,7 +163,7 @@ def worker(config_path):
         # Negative repeats warm up; repeat -1 also counts the bytes on the wire.
         for repeat in range(-max(cfg["warmup"], 1), cfg["repeats"]):
             if repeat == 0:
-                auto_before = {m: _auto_calls(groups[m], n) for m in cfg["methods"]}
+                auto_before = {m: _auto_calls(m, groups[m], n) for m in cfg["methods"]}
             if rank == 0 and repeat >= -1:
                 print(f"  {size_mib:g} MiB, repeat {repeat + 1}/{cfg['repeats']}", flush=True)
             for method in cfg["methods"]:
@@ -179,7 +184,7 @@ def worker(config_path):
                 else:
                     samples.setdefault((size_mib, method), []).append(elapsed)
         for m in cfg["methods"]:
-            after = _auto_calls(groups[m], n)
+            after = _auto_calls(m, groups[m], n)
             paths[(size_mib, m)] = {p: after[p] - auto_before[m][p] for p in after}
     # Each sample's time is the slowest rank's; wire bytes are gathered per rank.
     keys = sorted(samples)
