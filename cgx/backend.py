@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -138,9 +138,12 @@ def get_backend(group: dist.ProcessGroup | None = None) -> _C.ProcessGroupCGX:
     return backend
 
 
-def stats(group: dist.ProcessGroup | None = None) -> dict[str, int]:
+def stats(group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """This rank's compressed-allreduce totals on `group`: calls, bytes_sent and
-    uncompressed_bytes (what the same algorithm would send without compression)."""
+    uncompressed_bytes (what the same algorithm would send without compression); the same
+    under "allgather" and "reduce_scatter"; cross_host_bytes; and under "auto" the way
+    CGX_COMPRESSION_AUTO sends each size class of allreduce, with the timings it compared
+    (docs/configuration.md)."""
     return get_backend(group).stats()
 
 

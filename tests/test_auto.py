@@ -88,13 +88,15 @@ def _layout_calls(rank, world):
     n = 3000
     residual = torch.zeros(n)
     for call in range(CALLS):
-        inputs = [torch.randint(-100, 100, (n,), generator=torch.Generator().manual_seed(call * world + r))
-                  .float() for r in range(world)]
+        # A transposed view (not contiguous): the residual's order is the tensor's own.
+        inputs = [torch.randint(-100, 100, (50, 60), generator=torch.Generator().manual_seed(call * world + r))
+                  .float().t() for r in range(world)]
         carried = residual.clone()
-        t = inputs[rank].clone()
+        t = inputs[rank].clone().t().contiguous().t()
+        assert not t.is_contiguous()
         backend.allreduce_layout(t, [(0, n, 2, 512)], residual=residual).wait()
         if _path_of_last_call(None) == "exact":
-            return call, t, carried, residual, torch.stack(inputs).sum(0)
+            return call, t.reshape(-1), carried, residual, torch.stack(inputs).sum(0).reshape(-1)
         assert residual.abs().max() > 0  # a 2-bit call drops something
     raise AssertionError("no call went the exact way")
 

@@ -518,7 +518,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::chosen_exact_allreduce(
   if (residual) {
     // Nothing is dropped on this path: the residual joins the values and is spent.
     at::NoGradGuard no_grad;
-    tensors[0].detach().view(-1).add_(*residual);
+    tensors[0].detach().add_(residual->view(tensors[0].sizes()));
     residual->zero_();
   }
   auto work = exact_allreduce(tensors, op, coalesced);
