@@ -17,10 +17,9 @@ Traffic allreduce(transport::Transport& transport, int rank, const topology::Hos
 
   const Phase phase{options, hosts.num_hosts() == 1 ? options.inner : options.cross};
   const Chunking chunks(codec, {0, codec.total()}, size);
-  Traffic traffic = reduce_scatter(transport, rank, data, codec, chunks, phase, *options.scratch);
-  traffic += allgather(transport, rank, data, codec, chunks, phase,
-                       options.scratch->buffers(phase.pieces(codec, chunks).chunk_bytes()));
-  return traffic;
+  // The allgather's buffers in arena 1: the reduce_scatter's (arena 0) are still in use.
+  return allreduce_chunks(transport, rank, data, codec, chunks, phase, *options.scratch,
+                          options.scratch->buffers(phase.pieces(codec, chunks).chunk_bytes(), 1));
 }
 
 }  // namespace cgx::collectives

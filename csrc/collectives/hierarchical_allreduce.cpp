@@ -150,11 +150,9 @@ Traffic hierarchical_allreduce(transport::Transport& transport, int rank,
   auto allreduce_across_hosts = [&](int p) {
     Phase phase = cross_phase();
     phase.seed = stream_seed(options.seed, i, kCrossStage, p);
-    Traffic t = reduce_scatter(cross, host, data, codec, parts[p][i], phase, cross_scratch);
-    phase.keep_bytes = true;  // share_on_host forwards them
+    phase.keep_bytes = true;  // share_on_host forwards the allgather's bytes
     std::vector<uint8_t*> ours(kept.begin() + slot(p, i, 0), kept.begin() + slot(p, i, num_hosts));
-    t += allgather(cross, host, data, codec, parts[p][i], phase, ours);
-    return t;
+    return allreduce_chunks(cross, host, data, codec, parts[p][i], phase, cross_scratch, ours);
   };
   // C: forward the bytes of our chunk's parts to the host's other ranks and decode
   // theirs: every rank decodes every part from the bytes its owner made (bit-identical).

@@ -76,9 +76,8 @@ uint64_t stream_seed(uint64_t call_seed, int rank, int stage, int chunk) {
 
 void quantize_owned_chunk(compression::Executor& executor, const compression::LayoutCodec& codec,
                           float* data, Range chunk, uint8_t* dst, uint64_t seed, float* residual) {
-  executor.compress(codec, data, chunk.begin, chunk.end, dst, seed);
-  if (residual) executor.add_error(codec, dst, chunk.begin, chunk.end, data, residual);
-  executor.decompress(codec, dst, chunk.begin, chunk.end, data);
+  executor.compress_and_decode(codec, data, chunk.begin, chunk.end, dst, seed, residual,
+                               /*decode_in_place=*/true);
 }
 
 namespace {
@@ -141,6 +140,16 @@ Traffic allgather(transport::Transport& transport, int rank, float* data,
                   const compression::LayoutCodec& codec, const Chunking& chunks,
                   const Phase& phase, const std::vector<uint8_t*>& buffers) {
   return phases_of(phase.algorithm).allgather(transport, rank, data, codec, chunks, phase, buffers);
+}
+
+Traffic allreduce_chunks(transport::Transport& transport, int rank, float* data,
+                         const compression::LayoutCodec& codec, const Chunking& chunks,
+                         const Phase& phase, Scratch& scratch, const std::vector<uint8_t*>& buffers) {
+  if (phase.algorithm == ReductionAlgorithm::SRA)
+    return sra_allreduce_chunks(transport, rank, data, codec, chunks, phase, scratch, buffers);
+  Traffic traffic = reduce_scatter(transport, rank, data, codec, chunks, phase, scratch);
+  traffic += allgather(transport, rank, data, codec, chunks, phase, buffers);
+  return traffic;
 }
 
 }  // namespace cgx::collectives

@@ -169,6 +169,14 @@ Traffic allgather(transport::Transport& transport, int rank, float* data,
                   const compression::LayoutCodec& codec, const Chunking& chunks,
                   const Phase& phase, const std::vector<uint8_t*>& buffers);
 
+// reduce_scatter then allgather over the same chunks (`buffers` as allgather's, in
+// another arena than `scratch`'s phases use): every rank ends with every chunk's sum.
+// SRA runs the two as one pipeline (sra_allreduce_chunks); the results are the same bits
+// as the two phases one after the other.
+Traffic allreduce_chunks(transport::Transport& transport, int rank, float* data,
+                         const compression::LayoutCodec& codec, const Chunking& chunks,
+                         const Phase& phase, Scratch& scratch, const std::vector<uint8_t*>& buffers);
+
 // The phases of each algorithm (one file each).
 Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* data,
                            const compression::LayoutCodec& codec, const Chunking& chunks,
@@ -176,6 +184,10 @@ Traffic sra_reduce_scatter(transport::Transport& transport, int rank, float* dat
 Traffic sra_allgather(transport::Transport& transport, int rank, float* data,
                       const compression::LayoutCodec& codec, const Chunking& chunks,
                       const Phase& phase, const std::vector<uint8_t*>& buffers);
+Traffic sra_allreduce_chunks(transport::Transport& transport, int rank, float* data,
+                             const compression::LayoutCodec& codec, const Chunking& chunks,
+                             const Phase& phase, Scratch& scratch,
+                             const std::vector<uint8_t*>& buffers);
 Traffic ring_reduce_scatter(transport::Transport& transport, int rank, float* data,
                             const compression::LayoutCodec& codec, const Chunking& chunks,
                             const Phase& phase, Scratch& scratch);

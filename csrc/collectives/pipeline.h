@@ -41,4 +41,13 @@ struct Steps {
 void run_steps(transport::Transport& transport, compression::Executor& executor,
                transport::Clock::time_point deadline, const Steps& steps);
 
+// Runs two phases as one pipeline, where step n of `second` needs step n of `first`
+// decoded (the allgather of a piece after its reduction): second n goes on the wire as
+// soon as first n is decoded, beside first n + 1, instead of after the whole of `first`.
+// The same steps, so the same results, as running `first` and then `second`; both have
+// first.count steps, and neither is serial.
+void run_chained_steps(transport::Transport& transport, compression::Executor& executor,
+                       transport::Clock::time_point deadline, const Steps& first,
+                       const Steps& second);
+
 }  // namespace cgx::collectives

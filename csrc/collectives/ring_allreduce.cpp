@@ -49,10 +49,9 @@ Traffic ring_reduce_scatter(transport::Transport& transport, int rank, float* da
   steps.encode = [&](int n) {
     const int out = out_chunk(n), in = in_chunk(n), q = n % count;
     const Range piece = pieces.range(out, q);
-    executor.compress(codec, data, piece.begin, piece.end, outgoing(n),
-                      stream_seed(phase.seed, rank, n / count, out));
-    if (phase.residual)
-      executor.add_error(codec, outgoing(n), piece.begin, piece.end, data, phase.residual);
+    executor.compress_and_decode(codec, data, piece.begin, piece.end, outgoing(n),
+                                 stream_seed(phase.seed, rank, n / count, out), phase.residual,
+                                 /*decode_in_place=*/false);
     return StepExchange{{{next, outgoing(n), pieces.bytes(out, q)}},
                         {{prev, incoming(n), pieces.bytes(in, q)}}};
   };

@@ -28,6 +28,16 @@ class Executor {
   // LayoutCodec::add_error: residual += values - decoded, for error feedback.
   virtual void add_error(const LayoutCodec& codec, const uint8_t* src, int64_t begin,
                          int64_t end, const float* values, float* residual) = 0;
+  // LayoutCodec::compress_and_decode: compress, add_error where `residual` is set, and
+  // decompress into `data` where `decode_in_place`. By default those calls in turn; an
+  // executor may fuse them (the same bytes and values).
+  virtual void compress_and_decode(const LayoutCodec& codec, float* data, int64_t begin,
+                                   int64_t end, uint8_t* dst, uint64_t seed, float* residual,
+                                   bool decode_in_place) {
+    compress(codec, data, begin, end, dst, seed);
+    if (residual) add_error(codec, dst, begin, end, data, residual);
+    if (decode_in_place) decompress(codec, dst, begin, end, data);
+  }
   // Readies the calling thread, before its first use of the executor or of memory it
   // needs (a CUDA executor makes its device current there).
   virtual void bind_thread() {}
@@ -56,6 +66,11 @@ class HostExecutor final : public Executor {
   void add_error(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
                  const float* values, float* residual) override {
     codec.add_error(src, begin, end, values, residual);
+  }
+  void compress_and_decode(const LayoutCodec& codec, float* data, int64_t begin, int64_t end,
+                           uint8_t* dst, uint64_t seed, float* residual,
+                           bool decode_in_place) override {
+    codec.compress_and_decode(data, begin, end, dst, seed, residual, decode_in_place);
   }
   void sync() override {}
 };

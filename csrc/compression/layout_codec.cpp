@@ -123,6 +123,25 @@ void LayoutCodec::compress(const float* data, int64_t begin, int64_t end, uint8_
   });
 }
 
+void LayoutCodec::compress_and_decode(float* data, int64_t begin, int64_t end, uint8_t* dst,
+                                      uint64_t seed, float* residual, bool decode_in_place) const {
+  for_each_piece(begin, end, [&](size_t i, int64_t from, int64_t n) {
+    const auto& s = segments_[i];
+    const size_t bytes = piece_bytes(s, n);
+    if (s.raw) {  // decodes to itself, drops nothing
+      std::memcpy(dst, data + from, n * sizeof(float));
+      std::memset(dst + n * sizeof(float), 0, bytes - n * sizeof(float));
+    } else {
+      const size_t used = compression::compressed_bytes(s.params, n);
+      compression::compress_and_decode(s.params, data + from, n, dst, segment_seed(seed, i),
+                                       from - s.offset, residual ? residual + from : nullptr,
+                                       decode_in_place);
+      std::memset(dst + used, 0, bytes - used);
+    }
+    dst += bytes;
+  });
+}
+
 void LayoutCodec::decompress(const uint8_t* src, int64_t begin, int64_t end, float* data) const {
   for_each_piece(begin, end, [&](size_t i, int64_t from, int64_t n) {
     const auto& s = segments_[i];

@@ -260,9 +260,17 @@ CGX_INLINE void unpack(int bits, const uint8_t* in, int64_t groups, uint8_t* lev
 }
 
 // Meta and level sections of a buffer: bucket by bucket, chunk by chunk.
+// Where `fed_back` is set, also what a receiver decodes, in the same pass (see
+// compress_and_decode): decoded values into fed_back.decoded (src itself allowed: a
+// bucket is scanned before any of it is written), dropped values onto fed_back.residual.
+struct FedBack {
+  float* decoded = nullptr;
+  float* residual = nullptr;
+};
+
 CGX_AVX2_CLONE void encode_levels(const QuantizerParams& params, const Layout& layout,
                                   const float* src, uint64_t seed, uint32_t stream_offset,
-                                  uint8_t* dst) {
+                                  uint8_t* dst, FedBack fed_back = {}) {
   const int64_t bucket = params.bucket_size;
   const float max_level = static_cast<float>((1 << params.bits) - 1);
   const uint32_t key = stream_key(seed);
@@ -290,6 +298,16 @@ CGX_AVX2_CLONE void encode_levels(const QuantizerParams& params, const Layout& l
                             stream_offset + static_cast<uint32_t>(i), key, out);
       } else {
         quantize_nearest(src + i, end - i, code, max_level, out);
+      }
+      if (fed_back.decoded || fed_back.residual) {
+        // What decode_levels makes of these levels, bit for bit.
+        float decoded[kChunk];
+        dequantize(out, end - i, code.min, code.scale, max_level, /*add=*/false, decoded);
+        for (int64_t k = 0; k < end - i; ++k) {
+          const float dropped = src[i + k] - decoded[k];
+          if (fed_back.residual && std::isfinite(dropped)) fed_back.residual[i + k] += dropped;
+          if (fed_back.decoded) fed_back.decoded[i + k] = decoded[k];
+        }
       }
       i = end;
       if (i == bucket_end) {
@@ -546,6 +564,16 @@ void decode(const QuantizerParams& params, const uint8_t* src, int64_t n, bool a
   }
 }
 
+// The padding and the raw tail of a compressed buffer whose meta and levels are written.
+void finish_compressed(const Layout& layout, const float* src, int64_t n, uint8_t* dst) {
+  // Padding bytes are zero so that equal inputs give equal buffers.
+  std::memset(dst + layout.meta_bytes, 0, layout.levels_offset - layout.meta_bytes);
+  const size_t levels_end = layout.levels_offset + layout.levels_bytes;
+  std::memset(dst + levels_end, 0, layout.raw_offset - levels_end);
+  std::memcpy(dst + layout.raw_offset, src + layout.quantized,
+              static_cast<size_t>(n - layout.quantized) * sizeof(float));
+}
+
 }  // namespace
 
 WireLayout wire_layout(const QuantizerParams& params, int64_t n) {
@@ -618,13 +646,33 @@ void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_
     encode_hadamard(params, layout, src, seed, static_cast<uint32_t>(stream_offset), dst);
   else
     encode_levels(params, layout, src, seed, static_cast<uint32_t>(stream_offset), dst);
+  finish_compressed(layout, src, n, dst);
+}
 
-  // Padding bytes are zero so that equal inputs give equal buffers.
-  std::memset(dst + layout.meta_bytes, 0, layout.levels_offset - layout.meta_bytes);
-  const size_t levels_end = layout.levels_offset + layout.levels_bytes;
-  std::memset(dst + levels_end, 0, layout.raw_offset - levels_end);
-  std::memcpy(dst + layout.raw_offset, src + layout.quantized,
-              static_cast<size_t>(n - layout.quantized) * sizeof(float));
+void compress_and_decode(const QuantizerParams& params, float* values, int64_t n, uint8_t* dst,
+                         uint64_t seed, uint64_t stream_offset, float* residual,
+                         bool decode_in_place) {
+  if (params.scheme == Scheme::kHadamard) {  // not fused: the calls one after the other
+    compress(params, values, n, dst, seed, stream_offset);
+    if (residual) {
+      thread_local std::vector<float> decoded;
+      decoded.resize(static_cast<size_t>(n));
+      decompress(params, dst, n, decoded.data());
+      for (int64_t k = 0; k < n; ++k) {
+        const float dropped = values[k] - decoded[k];
+        if (std::isfinite(dropped)) residual[k] += dropped;
+      }
+    }
+    if (decode_in_place) decompress(params, dst, n, values);
+    return;
+  }
+  validate(params);
+  check_count(n);
+  const Layout layout = wire_layout(params, n);
+  if (layout.total_bytes == 0) return;
+  encode_levels(params, layout, values, seed, static_cast<uint32_t>(stream_offset), dst,
+                {decode_in_place ? values : nullptr, residual});
+  finish_compressed(layout, values, n, dst);  // the raw tail decodes to itself, drops nothing
 }
 
 void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst) {

@@ -82,6 +82,14 @@ size_t compressed_bytes(const QuantizerParams& params, int64_t n);
 void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_t* dst,
               uint64_t seed, uint64_t stream_offset);
 
+// compress, and in the same pass what its receivers will decode: residual[i] +=
+// values[i] - decoded value i where `residual` is set and the difference is finite (error
+// feedback), and values[i] = decoded value i where `decode_in_place`. The same bytes and
+// values as compress and then decompress; the hadamard scheme runs them one after the other.
+void compress_and_decode(const QuantizerParams& params, float* values, int64_t n, uint8_t* dst,
+                         uint64_t seed, uint64_t stream_offset, float* residual,
+                         bool decode_in_place);
+
 // dst[i] = decoded value i.
 void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst);
 

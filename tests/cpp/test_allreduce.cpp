@@ -66,6 +66,46 @@ CGX_TEST(allreduce_pipelined_equals_unpipelined_ring_3_ranks) {
   allreduce_pipelined_equals_unpipelined(3, collectives::ReductionAlgorithm::Ring);
 }
 
+// The flat SRA allreduce runs its two phases as one pipeline (run_chained_steps): the
+// allgather of a piece goes on the wire beside the reduction of the next. Its results and
+// residuals are the very bits of reduce_scatter and then allgather over the same pieces,
+// with error feedback or without.
+CGX_TEST(chained_sra_allreduce_equals_its_two_phases_one_after_the_other) {
+  const int size = 3;
+  run_ranks(size, [&](int rank, KeyValueStore& store, const std::string& prefix) {
+    ShmTransport transport(rank, ranks_below(size), prefix, kRingBytes, store);
+    const compression::LayoutCodec codec = mixed_layout();
+    const topology::HostMap hosts(std::vector<std::string>(size, "host"));
+    const std::vector<float> input = random_values(codec.total(), 41 + rank);
+    const size_t n = input.size();
+    collectives::Scratch scratch, cross_scratch;
+    for (bool feedback : {false, true}) {
+      collectives::AllreduceOptions options;
+      options.codec = &codec;
+      options.seed = 7;
+      options.scratch = &scratch;
+      options.cross_scratch = &cross_scratch;
+      options.piece_values = 300;
+      std::vector<float> chained = input, chained_residual(n, 0.0f);
+      options.residual = feedback ? chained_residual.data() : nullptr;
+      options.deadline = soon();
+      collectives::allreduce(transport, rank, hosts, chained.data(), options);
+
+      std::vector<float> phased = input, phased_residual(n, 0.0f);
+      options.residual = feedback ? phased_residual.data() : nullptr;
+      options.deadline = soon();
+      const collectives::Phase phase{options, collectives::ReductionAlgorithm::SRA};
+      const collectives::Chunking chunks(codec, {0, codec.total()}, size);
+      CHECK(phase.pieces(codec, chunks).count() > 2);  // pieces overlap in the chain
+      collectives::reduce_scatter(transport, rank, phased.data(), codec, chunks, phase, scratch);
+      collectives::allgather(transport, rank, phased.data(), codec, chunks, phase,
+                             scratch.buffers(phase.pieces(codec, chunks).chunk_bytes(), 1));
+      CHECK(std::memcmp(chained.data(), phased.data(), n * sizeof(float)) == 0);
+      CHECK(std::memcmp(chained_residual.data(), phased_residual.data(), n * sizeof(float)) == 0);
+    }
+  });
+}
+
 // An all-raw layout (the exact way) is exact: integers sum exactly in float32, so every
 // rank must hold the exact sum, whatever the pieces, with a residual set or not (it stays
 // zero: nothing is dropped), flat (values moved straight, SRA) and hierarchical (its

@@ -122,6 +122,59 @@ CGX_TEST(layout_decompress_add_adds_the_decoded_values) {
   }
 }
 
+// compress_and_decode (the fused pass the owners and error feedback use) gives the bytes
+// of compress, the residual of add_error and the values of decompress, bit for bit: every
+// width, both schemes, stochastic rounding, raw layers and tails, buckets holding NaN,
+// Inf or reaching FLT_MAX (the capped decode), a bucket wider than the codec's chunk, and
+// ranges that cut segments.
+CGX_TEST(layout_compress_and_decode_matches_its_three_calls) {
+  std::vector<LayoutCodec> codecs = {mixed_layout()};
+  for (int bits = 1; bits <= 8; ++bits)
+    codecs.push_back(layout({quantized(700, bits, 33), quantized(9000, bits, 5000, true, true),
+                             raw(5), quantized(513, bits, 512, false, bits % 2 == 0)}));
+  for (int bits = 1; bits <= compression::kMaxHadamardBits; ++bits) {
+    Segment s = quantized(1000, bits, 64, false, bits == 2);
+    s.params.scheme = compression::Scheme::kHadamard;
+    codecs.push_back(layout({s, quantized(100, 4, 16)}));
+  }
+  const float big = std::numeric_limits<float>::max();
+  for (const LayoutCodec& codec : codecs) {
+    std::vector<float> x = random_values(codec.total(), 13);
+    x[40] = std::numeric_limits<float>::quiet_NaN();
+    x[90] = std::numeric_limits<float>::infinity();
+    x[750] = big;  // the capped decode
+    x[751] = -big;
+    for (auto [begin, end] : some_ranges(codec)) {
+      if (!(begin == 0 && end == codec.total())) {
+        // Cut where a bucket starts: a piece of a bucket is not a range a phase sends.
+        begin = codec.align_up(begin);
+        end = codec.align_up(end);
+        if (begin > end) std::swap(begin, end);
+      }
+      const std::vector<float> base = random_values(codec.total(), 14);
+      const size_t n = codec.compressed_bytes(begin, end);
+      for (bool decode_in_place : {false, true}) {
+        std::vector<uint8_t> bytes(n, 0xcd), fused_bytes(n, 0x11);
+        std::vector<float> residual = base, fused_residual = base, values = x, fused = x;
+        codec.compress(values.data(), begin, end, bytes.data(), 21);
+        codec.add_error(bytes.data(), begin, end, values.data(), residual.data());
+        if (decode_in_place) codec.decompress(bytes.data(), begin, end, values.data());
+        codec.compress_and_decode(fused.data(), begin, end, fused_bytes.data(), 21,
+                                  fused_residual.data(), decode_in_place);
+        CHECK(bytes == fused_bytes);
+        CHECK(std::memcmp(residual.data(), fused_residual.data(), base.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(values.data(), fused.data(), x.size() * sizeof(float)) == 0);
+        // No residual: the values alone.
+        std::vector<float> alone = x;
+        codec.compress_and_decode(alone.data(), begin, end, fused_bytes.data(), 21, nullptr,
+                                  decode_in_place);
+        CHECK(bytes == fused_bytes);
+        CHECK(std::memcmp(values.data(), alone.data(), x.size() * sizeof(float)) == 0);
+      }
+    }
+  }
+}
+
 CGX_TEST(layout_compress_is_deterministic) {
   const LayoutCodec codec = mixed_layout();  // its last segment rounds stochastically
   const std::vector<float> x = random_values(codec.total(), 8);
