@@ -131,6 +131,10 @@ void LayoutCodec::compress_and_decode(float* data, int64_t begin, int64_t end, u
     if (s.raw) {  // decodes to itself, drops nothing
       std::memcpy(dst, data + from, n * sizeof(float));
       std::memset(dst + n * sizeof(float), 0, bytes - n * sizeof(float));
+    } else if (s.params.scheme != Scheme::kMaxMin) {  // not fused: the calls in turn
+      compress(data, from, from + n, dst, seed);
+      if (residual) add_error(dst, from, from + n, data, residual);
+      if (decode_in_place) decompress(dst, from, from + n, data);
     } else {
       const size_t used = compression::compressed_bytes(s.params, n);
       compression::compress_and_decode(s.params, data + from, n, dst, segment_seed(seed, i),

@@ -59,7 +59,8 @@ class LayoutCodec {
   void compress(const float* data, int64_t begin, int64_t end, uint8_t* dst, uint64_t seed) const;
   // compress, and in the same pass what the bytes decode to: add_error onto `residual`
   // where set, and the decoded values left in `data` where `decode_in_place`. The same
-  // bytes and values as those calls one after the other, in fewer passes over memory.
+  // bytes and values as those calls one after the other, in one pass over maxmin layers
+  // (hadamard layers run the calls in turn).
   void compress_and_decode(float* data, int64_t begin, int64_t end, uint8_t* dst, uint64_t seed,
                            float* residual, bool decode_in_place) const;
   void decompress(const uint8_t* src, int64_t begin, int64_t end, float* data) const;

@@ -652,20 +652,8 @@ void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_
 void compress_and_decode(const QuantizerParams& params, float* values, int64_t n, uint8_t* dst,
                          uint64_t seed, uint64_t stream_offset, float* residual,
                          bool decode_in_place) {
-  if (params.scheme == Scheme::kHadamard) {  // not fused: the calls one after the other
-    compress(params, values, n, dst, seed, stream_offset);
-    if (residual) {
-      thread_local std::vector<float> decoded;
-      decoded.resize(static_cast<size_t>(n));
-      decompress(params, dst, n, decoded.data());
-      for (int64_t k = 0; k < n; ++k) {
-        const float dropped = values[k] - decoded[k];
-        if (std::isfinite(dropped)) residual[k] += dropped;
-      }
-    }
-    if (decode_in_place) decompress(params, dst, n, values);
-    return;
-  }
+  if (params.scheme != Scheme::kMaxMin)
+    throw std::invalid_argument("compress_and_decode: the maxmin scheme only");
   validate(params);
   check_count(n);
   const Layout layout = wire_layout(params, n);

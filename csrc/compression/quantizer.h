@@ -85,7 +85,8 @@ void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_
 // compress, and in the same pass what its receivers will decode: residual[i] +=
 // values[i] - decoded value i where `residual` is set and the difference is finite (error
 // feedback), and values[i] = decoded value i where `decode_in_place`. The same bytes and
-// values as compress and then decompress; the hadamard scheme runs them one after the other.
+// values as compress and then decompress. The maxmin scheme only (std::invalid_argument
+// for another).
 void compress_and_decode(const QuantizerParams& params, float* values, int64_t n, uint8_t* dst,
                          uint64_t seed, uint64_t stream_offset, float* residual,
                          bool decode_in_place);
