@@ -14,6 +14,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <stdexcept>
 #include <string>
@@ -233,6 +234,19 @@ int blocks_for(int64_t work_items, int per_block) {
   return static_cast<int>(blocks < 65535 * 16 ? (blocks > 0 ? blocks : 1) : 65535 * 16);
 }
 
+// Every launch: `blocks` blocks of kThreads on `stream`. Through the runtime's
+// cudaLaunchKernelEx rather than <<<>>>, so that this file is also plain C++ for the CPU
+// emulation the core tests run the kernels on (tests/cpp/cuda_emulation).
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), int blocks, cudaStream_t stream, const char* what,
+            Args... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  check(cudaLaunchKernelEx(&config, kernel, args...), what);
+}
+
 template <typename T>
 void compress_as(const QuantizerParams& params, const T* src, int64_t n, uint8_t* dst,
                  uint64_t seed, uint64_t stream_offset, cudaStream_t stream) {
@@ -247,17 +261,17 @@ void compress_as(const QuantizerParams& params, const T* src, int64_t n, uint8_t
   const size_t levels_end = layout.levels_offset + layout.levels_bytes;
   check(cudaMemsetAsync(dst + levels_end, 0, layout.raw_offset - levels_end, stream), "memset");
   if (layout.quantized > 0) {
-    bucket_meta<T><<<blocks_for(layout.buckets, kWarpsPerBlock), kThreads, 0, stream>>>(
-        src, layout.quantized, params.bucket_size, layout.buckets, max_level, meta);
-    quantize_pack<T><<<blocks_for((layout.quantized + 7) / 8, kThreads), kThreads, 0, stream>>>(
-        src, layout.quantized, params.bucket_size, params.bits, max_level, params.stochastic,
-        stream_key(seed), static_cast<uint32_t>(stream_offset), meta, dst + layout.levels_offset);
+    launch(bucket_meta<T>, blocks_for(layout.buckets, kWarpsPerBlock), stream, "bucket_meta",
+           src, layout.quantized, params.bucket_size, layout.buckets, max_level, meta);
+    launch(quantize_pack<T>, blocks_for((layout.quantized + 7) / 8, kThreads), stream,
+           "quantize_pack", src, layout.quantized, params.bucket_size, params.bits, max_level,
+           params.stochastic, stream_key(seed), static_cast<uint32_t>(stream_offset), meta,
+           dst + layout.levels_offset);
   }
   const int64_t raw_count = n - layout.quantized;
   if (raw_count > 0)
-    raw_to_wire<T><<<blocks_for(raw_count, kThreads), kThreads, 0, stream>>>(
-        src + layout.quantized, raw_count, reinterpret_cast<float*>(dst + layout.raw_offset));
-  check(cudaGetLastError(), "compress launch");
+    launch(raw_to_wire<T>, blocks_for(raw_count, kThreads), stream, "raw_to_wire",
+           src + layout.quantized, raw_count, reinterpret_cast<float*>(dst + layout.raw_offset));
 }
 
 template <typename T>
@@ -266,16 +280,14 @@ void decompress_as(const QuantizerParams& params, const uint8_t* src, int64_t n,
   const WireLayout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
   if (layout.quantized > 0)
-    unpack_dequantize<T><<<blocks_for((layout.quantized + 7) / 8, kThreads), kThreads, 0,
-                           stream>>>(src + layout.levels_offset, layout.quantized,
-                                     params.bucket_size, params.bits,
-                                     reinterpret_cast<const float2*>(src), add, dst);
+    launch(unpack_dequantize<T>, blocks_for((layout.quantized + 7) / 8, kThreads), stream,
+           "unpack_dequantize", src + layout.levels_offset, layout.quantized,
+           params.bucket_size, params.bits, reinterpret_cast<const float2*>(src), add, dst);
   const int64_t raw_count = n - layout.quantized;
   if (raw_count > 0)
-    raw_from_wire<T><<<blocks_for(raw_count, kThreads), kThreads, 0, stream>>>(
-        reinterpret_cast<const float*>(src + layout.raw_offset), raw_count, add,
-        dst + layout.quantized);
-  check(cudaGetLastError(), "decompress launch");
+    launch(raw_from_wire<T>, blocks_for(raw_count, kThreads), stream, "raw_from_wire",
+           reinterpret_cast<const float*>(src + layout.raw_offset), raw_count, add,
+           dst + layout.quantized);
 }
 
 // The CUDA kernels implement the maxmin scheme only (the CPU codec has hadamard). The
@@ -318,16 +330,14 @@ void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, vo
 
 void copy_floats(const float* src, int64_t n, float* dst, bool add, cudaStream_t stream) {
   if (n <= 0) return;
-  raw_from_wire<float><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(src, n, add, dst);
-  check(cudaGetLastError(), "copy launch");
+  launch(raw_from_wire<float>, blocks_for(n, kThreads), stream, "copy_floats", src, n, add, dst);
 }
 
 void add_error_floats(const float* values, const float* decoded, int64_t n, float* residual,
                       cudaStream_t stream) {
   if (n <= 0) return;
-  add_finite_difference<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(values, decoded, n,
-                                                                          residual);
-  check(cudaGetLastError(), "add_error launch");
+  launch(add_finite_difference, blocks_for(n, kThreads), stream, "add_finite_difference",
+         values, decoded, n, residual);
 }
 
 }  // namespace cgx::compression::cuda

@@ -1,0 +1,330 @@
+// The CUDA emulation's launches, warps, conversions and runtime calls (cuda_emulation.h).
+#include "cuda_emulation.h"
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace cuda_emulation {
+
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kMaxBlockThreads = 1024;
+// Kernel frames are small; this leaves room for the test runner's checks in a lane too.
+constexpr size_t kLaneStackBytes = 256 * 1024;
+
+// What a running thread sees as its built-in variables.
+struct ThreadIndices {
+  uint3 thread_idx;
+  uint3 block_idx;
+  dim3 block_dim;
+  dim3 grid_dim;
+};
+
+enum class LaneState { kRunnable, kWaiting, kExited };
+
+struct Lane {
+  ucontext_t context;
+  ThreadIndices indices;
+  LaneState state = LaneState::kExited;
+  // The intrinsic it waits in, and what it brought.
+  WarpOp op = WarpOp::kAll;
+  unsigned mask = 0;
+  uint64_t payload = 0;
+  int lane_mask = 0;
+  int width = 0;
+  uint64_t result = 0;
+  std::exception_ptr error;
+};
+
+struct Warp {
+  Lane lanes[kWarpSize];
+  int size = 0;  // lanes present (a block's last warp may be short)
+  ucontext_t scheduler;
+  const std::function<void()>* thread = nullptr;
+};
+
+struct LaneStacks {
+  std::unique_ptr<char[]> memory{new char[kWarpSize * kLaneStackBytes]};
+  char* of(int lane) { return memory.get() + static_cast<size_t>(lane) * kLaneStackBytes; }
+};
+
+thread_local Warp* current_warp = nullptr;
+thread_local Lane* current_lane = nullptr;
+thread_local std::function<unsigned(unsigned)> grid_resize;
+thread_local int64_t launches = 0;
+thread_local dim3 grid_of_last_launch{0, 0, 0};
+
+void lane_main() {
+  Lane& lane = *current_lane;
+  try {
+    (*current_warp->thread)();
+  } catch (...) {
+    lane.error = std::current_exception();
+  }
+  lane.state = LaneState::kExited;
+  // Returning resumes the scheduler (uc_link).
+}
+
+std::string lane_list(unsigned lanes) {
+  std::string out;
+  for (int i = 0; i < kWarpSize; ++i)
+    if (lanes >> i & 1u) out += (out.empty() ? "" : ",") + std::to_string(i);
+  return out;
+}
+
+const char* op_name(WarpOp op) {
+  return op == WarpOp::kShuffleXor ? "__shfl_xor_sync" : "__all_sync";
+}
+
+// Every lane of `warp` is waiting or has exited: checks the masks, makes the exchanges,
+// and marks the waiting lanes runnable with their results.
+void exchange(Warp& warp) {
+  unsigned waiting = 0;
+  for (int i = 0; i < warp.size; ++i)
+    if (warp.lanes[i].state == LaneState::kWaiting) waiting |= 1u << i;
+  for (int i = 0; i < warp.size; ++i) {
+    const Lane& lane = warp.lanes[i];
+    if (lane.state != LaneState::kWaiting) continue;
+    const auto where = [&] {
+      return std::string(op_name(lane.op)) + " in lane " + std::to_string(i) + " of warp (block " +
+             std::to_string(lane.indices.block_idx.x) + ", first thread " +
+             std::to_string(lane.indices.thread_idx.x - i) + ")";
+    };
+    if (!(lane.mask >> i & 1u))
+      throw WarpError(where() + ": its mask leaves the calling lane out");
+    const unsigned missing = lane.mask & ~waiting;
+    if (missing)
+      throw WarpError(where() + ": mask names lanes " + lane_list(missing) +
+                      " that are not waiting in a warp intrinsic (exited, or absent)");
+    for (int j = 0; j < warp.size; ++j) {
+      const Lane& other = warp.lanes[j];
+      if ((lane.mask >> j & 1u) && (other.op != lane.op || other.mask != lane.mask))
+        throw WarpError(where() + ": lane " + std::to_string(j) + " waits in " +
+                        op_name(other.op) + " with mask " + std::to_string(other.mask) +
+                        ", not the same intrinsic and mask");
+    }
+    if (lane.op == WarpOp::kShuffleXor && lane.width != kWarpSize)
+      throw WarpError(where() + ": widths other than 32 are not emulated");
+  }
+  for (int i = 0; i < warp.size; ++i) {
+    Lane& lane = warp.lanes[i];
+    if (lane.state != LaneState::kWaiting) continue;
+    if (lane.op == WarpOp::kShuffleXor) {
+      const int source = (i ^ lane.lane_mask) & (kWarpSize - 1);
+      if (!(lane.mask >> source & 1u))
+        throw WarpError("__shfl_xor_sync in lane " + std::to_string(i) +
+                        ": reads lane " + std::to_string(source) + ", outside its mask");
+      lane.result = warp.lanes[source].payload;
+    } else {
+      uint64_t all = 1;
+      for (int j = 0; j < warp.size; ++j)
+        if (lane.mask >> j & 1u) all &= warp.lanes[j].payload;
+      lane.result = all;
+    }
+  }
+  for (int i = 0; i < warp.size; ++i)
+    if (warp.lanes[i].state == LaneState::kWaiting) warp.lanes[i].state = LaneState::kRunnable;
+}
+
+// Runs the `size` lanes of one warp, whose first thread is `first` of the block.
+void run_warp(Warp& warp, LaneStacks& stacks, const ThreadIndices& block, unsigned first,
+              int size) {
+  warp.size = size;
+  for (int i = 0; i < size; ++i) {
+    Lane& lane = warp.lanes[i];
+    lane = Lane{};
+    lane.indices = block;
+    const unsigned t = first + static_cast<unsigned>(i);
+    lane.indices.thread_idx = {t % block.block_dim.x, t / block.block_dim.x % block.block_dim.y,
+                               t / (block.block_dim.x * block.block_dim.y)};
+    lane.state = LaneState::kRunnable;
+    getcontext(&lane.context);
+    lane.context.uc_stack.ss_sp = stacks.of(i);
+    lane.context.uc_stack.ss_size = kLaneStackBytes;
+    lane.context.uc_link = &warp.scheduler;
+    makecontext(&lane.context, lane_main, 0);
+  }
+  current_warp = &warp;
+  for (;;) {
+    bool ran = false;
+    for (int i = 0; i < size; ++i) {
+      Lane& lane = warp.lanes[i];
+      if (lane.state != LaneState::kRunnable) continue;
+      ran = true;
+      current_lane = &lane;
+      swapcontext(&warp.scheduler, &lane.context);
+      current_lane = nullptr;
+      if (lane.error) std::rethrow_exception(lane.error);
+    }
+    if (!ran) break;  // every lane has exited
+    exchange(warp);
+  }
+  current_warp = nullptr;
+}
+
+cudaError_t check_config(const dim3& grid, const dim3& block) {
+  const uint64_t threads = uint64_t{block.x} * block.y * block.z;
+  if (threads == 0 || threads > kMaxBlockThreads || block.z > 64) return cudaErrorInvalidConfiguration;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 ||
+      grid.z > 65535)
+    return cudaErrorInvalidConfiguration;
+  return cudaSuccess;
+}
+
+}  // namespace
+
+unsigned builtin(Builtin which, int axis) {
+  if (!current_lane) throw std::logic_error("a CUDA built-in variable read outside a kernel");
+  const ThreadIndices& t = current_lane->indices;
+  const auto pick = [axis](auto v) { return axis == 0 ? v.x : axis == 1 ? v.y : v.z; };
+  switch (which) {
+    case Builtin::kThreadIdx: return pick(t.thread_idx);
+    case Builtin::kBlockIdx: return pick(t.block_idx);
+    case Builtin::kBlockDim: return pick(t.block_dim);
+    case Builtin::kGridDim: return pick(t.grid_dim);
+  }
+  return 0;
+}
+
+uint64_t warp_exchange(WarpOp op, unsigned mask, uint64_t payload, int lane_mask, int width) {
+  if (!current_lane) throw std::logic_error("a warp intrinsic called outside a kernel");
+  Lane& lane = *current_lane;
+  lane.op = op;
+  lane.mask = mask;
+  lane.payload = payload;
+  lane.lane_mask = lane_mask;
+  lane.width = width;
+  lane.state = LaneState::kWaiting;
+  swapcontext(&lane.context, &current_warp->scheduler);
+  return lane.result;
+}
+
+cudaError_t launch(const cudaLaunchConfig_t& config, const std::function<void()>& thread) {
+  dim3 grid = config.gridDim;
+  if (grid_resize) grid.x = grid_resize(grid.x);
+  const dim3 block = config.blockDim;
+  if (const cudaError_t bad = check_config(grid, block); bad != cudaSuccess) return bad;
+  if (config.dynamicSmemBytes != 0) return cudaErrorInvalidValue;  // not emulated
+  ++launches;
+  grid_of_last_launch = grid;
+  const unsigned block_threads = block.x * block.y * block.z;
+  LaneStacks stacks;
+  Warp warp;
+  warp.thread = &thread;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        const ThreadIndices indices{{0, 0, 0}, {x, y, z}, block, grid};
+        for (unsigned first = 0; first < block_threads; first += kWarpSize)
+          run_warp(warp, stacks, indices, first,
+                   static_cast<int>(std::min<unsigned>(kWarpSize, block_threads - first)));
+      }
+  return cudaSuccess;
+}
+
+ScopedGridResize::ScopedGridResize(std::function<unsigned(unsigned)> resize) {
+  grid_resize = std::move(resize);
+}
+ScopedGridResize::~ScopedGridResize() { grid_resize = nullptr; }
+
+int64_t launch_count() { return launches; }
+dim3 last_grid() { return grid_of_last_launch; }
+
+}  // namespace cuda_emulation
+
+// ---- conversions ------------------------------------------------------------------------
+
+float __half2float(__half h) {
+  const uint32_t sign = uint32_t{h.bits & 0x8000u} << 16;
+  const uint32_t exponent = h.bits >> 10 & 0x1f;
+  const uint32_t mantissa = h.bits & 0x3ff;
+  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | mantissa << 13);
+  if (exponent != 0) return std::bit_cast<float>(sign | (exponent + 112) << 23 | mantissa << 13);
+  // Zero or subnormal: mantissa * 2^-24, exact in float.
+  const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
+  return sign ? -magnitude : magnitude;
+}
+
+__half __float2half_rn(float v) {
+  const uint32_t u = std::bit_cast<uint32_t>(v);
+  const uint16_t sign = static_cast<uint16_t>(u >> 16 & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return {0x7fff};
+  if (a >= 0x477ff000u) return {static_cast<uint16_t>(sign | 0x7c00u)};  // >= 65520: Inf
+  if (a < 0x38800000u) {
+    // Below half's smallest normal (2^-14): a multiple of 2^-24, rounded to even. The
+    // scaling is exact, and the result may carry into the smallest normal (0x400).
+    const float units = nearbyintf(std::bit_cast<float>(a) * 0x1p24f);
+    return {static_cast<uint16_t>(sign | static_cast<uint16_t>(units))};
+  }
+  uint32_t h = (a >> 13) - (112u << 10);
+  const uint32_t dropped = a & 0x1fffu;
+  if (dropped > 0x1000u || (dropped == 0x1000u && (h & 1u))) ++h;  // may carry into Inf
+  return {static_cast<uint16_t>(sign | h)};
+}
+
+float __bfloat162float(__nv_bfloat16 h) { return std::bit_cast<float>(uint32_t{h.bits} << 16); }
+
+__nv_bfloat16 __float2bfloat16_rn(float v) {
+  const uint32_t u = std::bit_cast<uint32_t>(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {0x7fff};
+  // Round the low 16 bits away, ties to even; a carry moves into the exponent (to Inf).
+  return {static_cast<uint16_t>((u + 0x7fffu + (u >> 16 & 1u)) >> 16)};
+}
+
+// ---- runtime calls ----------------------------------------------------------------------
+
+const char* cudaGetErrorString(cudaError_t code) {
+  switch (code) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+  }
+  return "unknown error";
+}
+
+cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t) {
+  if (bytes) std::memset(dst, value, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind,
+                            cudaStream_t) {
+  if (bytes) std::memcpy(dst, src, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMallocAsync(void** pointer, size_t bytes, cudaStream_t) {
+  // 256-byte aligned, as cudaMalloc's memory is.
+  *pointer = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  return *pointer ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+cudaError_t cudaFreeAsync(void* pointer, cudaStream_t) {
+  std::free(pointer);
+  return cudaSuccess;
+}
+cudaError_t cudaHostAlloc(void** pointer, size_t bytes, unsigned) {
+  return cudaMallocAsync(pointer, bytes, nullptr);
+}
+cudaError_t cudaFreeHost(void* pointer) { return cudaFreeAsync(pointer, nullptr); }
+
+namespace {
+thread_local int current_device = 0;
+}
+cudaError_t cudaGetDevice(int* device) {
+  *device = current_device;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int device) {
+  if (device < 0) return cudaErrorInvalidValue;
+  current_device = device;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }

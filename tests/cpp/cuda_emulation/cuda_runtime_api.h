@@ -1,0 +1,3 @@
+// The CUDA header cuda_runtime_api.h, for sources built against the emulation.
+#pragma once
+#include "cuda_emulation.h"
