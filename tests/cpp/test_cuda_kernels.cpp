@@ -281,41 +281,45 @@ CGX_TEST(cuda_kernels_compress_and_decode_as_the_cpu_codec) {
 }
 
 CGX_TEST(cuda_kernels_handle_nan_inf_and_float_max_as_the_cpu_codec) {
-  // Buckets of 8: [NaN ...], [+Inf ...], [-Inf ...], [-FLT_MAX .. FLT_MAX] (range overflows),
-  // [0 .. FLT_MAX] (reaches it: the capped decode), [-FLT_MAX .. 0], a normal one, and a
-  // raw tail holding NaN and Inf (skip_incomplete: they travel exactly).
-  std::vector<float> v = random_values(8 * 7 + 5, 3);
-  v[2] = kNaN;
-  v[9] = kInf;
-  v[20] = -kInf;
-  v[24] = -kMax;
-  v[31] = kMax;
-  v[32] = 0.0f;
-  v[35] = kMax;
-  v[40] = -kMax;
-  v[47] = 0.0f;
-  v[57] = kNaN;
-  v[59] = -kInf;
-  for (DType dtype : {DType::Float32, DType::Float16, DType::BFloat16})
-    for (int bits : {1, 2, 4, 8})
+  // Buckets of 8 holding NaN, +Inf, -Inf; -max and max (the range overflows: a NaN
+  // bucket); [0, max] and [-max, 0] (the range reaches max: for some widths, 5 and 7
+  // bits among them, level * scale rounds past it and the decode caps it); subnormals
+  // (1 / scale overflows, or scale underflows to 0); and a raw tail with NaN and Inf
+  // (skip_incomplete: they travel exactly). max is the dtype's largest finite value.
+  for (DType dtype : {DType::Float32, DType::Float16, DType::BFloat16}) {
+    const float max = dtype == DType::Float32   ? kMax
+                      : dtype == DType::Float16 ? 65504.0f
+                                                : 0x1.fep127f;
+    std::vector<float> v = random_values(8 * 8 + 5, 3);
+    v[2] = kNaN;
+    v[9] = kInf;
+    v[20] = -kInf;
+    v[24] = -max;
+    v[31] = max;
+    const float reaching_up[] = {0.0f, max, max / 2, max / 3, 1.0f, -0.0f, 5.0f, max / 7};
+    const float reaching_down[] = {-max, 0.0f, -max / 2, -1.0f, -max / 7, -0.0f, -5.0f, -max / 3};
+    const float subnormal[] = {0.0f, 0x1p-149f, 0x1p-148f, 0.0f, 0x1p-149f, -0.0f, 0.0f, 0x1p-147f};
+    std::copy(std::begin(reaching_up), std::end(reaching_up), v.begin() + 32);
+    std::copy(std::begin(reaching_down), std::end(reaching_down), v.begin() + 40);
+    std::copy(std::begin(subnormal), std::end(subnormal), v.begin() + 56);
+    v[64] = kNaN;
+    v[66] = -kInf;
+    const Values x = store(v, dtype);
+    for (int bits = 1; bits <= compression::kMaxBits; ++bits)
       for (bool stochastic : {false, true}) {
         const QuantizerParams p = params_of(bits, 8, true, stochastic);
-        // float16 has no FLT_MAX: its largest finite value stands in (stored as Inf otherwise).
-        std::vector<float> in = v;
-        if (dtype == DType::Float16)
-          for (float& value : in)
-            if (std::fabs(value) == kMax) value = std::copysign(65504.0f, value);
-        const Values x = store(in, dtype);
-        const std::string what = "special values, " + describe(p, 61, dtype);
+        const std::string what = "special values, " + describe(p, 69, dtype);
         const auto bytes = check_compress(p, x, 11, 0, what);
         for (DType out : {DType::Float32, DType::Float16, DType::BFloat16})
-          for (bool add : {false, true}) check_decompress(p, bytes, 61, out, add, what);
+          for (bool add : {false, true}) check_decompress(p, bytes, 69, out, add, what);
       }
+  }
 }
 
 CGX_TEST(cuda_kernels_give_the_same_bits_on_grids_smaller_and_larger_than_the_work) {
   // 1 and 3 blocks make every grid-stride loop wrap (bucket_meta: 8 buckets a block;
-  // the others: 256 groups or values a block); twice the blocks and one leaves threads idle,
+  // the others: 256 groups or values a block; 5999 in buckets of 3000, skip_incomplete,
+  // has a raw tail of 2999); twice the blocks and one leaves threads idle,
   // which must write nothing (check_* look past the outputs).
   const std::vector<float> values = test_values(20011, 8);
   for (auto resize : {+[](unsigned) { return 1u; }, +[](unsigned) { return 3u; },
@@ -325,7 +329,7 @@ CGX_TEST(cuda_kernels_give_the_same_bits_on_grids_smaller_and_larger_than_the_wo
       largest_real_grid = std::max(largest_real_grid, blocks);
       return resize(blocks);
     });
-    for (const Shape& shape : {Shape{20011, 33}, Shape{3001, 1}, Shape{4097, 512}})
+    for (const Shape& shape : {Shape{20011, 33}, Shape{3001, 1}, Shape{5999, 3000}})
       for (bool skip : {false, true}) {
         const QuantizerParams p = params_of(3, shape.bucket, skip, /*stochastic=*/true);
         const std::vector<float> x(values.begin(), values.begin() + shape.n);
