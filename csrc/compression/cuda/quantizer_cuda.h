@@ -1,7 +1,7 @@
 // Max-min bucket quantizer on the GPU: the same wire format and the same floating-point
 // operations as the CPU codec (compression/quantizer.h, docs/wire-format.md), so a buffer
-// compressed here decodes on the CPU to the same values, and with round-to-nearest both
-// codecs write the same bytes.
+// compressed here decodes on the CPU to the same values, and both codecs write the same
+// bytes (stochastic rounding draws from the same stream, stream_hash.h).
 //
 // Pure device work on a caller's stream: pointers are device memory, nothing synchronises.
 // Inputs may be float32, float16 or bfloat16 (converted exactly to float32 on load, as the

@@ -153,6 +153,9 @@ void run_warp(Warp& warp, LaneStacks& stacks, const ThreadIndices& block, unsign
     makecontext(&lane.context, lane_main, 0);
   }
   current_warp = &warp;
+  struct Leave {  // also when a lane's error or a WarpError leaves the warp
+    ~Leave() { current_warp = nullptr, current_lane = nullptr; }
+  } leave;
   for (;;) {
     bool ran = false;
     for (int i = 0; i < size; ++i) {
@@ -161,13 +164,11 @@ void run_warp(Warp& warp, LaneStacks& stacks, const ThreadIndices& block, unsign
       ran = true;
       current_lane = &lane;
       swapcontext(&warp.scheduler, &lane.context);
-      current_lane = nullptr;
       if (lane.error) std::rethrow_exception(lane.error);
     }
-    if (!ran) break;  // every lane has exited
+    if (!ran) return;  // every lane has exited
     exchange(warp);
   }
-  current_warp = nullptr;
 }
 
 cudaError_t check_config(const dim3& grid, const dim3& block) {
