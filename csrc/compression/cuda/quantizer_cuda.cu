@@ -9,7 +9,9 @@
 //     the group's 8 inputs are one or two 16-byte loads when aligned.
 //   unpack_dequantize: one thread per group of 8 levels -> 8 values, optionally added to
 //     the destination in the same pass.
-//   raw_tail: the n - q values that travel as float32.
+//   raw_to_wire / raw_from_wire: the n - q values that travel as float32 (and copy_floats).
+//   add_finite_difference: error feedback's residual update.
+// They run on the CPU too, under the CUDA emulation of the core tests (docs/cuda.md).
 #include <cfloat>
 
 #include <cuda_bf16.h>
@@ -238,13 +240,17 @@ int blocks_for(int64_t work_items, int per_block) {
 // cudaLaunchKernelEx rather than <<<>>>, so that this file is also plain C++ for the CPU
 // emulation the core tests run the kernels on (tests/cpp/cuda_emulation).
 template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), int blocks, cudaStream_t stream, const char* what,
-            Args... args) {
+void launch_kernel(void (*kernel)(Params...), int blocks, cudaStream_t stream,
+                   const char* what, Args... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
   config.blockDim = dim3(kThreads);
   config.stream = stream;
-  check(cudaLaunchKernelEx(&config, kernel, args...), what);
+  const cudaError_t code = cudaLaunchKernelEx(&config, kernel, args...);
+  // A failed launch is also this thread's "last error": clear it, so that the next
+  // caller that checks cudaGetLastError (torch does) does not report cgx's failure.
+  if (code != cudaSuccess) (void)cudaGetLastError();
+  check(code, what);
 }
 
 template <typename T>
@@ -261,16 +267,16 @@ void compress_as(const QuantizerParams& params, const T* src, int64_t n, uint8_t
   const size_t levels_end = layout.levels_offset + layout.levels_bytes;
   check(cudaMemsetAsync(dst + levels_end, 0, layout.raw_offset - levels_end, stream), "memset");
   if (layout.quantized > 0) {
-    launch(bucket_meta<T>, blocks_for(layout.buckets, kWarpsPerBlock), stream, "bucket_meta",
+    launch_kernel(bucket_meta<T>, blocks_for(layout.buckets, kWarpsPerBlock), stream, "bucket_meta",
            src, layout.quantized, params.bucket_size, layout.buckets, max_level, meta);
-    launch(quantize_pack<T>, blocks_for((layout.quantized + 7) / 8, kThreads), stream,
+    launch_kernel(quantize_pack<T>, blocks_for((layout.quantized + 7) / 8, kThreads), stream,
            "quantize_pack", src, layout.quantized, params.bucket_size, params.bits, max_level,
            params.stochastic, stream_key(seed), static_cast<uint32_t>(stream_offset), meta,
            dst + layout.levels_offset);
   }
   const int64_t raw_count = n - layout.quantized;
   if (raw_count > 0)
-    launch(raw_to_wire<T>, blocks_for(raw_count, kThreads), stream, "raw_to_wire",
+    launch_kernel(raw_to_wire<T>, blocks_for(raw_count, kThreads), stream, "raw_to_wire",
            src + layout.quantized, raw_count, reinterpret_cast<float*>(dst + layout.raw_offset));
 }
 
@@ -280,31 +286,35 @@ void decompress_as(const QuantizerParams& params, const uint8_t* src, int64_t n,
   const WireLayout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
   if (layout.quantized > 0)
-    launch(unpack_dequantize<T>, blocks_for((layout.quantized + 7) / 8, kThreads), stream,
+    launch_kernel(unpack_dequantize<T>, blocks_for((layout.quantized + 7) / 8, kThreads), stream,
            "unpack_dequantize", src + layout.levels_offset, layout.quantized,
            params.bucket_size, params.bits, reinterpret_cast<const float2*>(src), add, dst);
   const int64_t raw_count = n - layout.quantized;
   if (raw_count > 0)
-    launch(raw_from_wire<T>, blocks_for(raw_count, kThreads), stream, "raw_from_wire",
+    launch_kernel(raw_from_wire<T>, blocks_for(raw_count, kThreads), stream, "raw_from_wire",
            reinterpret_cast<const float*>(src + layout.raw_offset), raw_count, add,
            dst + layout.quantized);
 }
 
 // The CUDA kernels implement the maxmin scheme only (the CPU codec has hadamard). The
 // backend refuses such a call before it begins; this guards the codec's other callers.
-void check_scheme(const QuantizerParams& params) {
+// The compressed buffer's metadata is read as float2: a misaligned buffer would fault.
+void check_call(const QuantizerParams& params, const void* compressed) {
   validate(params);
   if (params.scheme != Scheme::kMaxMin)
     throw std::invalid_argument(
         "the hadamard scheme is not implemented for CUDA tensors yet; use scheme 'maxmin' "
         "for layers on a GPU");
+  if (reinterpret_cast<uintptr_t>(compressed) % alignof(float2) != 0)
+    throw std::invalid_argument("a compressed buffer on a GPU must be " +
+                                std::to_string(alignof(float2)) + "-byte aligned");
 }
 
 }  // namespace
 
 void compress(const QuantizerParams& params, const void* src, DType dtype, int64_t n,
               uint8_t* dst, uint64_t seed, uint64_t stream_offset, cudaStream_t stream) {
-  check_scheme(params);
+  check_call(params, dst);
   switch (dtype) {
     case DType::Float32:
       return compress_as(params, static_cast<const float*>(src), n, dst, seed, stream_offset, stream);
@@ -317,7 +327,7 @@ void compress(const QuantizerParams& params, const void* src, DType dtype, int64
 
 void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, void* dst,
                 DType dtype, bool add, cudaStream_t stream) {
-  check_scheme(params);
+  check_call(params, src);
   switch (dtype) {
     case DType::Float32:
       return decompress_as(params, src, n, static_cast<float*>(dst), add, stream);
@@ -330,13 +340,13 @@ void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, vo
 
 void copy_floats(const float* src, int64_t n, float* dst, bool add, cudaStream_t stream) {
   if (n <= 0) return;
-  launch(raw_from_wire<float>, blocks_for(n, kThreads), stream, "copy_floats", src, n, add, dst);
+  launch_kernel(raw_from_wire<float>, blocks_for(n, kThreads), stream, "copy_floats", src, n, add, dst);
 }
 
 void add_error_floats(const float* values, const float* decoded, int64_t n, float* residual,
                       cudaStream_t stream) {
   if (n <= 0) return;
-  launch(add_finite_difference, blocks_for(n, kThreads), stream, "add_finite_difference",
+  launch_kernel(add_finite_difference, blocks_for(n, kThreads), stream, "add_finite_difference",
          values, decoded, n, residual);
 }
 

@@ -7,9 +7,10 @@
 #include <bit>
 #include <cstdlib>
 #include <exception>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
-#include <vector>
 
 namespace cuda_emulation {
 
@@ -59,8 +60,20 @@ struct LaneStacks {
 thread_local Warp* current_warp = nullptr;
 thread_local Lane* current_lane = nullptr;
 thread_local std::function<unsigned(unsigned)> grid_resize;
-thread_local int64_t launches = 0;
-thread_local dim3 grid_of_last_launch{0, 0, 0};
+thread_local cudaError_t last_error = cudaSuccess;
+
+// Device allocations: start -> size (any thread may allocate, as with a real device).
+std::mutex allocations_mutex;
+std::map<uintptr_t, size_t> allocations;
+
+bool on_device(const void* pointer) {
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  const std::lock_guard<std::mutex> lock(allocations_mutex);
+  auto it = allocations.upper_bound(address);
+  if (it == allocations.begin()) return false;
+  --it;
+  return address <= it->first + it->second;  // one past the end is still a pointer into it
+}
 
 void lane_main() {
   Lane& lane = *current_lane;
@@ -208,14 +221,21 @@ uint64_t warp_exchange(WarpOp op, unsigned mask, uint64_t payload, int lane_mask
   return lane.result;
 }
 
+cudaError_t fail(cudaError_t code) {
+  last_error = code;
+  return code;
+}
+
+bool is_device_pointer(const void* pointer, size_t alignment) {
+  return on_device(pointer) && reinterpret_cast<uintptr_t>(pointer) % alignment == 0;
+}
+
 cudaError_t launch(const cudaLaunchConfig_t& config, const std::function<void()>& thread) {
   dim3 grid = config.gridDim;
   if (grid_resize) grid.x = grid_resize(grid.x);
   const dim3 block = config.blockDim;
-  if (const cudaError_t bad = check_config(grid, block); bad != cudaSuccess) return bad;
-  if (config.dynamicSmemBytes != 0) return cudaErrorInvalidValue;  // not emulated
-  ++launches;
-  grid_of_last_launch = grid;
+  if (const cudaError_t bad = check_config(grid, block); bad != cudaSuccess) return fail(bad);
+  if (config.dynamicSmemBytes != 0) return fail(cudaErrorInvalidValue);  // not emulated
   const unsigned block_threads = block.x * block.y * block.z;
   LaneStacks stacks;
   Warp warp;
@@ -235,9 +255,6 @@ ScopedGridResize::ScopedGridResize(std::function<unsigned(unsigned)> resize) {
   grid_resize = std::move(resize);
 }
 ScopedGridResize::~ScopedGridResize() { grid_resize = nullptr; }
-
-int64_t launch_count() { return launches; }
-dim3 last_grid() { return grid_of_last_launch; }
 
 }  // namespace cuda_emulation
 
@@ -289,32 +306,59 @@ const char* cudaGetErrorString(cudaError_t code) {
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
   }
   return "unknown error";
 }
 
+cudaError_t cudaGetLastError() { return std::exchange(cuda_emulation::last_error, cudaSuccess); }
+
 cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t) {
-  if (bytes) std::memset(dst, value, bytes);
+  if (bytes == 0) return cudaSuccess;
+  if (!cuda_emulation::on_device(dst)) return cuda_emulation::fail(cudaErrorInvalidValue);
+  std::memset(dst, value, bytes);
   return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind,
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t) {
-  if (bytes) std::memcpy(dst, src, bytes);
+  if (bytes == 0) return cudaSuccess;
+  const bool to_device = cuda_emulation::on_device(dst);
+  const bool from_device = cuda_emulation::on_device(src);
+  const bool matches = kind == cudaMemcpyDefault ||
+                       (kind == cudaMemcpyHostToDevice && to_device && !from_device) ||
+                       (kind == cudaMemcpyDeviceToHost && !to_device && from_device) ||
+                       (kind == cudaMemcpyDeviceToDevice && to_device && from_device) ||
+                       (kind == cudaMemcpyHostToHost && !to_device && !from_device);
+  if (!matches) return cuda_emulation::fail(cudaErrorInvalidValue);
+  std::memcpy(dst, src, bytes);
   return cudaSuccess;
 }
 cudaError_t cudaMallocAsync(void** pointer, size_t bytes, cudaStream_t) {
   // 256-byte aligned, as cudaMalloc's memory is.
   *pointer = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
-  return *pointer ? cudaSuccess : cudaErrorMemoryAllocation;
+  if (!*pointer) return cuda_emulation::fail(cudaErrorMemoryAllocation);
+  const std::lock_guard<std::mutex> lock(cuda_emulation::allocations_mutex);
+  cuda_emulation::allocations[reinterpret_cast<uintptr_t>(*pointer)] = bytes;
+  return cudaSuccess;
 }
 cudaError_t cudaFreeAsync(void* pointer, cudaStream_t) {
+  {
+    const std::lock_guard<std::mutex> lock(cuda_emulation::allocations_mutex);
+    if (cuda_emulation::allocations.erase(reinterpret_cast<uintptr_t>(pointer)) == 0)
+      return cuda_emulation::fail(cudaErrorInvalidValue);
+  }
   std::free(pointer);
   return cudaSuccess;
 }
+// Pinned host memory: host memory, for the copies' host side.
 cudaError_t cudaHostAlloc(void** pointer, size_t bytes, unsigned) {
-  return cudaMallocAsync(pointer, bytes, nullptr);
+  *pointer = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  return *pointer ? cudaSuccess : cuda_emulation::fail(cudaErrorMemoryAllocation);
 }
-cudaError_t cudaFreeHost(void* pointer) { return cudaFreeAsync(pointer, nullptr); }
+cudaError_t cudaFreeHost(void* pointer) {
+  std::free(pointer);
+  return cudaSuccess;
+}
 
 namespace {
 thread_local int current_device = 0;
@@ -324,7 +368,7 @@ cudaError_t cudaGetDevice(int* device) {
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int device) {
-  if (device < 0) return cudaErrorInvalidValue;
+  if (device < 0) return cuda_emulation::fail(cudaErrorInvalidValue);
   current_device = device;
   return cudaSuccess;
 }

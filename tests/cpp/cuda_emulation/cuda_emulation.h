@@ -11,8 +11,14 @@
 //   behaviour on a GPU: here it throws WarpError out of the launch.
 // - Launch configurations are checked as the driver checks them (block of 1..1024
 //   threads, grid within its limits).
-// - Memory is host memory, a stream runs each operation when it is issued (issue order
-//   is all a stream promises), and the device number is only remembered.
+// - Device memory is host memory that cudaMallocAsync handed out, and it is kept apart:
+//   a kernel's pointer arguments must point into such an allocation and be aligned for
+//   their type, and cudaMemcpyAsync's direction must match its pointers
+//   (cudaErrorIllegalAddress / cudaErrorInvalidValue otherwise, where a GPU would fault
+//   or copy garbage). Reads and writes past an allocation are not caught here; the tests
+//   put guard bytes after their outputs.
+// - A stream runs each operation when it is issued (issue order is all a stream
+//   promises); the device number is only remembered.
 // - Only what the kernels use is here: no shared memory, no __syncthreads (a kernel that
 //   needs them does not compile against this header).
 //
@@ -45,7 +51,7 @@ struct dim3 {
   unsigned x, y, z;
   constexpr dim3(unsigned vx = 1, unsigned vy = 1, unsigned vz = 1) : x(vx), y(vy), z(vz) {}
 };
-struct float2 {
+struct alignas(8) float2 {
   float x, y;
 };
 struct alignas(16) uint4 {
@@ -142,8 +148,11 @@ enum cudaError_t {
   cudaErrorInvalidValue = 1,
   cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidConfiguration = 9,
+  cudaErrorIllegalAddress = 700,
 };
 const char* cudaGetErrorString(cudaError_t code);
+// The last error a call returned on this thread, which it then forgets (as the runtime).
+cudaError_t cudaGetLastError();
 
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
@@ -178,6 +187,10 @@ struct cudaLaunchConfig_t {
 namespace cuda_emulation {
 // Runs `thread` once for every thread of the grid (the header comment).
 cudaError_t launch(const cudaLaunchConfig_t& config, const std::function<void()>& thread);
+// Whether `pointer` lies in device memory (cudaMallocAsync) and is `alignment`-aligned.
+bool is_device_pointer(const void* pointer, size_t alignment);
+// Records `code` as this thread's last error and returns it.
+cudaError_t fail(cudaError_t code);
 
 // Test hook: while one lives, every launch's grid.x is `resize(grid.x)` (a grid smaller
 // than the work makes the grid-stride loops wrap; a larger one leaves threads idle).
@@ -188,18 +201,23 @@ class ScopedGridResize {
   ScopedGridResize(const ScopedGridResize&) = delete;
   ScopedGridResize& operator=(const ScopedGridResize&) = delete;
 };
-
-// Launches so far on this thread, and the grid of the last (as launched, after a resize).
-int64_t launch_count();
-dim3 last_grid();
 }  // namespace cuda_emulation
 
 // The runtime's variadic form: the arguments are converted to the kernel's parameter
-// types once, as CUDA copies them to the device, and every thread calls the kernel.
+// types once, as CUDA copies them to the device, pointers among them checked, and every
+// thread calls the kernel.
 template <typename... Params, typename... Args>
 cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(Params...),
                                Args&&... args) {
   return [&](Params... converted) {
+    const auto on_device = [](const auto& argument) {
+      using Argument = std::decay_t<decltype(argument)>;
+      if constexpr (std::is_pointer_v<Argument>)
+        return cuda_emulation::is_device_pointer(argument,
+                                                 alignof(std::remove_pointer_t<Argument>));
+      return true;
+    };
+    if (!(on_device(converted) && ...)) return cuda_emulation::fail(cudaErrorIllegalAddress);
     return cuda_emulation::launch(*config, [&] { kernel(converted...); });
   }(std::forward<Args>(args)...);
 }
