@@ -184,8 +184,39 @@ std::vector<uint8_t> check_compress(const QuantizerParams& params, const Values&
   return cpu;
 }
 
-// The emulated decode (into `out_dtype`, added to `base` or not) gives the CPU codec's
-// decoded values, the sum made in float32 and rounded once to the output dtype.
+// Whether a decoded output equals `expected` made in float32 and stored once in the
+// output's dtype (NaN as a class).
+bool same_value(float got, float expected, DType) {
+  return bits_of(got) == bits_of(expected) || (std::isnan(got) && std::isnan(expected));
+}
+bool same_value(uint16_t got, float expected, DType dtype) {
+  const uint16_t want = narrowed(expected, dtype);
+  return got == want || (is_nan16(got, dtype) && is_nan16(want, dtype));
+}
+uint32_t stored_bits(float v) { return bits_of(v); }
+uint32_t stored_bits(uint16_t v) { return v; }
+
+// The emulated decode (into `out_dtype`, stored as Stored; added to `base` or not) gives
+// the CPU codec's decoded values, the sum made in float32 and rounded once to the output
+// dtype, and leaves the `guard` values after them alone.
+template <typename Stored>
+void check_decode_into(const QuantizerParams& params, DeviceArray<uint8_t>& src, int64_t n,
+                       const Values& base, const std::vector<Stored>& base_stored,
+                       const std::vector<float>& decoded, bool add, Stored guard,
+                       const std::string& where) {
+  std::vector<Stored> initial(base_stored);
+  initial.resize(n + kGuard, guard);
+  DeviceArray<Stored> on_gpu(initial);
+  compression::cuda::decompress(params, src.data(), n, on_gpu.data(), base.dtype, add, nullptr);
+  const std::vector<Stored> dst = on_gpu.host();
+  for (int64_t i = 0; i < n; ++i)
+    if (!same_value(dst[i], add ? base.exact[i] + decoded[i] : decoded[i], base.dtype))
+      fail(__FILE__, __LINE__, where + ": value " + std::to_string(i) + " has bits " +
+                                   std::to_string(stored_bits(dst[i])));
+  for (int64_t i = n; i < n + static_cast<int64_t>(kGuard); ++i)
+    if (stored_bits(dst[i]) != stored_bits(guard)) fail(__FILE__, __LINE__, where + ": wrote past the values");
+}
+
 void check_decompress(const QuantizerParams& params, const std::vector<uint8_t>& bytes,
                       int64_t n, DType out_dtype, bool add, const std::string& what) {
   std::vector<float> decoded(static_cast<size_t>(n));
@@ -193,36 +224,10 @@ void check_decompress(const QuantizerParams& params, const std::vector<uint8_t>&
   const Values base = store(random_values(n, 99), out_dtype);
   const std::string where = what + " into " + name_of(out_dtype) + (add ? ", added" : "");
   DeviceArray<uint8_t> src(bytes);
-  if (out_dtype == DType::Float32) {
-    std::vector<float> initial(base.f32);
-    initial.resize(n + kGuard, 7.0f);
-    DeviceArray<float> on_gpu(initial);
-    compression::cuda::decompress(params, src.data(), n, on_gpu.data(), out_dtype, add, nullptr);
-    const std::vector<float> dst = on_gpu.host();
-    for (int64_t i = 0; i < n; ++i) {
-      const float expected = add ? base.f32[i] + decoded[i] : decoded[i];
-      if (!(bits_of(dst[i]) == bits_of(expected) || (std::isnan(dst[i]) && std::isnan(expected))))
-        fail(__FILE__, __LINE__, where + ": value " + std::to_string(i) + " is " +
-                                     std::to_string(dst[i]) + ", expected " + std::to_string(expected));
-    }
-    for (int64_t i = n; i < n + static_cast<int64_t>(kGuard); ++i)
-      if (bits_of(dst[i]) != bits_of(7.0f)) fail(__FILE__, __LINE__, where + ": wrote past the values");
-    return;
-  }
-  std::vector<uint16_t> initial(base.narrow);
-  initial.resize(n + kGuard, 0x1234);
-  DeviceArray<uint16_t> on_gpu(initial);
-  compression::cuda::decompress(params, src.data(), n, on_gpu.data(), out_dtype, add, nullptr);
-  const std::vector<uint16_t> dst = on_gpu.host();
-  for (int64_t i = 0; i < n; ++i) {
-    const uint16_t expected =
-        narrowed(add ? base.exact[i] + decoded[i] : decoded[i], out_dtype);
-    if (!(dst[i] == expected || (is_nan16(dst[i], out_dtype) && is_nan16(expected, out_dtype))))
-      fail(__FILE__, __LINE__, where + ": value " + std::to_string(i) + " has bits " +
-                                   std::to_string(dst[i]) + ", expected " + std::to_string(expected));
-  }
-  for (int64_t i = n; i < n + static_cast<int64_t>(kGuard); ++i)
-    if (dst[i] != 0x1234) fail(__FILE__, __LINE__, where + ": wrote past the values");
+  if (out_dtype == DType::Float32)
+    check_decode_into(params, src, n, base, base.f32, decoded, add, 7.0f, where);
+  else
+    check_decode_into(params, src, n, base, base.narrow, decoded, add, uint16_t{0x1234}, where);
 }
 
 QuantizerParams params_of(int bits, int64_t bucket, bool skip, bool stochastic) {

@@ -131,7 +131,11 @@ void exchange(Warp& warp) {
     Lane& lane = warp.lanes[i];
     if (lane.state != LaneState::kWaiting) continue;
     if (lane.op == WarpOp::kShuffleXor) {
-      const int source = (i ^ lane.lane_mask) & (kWarpSize - 1);
+      const int source = i ^ lane.lane_mask;
+      if (source < 0 || source >= kWarpSize) {  // past the warp: CUDA gives the caller's own
+        lane.result = lane.payload;
+        continue;
+      }
       if (!(lane.mask >> source & 1u))
         throw WarpError("__shfl_xor_sync in lane " + std::to_string(i) +
                         ": reads lane " + std::to_string(source) + ", outside its mask");
