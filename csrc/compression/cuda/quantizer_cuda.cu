@@ -267,17 +267,19 @@ void compress_as(const QuantizerParams& params, const T* src, int64_t n, uint8_t
   const size_t levels_end = layout.levels_offset + layout.levels_bytes;
   check(cudaMemsetAsync(dst + levels_end, 0, layout.raw_offset - levels_end, stream), "memset");
   if (layout.quantized > 0) {
-    launch_kernel(bucket_meta<T>, blocks_for(layout.buckets, kWarpsPerBlock), stream, "bucket_meta",
-           src, layout.quantized, params.bucket_size, layout.buckets, max_level, meta);
+    launch_kernel(bucket_meta<T>, blocks_for(layout.buckets, kWarpsPerBlock), stream,
+                  "bucket_meta", src, layout.quantized, params.bucket_size, layout.buckets,
+                  max_level, meta);
     launch_kernel(quantize_pack<T>, blocks_for((layout.quantized + 7) / 8, kThreads), stream,
-           "quantize_pack", src, layout.quantized, params.bucket_size, params.bits, max_level,
-           params.stochastic, stream_key(seed), static_cast<uint32_t>(stream_offset), meta,
-           dst + layout.levels_offset);
+                  "quantize_pack", src, layout.quantized, params.bucket_size, params.bits,
+                  max_level, params.stochastic, stream_key(seed),
+                  static_cast<uint32_t>(stream_offset), meta, dst + layout.levels_offset);
   }
   const int64_t raw_count = n - layout.quantized;
   if (raw_count > 0)
     launch_kernel(raw_to_wire<T>, blocks_for(raw_count, kThreads), stream, "raw_to_wire",
-           src + layout.quantized, raw_count, reinterpret_cast<float*>(dst + layout.raw_offset));
+                  src + layout.quantized, raw_count,
+                  reinterpret_cast<float*>(dst + layout.raw_offset));
 }
 
 template <typename T>
@@ -286,14 +288,15 @@ void decompress_as(const QuantizerParams& params, const uint8_t* src, int64_t n,
   const WireLayout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
   if (layout.quantized > 0)
-    launch_kernel(unpack_dequantize<T>, blocks_for((layout.quantized + 7) / 8, kThreads), stream,
-           "unpack_dequantize", src + layout.levels_offset, layout.quantized,
-           params.bucket_size, params.bits, reinterpret_cast<const float2*>(src), add, dst);
+    launch_kernel(unpack_dequantize<T>, blocks_for((layout.quantized + 7) / 8, kThreads),
+                  stream, "unpack_dequantize", src + layout.levels_offset, layout.quantized,
+                  params.bucket_size, params.bits, reinterpret_cast<const float2*>(src), add,
+                  dst);
   const int64_t raw_count = n - layout.quantized;
   if (raw_count > 0)
     launch_kernel(raw_from_wire<T>, blocks_for(raw_count, kThreads), stream, "raw_from_wire",
-           reinterpret_cast<const float*>(src + layout.raw_offset), raw_count, add,
-           dst + layout.quantized);
+                  reinterpret_cast<const float*>(src + layout.raw_offset), raw_count, add,
+                  dst + layout.quantized);
 }
 
 // The CUDA kernels implement the maxmin scheme only (the CPU codec has hadamard). The
@@ -340,14 +343,15 @@ void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, vo
 
 void copy_floats(const float* src, int64_t n, float* dst, bool add, cudaStream_t stream) {
   if (n <= 0) return;
-  launch_kernel(raw_from_wire<float>, blocks_for(n, kThreads), stream, "copy_floats", src, n, add, dst);
+  launch_kernel(raw_from_wire<float>, blocks_for(n, kThreads), stream, "copy_floats", src, n,
+                add, dst);
 }
 
 void add_error_floats(const float* values, const float* decoded, int64_t n, float* residual,
                       cudaStream_t stream) {
   if (n <= 0) return;
-  launch_kernel(add_finite_difference, blocks_for(n, kThreads), stream, "add_finite_difference",
-         values, decoded, n, residual);
+  launch_kernel(add_finite_difference, blocks_for(n, kThreads), stream,
+                "add_finite_difference", values, decoded, n, residual);
 }
 
 }  // namespace cgx::compression::cuda

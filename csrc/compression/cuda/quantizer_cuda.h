@@ -19,7 +19,7 @@ namespace cgx::compression::cuda {
 enum class DType { Float32, Float16, BFloat16 };
 
 // dst: compressed_bytes(params, n) bytes. The compressed buffer (dst here, src below) must
-// be 8-byte aligned; std::invalid_argument otherwise, as for the hadamard scheme.
+// be 8-byte aligned (std::invalid_argument otherwise), and the scheme maxmin.
 // `seed` and `stream_offset` as compression::compress takes them (the same bytes).
 void compress(const QuantizerParams& params, const void* src, DType dtype, int64_t n,
               uint8_t* dst, uint64_t seed, uint64_t stream_offset, cudaStream_t stream);
