@@ -1,8 +1,9 @@
 """CGX_COMPRESSION_AUTO over real ranks: every rank sends each call the same way, the
 results are bit-identical whichever way a call went, a call sent exactly is exact (its
-error-feedback residual spent), and cgx.stats() shows the choices. The choices
-themselves (the slowest rank's timings, re-tries, waiting for an agreement) are tested
-in tests/cpp/test_path_choice.cpp."""
+error-feedback residual spent), ranks given different calls get CallMismatchError
+whichever way the call would go, 16-bit averages do not overflow on either way, and
+cgx.stats() shows the choices. The choices themselves (the slowest rank's timings,
+re-tries) are tested in tests/cpp/test_path_choice.cpp."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from bounds import allreduce_error_bound
 from harness import init_cgx, run_ranks, values
 
-CALLS = 40  # the first 11 calls of a class are compressed, then the two alternate
+CALLS = 40  # the first 3 calls of a class are compressed, then the two alternate
 
 
 def _path_of_last_call(group) -> str:
@@ -49,9 +50,9 @@ def test_every_rank_takes_the_same_path_and_ends_bit_identical(world):
     per_rank = [calls for calls, _ in results]
     paths = [[path for path, *_ in calls] for calls in per_rank]
     assert all(p == paths[0] for p in paths)
-    # Measured first compressed, then both ways.
-    assert paths[0][:11] == ["compressed"] * 11
-    assert "exact" in paths[0][11:] and "compressed" in paths[0][11:]
+    # Measured first compressed, then both ways in turn until every rank has timed both.
+    assert paths[0][:5] == ["compressed"] * 3 + ["exact", "compressed"]
+    assert "exact" in paths[0][5:] and "compressed" in paths[0][5:]
     for call in range(CALLS):
         tensors = [calls[call][1] for calls in per_rank]
         assert all(torch.equal(t, tensors[0]) for t in tensors), f"call {call}"
@@ -66,8 +67,13 @@ def test_every_rank_takes_the_same_path_and_ends_bit_identical(world):
     assert entry["min_bytes"] == 16384  # 5000 float32 values: [16 KiB, 32 KiB)
     assert entry["compressed_calls"] + entry["exact_calls"] == CALLS
     assert entry["compressed_ms"] > 0 and entry["exact_ms"] > 0
-    # Compressed calls are counted in the allreduce totals, exact ones are Gloo's.
-    assert stats[0]["calls"] == entry["compressed_calls"]
+    # Both ways are counted in the allreduce totals, with the bytes each really sent: the
+    # exact way 4 bytes a value (2 ranks: SRA sends half the values twice).
+    assert stats[0]["calls"] == CALLS
+    if world == 2:
+        per_exact_call = 4 * 5000
+        compressed_bytes = stats[0]["bytes_sent"] - entry["exact_calls"] * per_exact_call
+        assert 0 < compressed_bytes < entry["compressed_calls"] * per_exact_call / 4
 
 
 def test_with_auto_off_every_call_is_compressed():
@@ -136,3 +142,86 @@ def test_ddp_hook_buckets_go_both_ways_and_replicas_stay_identical():
         assert same
         assert auto == results[0][1]
         assert sum(e["exact_calls"] for e in auto) > 0 and sum(e["compressed_calls"] for e in auto) > 0
+
+
+def _mismatches_on_every_path(rank, world):
+    """Ranks given different calls, between matching calls that go both ways: each
+    mismatch raises CallMismatchError on every rank whichever way auto would send it (the
+    way is chosen only once the call is agreed), and leaves the group and auto's choices
+    as they were."""
+    import cgx
+
+    init_cgx(rank, world)
+    group = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, minimal_size=0, compression_auto=True))
+    mismatches = {
+        # The same byte size, another dtype: summed as is, the ranks would disagree.
+        "dtype": lambda: torch.full((200,), 1.5, dtype=torch.float16) if rank == 0
+        else torch.full((200,), 2.5, dtype=torch.bfloat16),
+        "shape": lambda: torch.ones(4, 50) if rank == 0 else torch.ones(50, 4),
+        "size": lambda: torch.ones(200) if rank == 0 else torch.ones(210),
+        # A class that has gone both ways against one that has had no call.
+        "class": lambda: torch.ones(200) if rank == 0 else torch.ones(5000),
+    }
+    messages, paths = [], []
+    for call in range(14):
+        for name, make in mismatches.items():
+            try:
+                dist.all_reduce(make(), group=group)
+                messages.append((call, name, None))
+            except cgx.CallMismatchError as e:
+                messages.append((call, name, str(e)))
+        t = torch.ones(200)
+        dist.all_reduce(t, group=group)
+        assert torch.equal(t, torch.full((200,), float(world))), t[:4]
+        paths.append(_path_of_last_call(group))  # one class only: mismatches chose nothing
+    return messages, paths
+
+
+def test_a_mismatch_raises_on_every_rank_whichever_way_auto_sends_the_call():
+    results = values(run_ranks(_mismatches_on_every_path, 2, timeout_s=120))
+    (messages0, paths), (messages1, paths1) = results
+    assert paths == paths1
+    assert "exact" in paths and "compressed" in paths
+    assert messages0 == messages1  # the same message on every rank
+    for call, name, message in messages0:
+        assert message is not None, f"call {call}: the {name} mismatch did not raise"
+        assert "ranks were given different calls" in message, (name, message)
+
+
+def _overflowing_averages(rank, world):
+    """16-bit values whose sum leaves their range, or whose sum leaves float32's, on
+    every way a call can go (auto's two ways, cgx.exact())."""
+    import cgx
+
+    init_cgx(rank, world)
+    out = []
+    # (dtype, a value whose AVG must come back unchanged, a value whose SUM overflows):
+    # float16's sum leaves float16's range; bfloat16's, float32's (it is summed there).
+    for dtype, average, overflow in ((torch.float16, 40000.0, 40000.0), (torch.bfloat16, 2.0 ** 126, 2.0 ** 127)):
+        # A group per dtype: its calls make one size class that goes both ways.
+        group = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, minimal_size=0, compression_auto=True))
+        for call in range(20):
+            for op, value in ((dist.ReduceOp.AVG, average), (dist.ReduceOp.SUM, overflow)):
+                t = torch.full((200,), value, dtype=dtype)
+                dist.all_reduce(t, op=op, group=group)
+                out.append((dtype, op, value, _path_of_last_call(group), t))
+        for op, value in ((dist.ReduceOp.AVG, average), (dist.ReduceOp.SUM, overflow)):
+            t = torch.full((200,), value, dtype=dtype)
+            with cgx.exact():
+                dist.all_reduce(t, op=op, group=group)
+            out.append((dtype, op, value, "cgx.exact()", t))
+    return out
+
+
+def test_16_bit_averages_do_not_overflow_on_any_path():
+    for out in values(run_ranks(_overflowing_averages, 2, timeout_s=120)):
+        for dtype in (torch.float16, torch.bfloat16):
+            taken = {path for d, _, _, path, _ in out if d == dtype}
+            assert taken == {"exact", "compressed", "cgx.exact()"}, (dtype, taken)
+        for dtype, op, value, path, t in out:
+            if op == dist.ReduceOp.AVG:
+                assert torch.equal(t, torch.full_like(t, value)), (dtype, path, t[:4])
+            elif dtype == torch.float16:  # summed in float32, rounded once: +Inf on every way
+                assert torch.equal(t, torch.full_like(t, float("inf"))), (dtype, path, t[:4])
+            else:  # beyond float32: Inf, or NaN where a quantized bucket holds it
+                assert not torch.isfinite(t).any(), (dtype, path, t[:4])

@@ -149,7 +149,7 @@ ProcessGroupCGX::Stats ProcessGroupCGX::stats() const {
   std::lock_guard<std::mutex> lock(stats_mutex_);
   Stats s = stats_;
   s.cross_host_bytes = connection_.transport->cross_host_bytes();
-  s.paths = paths_->stats();
+  s.paths = paths_.stats();
   return s;
 }
 
@@ -311,21 +311,19 @@ float* fold_residual(at::Tensor& flat, const std::optional<at::Tensor>& residual
 
 template <typename CollectiveOptions, typename Run>
 void ProcessGroupCGX::agree_and_run(CollectiveOptions& options, uint64_t seed, const Lane& lane,
-                                    collectives::CallSignature signature, at::Tensor& flat,
+                                    const collectives::CallSignature& signature, at::Tensor& flat,
                                     const std::optional<at::Tensor>& residual, Counters Stats::*counters,
-                                    double bytes_per_value, Run run, collectives::ChosenCall* chosen) {
+                                    double bytes_per_value, Run run) {
   collectives::CallOptions& call = options;
   call.seed = seed;
   call.deadline = deadline_after(timeout_);
   call.executor = lane.executor;
   call.scratch = lane.scratch;
   call.piece_values = settings_.piece_values;
-  if (chosen) paths_->sign(chosen->size_class, signature);
   const collectives::CallSignature* all = collectives::check_same_on_all_ranks(
       *connection_.transport, getRank(), getSize(), signature, call.deadline, *lane.scratch);
-  if (chosen) chosen->agreed(all, getSize());
   call.residual = fold_residual(flat, residual);  // once the call is known to go ahead
-  count(counters, run(options), bytes_per_value);
+  count(counters, run(options, all), bytes_per_value);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
@@ -398,7 +396,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_layout(
     options.shard = codec.get();
     options.algorithm = flat_algorithm();
     agree_and_run(options, seed, lane, signature_of(sequence, {input}, flat.numel(), *codec, "gather"),
-                  flat, std::nullopt, &Stats::allgather, input.element_size(), [&](const auto& o) {
+                  flat, std::nullopt, &Stats::allgather, input.element_size(), [&](const auto& o, const auto*) {
                     return collectives::compressed_allgather(*connection_.transport, getRank(), getSize(),
                                                              flat.data_ptr<float>(), o);
                   });
@@ -429,7 +427,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_layout(
     const double scale = op == c10d::ReduceOp::PREMUL_SUM ? factor : 1.0;
     agree_and_run(options, call_seed(sequence), lane,
                   signature_of(sequence, {output}, flat.numel(), *codec, op_text, scale), flat, residual,
-                  &Stats::reduce_scatter, input.element_size(), [&](const auto& o) {
+                  &Stats::reduce_scatter, input.element_size(), [&](const auto& o, const auto*) {
                     return collectives::compressed_reduce_scatter(*connection_.transport, getRank(), getSize(),
                                                                   flat.data_ptr<float>(), o);
                   });
@@ -446,36 +444,51 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_layout(
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::Tensor>& tensors,
                                                                 const c10d::ReduceOp& op,
                                                                 bool coalesced) {
-  begin_call();
   c10d::Backend& exact = exact_for(tensors);
-  auto run = [&](const c10d::ReduceOp& reduce_op) {
+  const bool gloo_average = op == c10d::ReduceOp::AVG && exact.getBackendName() != "nccl";
+  if (gloo_average)  // refused before the call is numbered: this rank stays in step
+    for (const auto& t : tensors)
+      TORCH_CHECK(at::isFloatingType(t.scalar_type()),
+                  "cgx allreduce: ReduceOp.AVG needs floating-point tensors, got ", t.scalar_type());
+  begin_call();
+  auto run = [&](std::vector<at::Tensor>& reduced, const c10d::ReduceOp& reduce_op) {
     if (coalesced) {
       c10d::AllreduceCoalescedOptions o;
       o.reduceOp = reduce_op;
       o.timeout = timeout_;
-      return exact.allreduce_coalesced(tensors, o);
+      return exact.allreduce_coalesced(reduced, o);
     }
     c10d::AllreduceOptions o;
     o.reduceOp = reduce_op;
     o.timeout = timeout_;
-    return exact.allreduce(tensors, o);
+    return exact.allreduce(reduced, o);
   };
   // NCCL averages itself; Gloo has no AVG.
-  if (op != c10d::ReduceOp::AVG || exact.getBackendName() == "nccl") return run(op);
-  for (const auto& t : tensors)
-    TORCH_CHECK(at::isFloatingType(t.scalar_type()),
-                "cgx allreduce: ReduceOp.AVG needs floating-point tensors, got ", t.scalar_type());
-  auto sum = run(c10d::ReduceOp::SUM);
+  if (!gloo_average) return run(tensors, op);
+  // Gloo sums 16-bit floats in their own precision, so an average whose sum leaves their
+  // range would be Inf (two ranks' 40000 in float16): the sum is made in float32, as the
+  // compressed path makes it, and the average rounded once.
+  std::vector<at::Tensor> summed = tensors;
+  const auto dtype = tensors[0].scalar_type();
+  const bool widen = tensors[0].layout() == at::kStrided && (dtype == at::kHalf || dtype == at::kBFloat16);
+  if (widen) {
+    at::NoGradGuard no_grad;
+    for (auto& t : summed) t = t.detach().to(at::kFloat);
+  }
+  auto sum = run(summed, c10d::ReduceOp::SUM);
   auto work =
       c10::make_intrusive<CGXWork>(getRank(), c10d::OpType::ALLREDUCE, tensors, gpu_of(tensors));
   const int size = getSize();
   // Runs where Gloo completes its future (on a GPU, with streams current that follow the
   // sum); divides only a sum that really completed.
-  sum->getFuture()->addCallback([work, tensors, size](c10::ivalue::Future& done) {
+  sum->getFuture()->addCallback([work, tensors, summed, widen, size](c10::ivalue::Future& done) {
     std::exception_ptr error = done.hasError() ? done.exception_ptr() : nullptr;
     if (!error) {
       try {
-        for (const auto& t : tensors) t.detach().div_(size);
+        for (size_t i = 0; i < tensors.size(); ++i) {
+          summed[i].detach().div_(size);
+          if (widen) tensors[i].detach().copy_(summed[i]);
+        }
       } catch (...) {
         error = std::current_exception();
       }
@@ -489,45 +502,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
     std::shared_ptr<const compression::LayoutCodec> codec, std::optional<at::Tensor> residual) {
   check_cuda_scheme(tensors[0], codec.get(), settings_.scheme, "allreduce");
-  // CGX_COMPRESSION_AUTO: the path of a CPU call that compresses something. (GPU calls
-  // complete on streams, which these timings do not follow.)
-  std::shared_ptr<collectives::ChosenCall> chosen;
-  if (settings_.compression_auto && !tensors[0].is_cuda() && !(codec && codec->all_raw())) {
-    int64_t numel = 0;
-    for (const auto& t : tensors) numel += t.numel();
-    const int size_class = collectives::size_class(numel);
-    const auto choice = paths_->choose(size_class);
-    if (choice.path == collectives::Path::kExact)
-      return chosen_exact_allreduce(tensors, op, op_type == c10d::OpType::ALLREDUCE_COALESCED,
-                                    residual, size_class);
-    chosen = std::make_shared<collectives::ChosenCall>(paths_, size_class, choice.index);
-  }
+  // CGX_COMPRESSION_AUTO: a CPU call that compresses something goes whichever way is
+  // faster, chosen on the worker once the call is agreed. (GPU calls complete on streams,
+  // which these timings do not follow.)
+  const bool choose_path =
+      settings_.compression_auto && !tensors[0].is_cuda() && !(codec && codec->all_raw());
   std::vector<at::Tensor> used = tensors;
   if (residual) used.push_back(*residual);
   return enqueue_compressed(used, tensors, op_type,
-                            [this, tensors, op, codec, residual, chosen](uint64_t sequence, const Lane& lane) mutable {
-                              run_compressed(tensors, op, sequence, codec.get(), lane, residual, chosen.get());
-                              if (chosen) chosen->finished();
+                            [this, tensors, op, codec, residual, choose_path](uint64_t sequence, const Lane& lane) mutable {
+                              run_compressed(tensors, op, sequence, codec.get(), lane, residual, choose_path);
                             });
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::chosen_exact_allreduce(
-    std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op, bool coalesced,
-    const std::optional<at::Tensor>& residual, int size_class) {
-  const auto issued = std::chrono::steady_clock::now();
-  if (residual) {
-    // Nothing is dropped on this path: the residual joins the values and is spent.
-    at::NoGradGuard no_grad;
-    tensors[0].detach().add_(residual->view(tensors[0].sizes()));
-    residual->zero_();
-  }
-  auto work = exact_allreduce(tensors, op, coalesced);
-  work->getFuture()->addCallback([paths = paths_, size_class, issued](c10::ivalue::Future& done) {
-    if (done.hasError()) return;
-    const std::chrono::duration<double, std::micro> took = std::chrono::steady_clock::now() - issued;
-    paths->record(size_class, collectives::Path::kExact, took.count());
-  });
-  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::enqueue_compressed(
@@ -602,7 +587,7 @@ uint64_t ProcessGroupCGX::call_seed(uint64_t sequence) const {
 void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
                                      c10d::ReduceOp::RedOpType op, uint64_t sequence,
                                      const compression::LayoutCodec* codec, const Lane& lane,
-                                     const std::optional<at::Tensor>& residual, collectives::ChosenCall* chosen) {
+                                     const std::optional<at::Tensor>& residual, bool choose_path) {
   // Communication, not a differentiable op: write through detached views.
   at::NoGradGuard no_grad;
   // One contiguous float32 buffer holding every tensor; in place when the single tensor
@@ -636,13 +621,28 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   options.cross_executor = lane.cross_executor;
   options.cross_scratch = lane.cross_scratch;
   options.run_cross = [this](std::function<void()> job) { cross_worker_.enqueue(std::move(job)); };
+  collectives::CallSignature signature = signature_of(sequence, tensors, flat.numel(), *codec, op_name(op));
+  const int size_class = collectives::size_class(flat.numel());
+  if (choose_path) paths_.sign(size_class, signature);
+  // Auto's exact way: the same call with every value raw (summed in float32, like the
+  // compressed way, so that no path overflows where the other does not).
+  std::optional<compression::LayoutCodec> raw;
   // Counted in the callers' dtypes (2 bytes a value for float16 / bfloat16).
-  agree_and_run(options, call_seed(sequence), lane,
-                signature_of(sequence, tensors, flat.numel(), *codec, op_name(op)), flat, residual,
-                &Stats::allreduce, static_cast<double>(input_bytes) / flat.numel(), [&](const auto& o) {
-                  return collectives::allreduce(*connection_.transport, getRank(), connection_.hosts,
-                                                flat.data_ptr<float>(), o);
-                }, chosen);
+  agree_and_run(options, call_seed(sequence), lane, signature, flat, residual, &Stats::allreduce,
+                static_cast<double>(input_bytes) / flat.numel(),
+                [&](collectives::AllreduceOptions& o, const collectives::CallSignature* all) {
+                  auto path = collectives::Path::kCompressed;
+                  if (choose_path) {
+                    path = paths_.choose(size_class, all, getSize());
+                    if (path == collectives::Path::kExact) o.codec = &raw.emplace(compression::LayoutCodec::raw(flat.numel()));
+                  }
+                  const auto started = std::chrono::steady_clock::now();
+                  const auto traffic = collectives::allreduce(*connection_.transport, getRank(), connection_.hosts,
+                                                              flat.data_ptr<float>(), o);
+                  const std::chrono::duration<double, std::micro> took = std::chrono::steady_clock::now() - started;
+                  if (choose_path) paths_.record(size_class, path, took.count());
+                  return traffic;
+                });
   if (op == c10d::ReduceOp::AVG) flat.div_(getSize());
   if (in_place) return;
   int64_t offset = 0;

@@ -172,7 +172,8 @@ class ProcessGroupCGX final : public c10d::Backend {
   // The group's settings per tensor of a coalesced call; tensors at or under
   // minimal_size travel unquantized.
   compression::LayoutCodec per_tensor_codec(const std::vector<at::Tensor>& tensors) const;
-  // Gloo allreduce, with AVG done as SUM followed by a division (Gloo has no AVG).
+  // Gloo allreduce, with AVG done as SUM followed by a division (Gloo has no AVG; 16-bit
+  // values summed in float32).
   c10::intrusive_ptr<c10d::Work> exact_allreduce(std::vector<at::Tensor>& tensors,
                                                  const c10d::ReduceOp& op, bool coalesced);
   // Numbers a compressed call now and queues `body` on the worker thread; any failure of
@@ -189,15 +190,11 @@ class ProcessGroupCGX final : public c10d::Backend {
       std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
       std::shared_ptr<const compression::LayoutCodec> codec,
       std::optional<at::Tensor> residual = std::nullopt);
+  // `choose_path`: CGX_COMPRESSION_AUTO picks the way once the call is agreed: compressed,
+  // or with every value raw (collectives/path_choice.h).
   void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op,
                       uint64_t sequence, const compression::LayoutCodec* codec, const Lane& lane,
-                      const std::optional<at::Tensor>& residual, collectives::ChosenCall* chosen);
-  // An allreduce CGX_COMPRESSION_AUTO sends the exact way: the residual folded into the
-  // tensor, then the exact path, timed for `size_class`.
-  c10::intrusive_ptr<c10d::Work> chosen_exact_allreduce(std::vector<at::Tensor>& tensors,
-                                                        c10d::ReduceOp::RedOpType op, bool coalesced,
-                                                        const std::optional<at::Tensor>& residual,
-                                                        int size_class);
+                      const std::optional<at::Tensor>& residual, bool choose_path);
   // What every rank must agree on before a compressed call moves data; `op`: the
   // collective and its reduction, as the mismatch message names them; `scale`: what the
   // sum is multiplied by.
@@ -206,15 +203,15 @@ class ProcessGroupCGX final : public c10d::Backend {
                                           const char* op, double scale = 1.0) const;
   // The skeleton of every compressed call's body, once its values are in `flat` (float32):
   // the call options (`seed`, the deadline, the lane's executor and scratch), agreement with
-  // every rank on `signature` (which carries `chosen`'s timings, when the call was chosen
-  // by CGX_COMPRESSION_AUTO), the residual folded in once the call is known to go ahead,
-  // `run(options)` (the collective), its traffic counted in `counters`. The body before it
-  // flattens the call's tensors; after it, writes the results back.
+  // every rank on `signature`, the residual folded in once the call is known to go ahead,
+  // `run(options, all)` (the collective, given every rank's signature), its traffic
+  // counted in `counters`. The body before it flattens the call's tensors; after it,
+  // writes the results back.
   template <typename CollectiveOptions, typename Run>
   void agree_and_run(CollectiveOptions& options, uint64_t seed, const Lane& lane,
-                     collectives::CallSignature signature, at::Tensor& flat,
+                     const collectives::CallSignature& signature, at::Tensor& flat,
                      const std::optional<at::Tensor>& residual, Counters Stats::*counters,
-                     double bytes_per_value, Run run, collectives::ChosenCall* chosen = nullptr);
+                     double bytes_per_value, Run run);
   // Stochastic rounding's seed for the call numbered `sequence`.
   uint64_t call_seed(uint64_t sequence) const;
   // Adds a call's traffic to `counters`; `bytes_per_value`: the caller's element size.
@@ -234,9 +231,8 @@ class ProcessGroupCGX final : public c10d::Backend {
   std::unique_ptr<compression::Executor> executor_;
   std::unique_ptr<compression::Executor> cross_executor_;
   CudaLane cuda_;                       // streams, executors and pinned scratch on a GPU
-  // CGX_COMPRESSION_AUTO's timings and choices (shared with the callbacks that time exact
-  // calls, which may outlive the group).
-  std::shared_ptr<collectives::PathChooser> paths_ = std::make_shared<collectives::PathChooser>();
+  // CGX_COMPRESSION_AUTO's timings and choices (the worker's; stats() reads them).
+  collectives::PathChooser paths_;
   // Collectives issued, exact ones included (callers' threads): a compressed call's
   // number differs between ranks whenever they took different paths before it (a size
   // on either side of minimal_size, a dtype mismatch), and its signature check fails.

@@ -28,23 +28,24 @@ float PathChooser::Estimate::median() const {
   return 0;  // no samples
 }
 
-PathChooser::Choice PathChooser::choose(int size_class) {
-  std::unique_lock<std::mutex> lock(mutex_);
+Path PathChooser::choose(int size_class, const CallSignature* all, int size) {
+  std::lock_guard<std::mutex> lock(mutex_);
   Class& c = classes_[size_class];
-  const uint64_t index = c.issued++;
-  // Every agreement this call may use has been made once no compressed call of the class
-  // kLag or more calls back is pending.
-  agreed_.wait(lock, [&] { return c.pending.empty() || c.pending.front() + kLag > index; });
-  while (!c.agreements.empty() && c.agreements.front().from <= index) {
-    for (int p : {kC, kE})
-      if (c.agreements.front().slowest[p] > 0) c.slowest[p] = c.agreements.front().slowest[p];
-    c.agreements.pop_front();
+  for (int p : {kC, kE}) {
+    float slowest = 0;
+    bool known = true;
+    for (int r = 0; r < size; ++r) {
+      const float estimate = p == kC ? all[r].compressed_us : all[r].exact_us;
+      known = known && estimate > 0;
+      slowest = std::max(slowest, estimate);
+    }
+    if (known) c.slowest[p] = slowest;
   }
   Path path;
   if (!(c.slowest[kC] > 0)) {
     path = Path::kCompressed;  // what the user asked for, measured first
   } else if (!(c.slowest[kE] > 0)) {
-    // Every other call, until exact timings have been agreed.
+    // Every other call, until every rank has exact timings.
     path = c.since_probe % 2 == 0 ? Path::kExact : Path::kCompressed;
     ++c.since_probe;
   } else {
@@ -62,8 +63,7 @@ PathChooser::Choice PathChooser::choose(int size_class) {
   }
   c.path = path;
   ++c.calls[static_cast<int>(path)];
-  if (path == Path::kCompressed) c.pending.push_back(index);
-  return {path, index};
+  return path;
 }
 
 void PathChooser::sign(int size_class, CallSignature& signature) const {
@@ -71,34 +71,6 @@ void PathChooser::sign(int size_class, CallSignature& signature) const {
   const Class& c = classes_[size_class];
   signature.compressed_us = c.local[kC].median();
   signature.exact_us = c.local[kE].median();
-}
-
-void PathChooser::agreed(int size_class, uint64_t index, const CallSignature* all, int size) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    Class& c = classes_[size_class];
-    const auto it = std::find(c.pending.begin(), c.pending.end(), index);
-    if (it == c.pending.end()) return;  // settled already
-    c.pending.erase(it);
-    if (all) {
-      Agreement a{index + kLag, {0, 0}};
-      for (int p : {kC, kE}) {
-        float slowest = 0;
-        bool known = true;
-        for (int r = 0; r < size; ++r) {
-          const float estimate = p == kC ? all[r].compressed_us : all[r].exact_us;
-          known = known && estimate > 0;
-          slowest = std::max(slowest, estimate);
-        }
-        a.slowest[p] = known ? slowest : 0;
-      }
-      // In the order of use (calls are agreed in order, but one may be abandoned early).
-      c.agreements.insert(std::upper_bound(c.agreements.begin(), c.agreements.end(), a,
-                                           [](const Agreement& x, const Agreement& y) { return x.from < y.from; }),
-                          a);
-    }
-  }
-  agreed_.notify_all();
 }
 
 void PathChooser::record(int size_class, Path path, double microseconds) {
@@ -115,7 +87,7 @@ std::vector<PathChooser::ClassStats> PathChooser::stats() const {
   std::vector<ClassStats> out;
   for (int s = 0; s < kSizeClasses; ++s) {
     const Class& c = classes_[s];
-    if (c.issued == 0) continue;
+    if (c.calls[kC] + c.calls[kE] == 0) continue;
     out.push_back({s, c.path, c.slowest[kC], c.slowest[kE], c.calls[kC], c.calls[kE]});
   }
   return out;

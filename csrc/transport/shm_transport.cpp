@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -45,11 +46,19 @@ constexpr uint64_t kMaxStepBytes = 256 << 10;
 // Longest single sleep, so that the deadline is checked even if nobody rings.
 constexpr std::chrono::milliseconds kMaxSleep{50};
 
+// Why an owner gave up on an exchange (ControlBlock::failed).
+enum FailedState : uint32_t { kHealthy = 0, kFailed = 1, kTimedOut = 2 };
+
 // Start of every segment. Its owner sleeps on `doorbell`; peers bump it after moving data
-// to or from the owner, and futex-wake it only while `sleeping` is set.
+// to or from the owner, and futex-wake it only while `sleeping` is set. `pid` and
+// `pid_namespace` let peers watch the owner's process; `failed` tells them that the owner
+// gave up on an exchange (a FailedState), so that they stop waiting for it at once.
 struct ControlBlock {
   alignas(kCacheLine) std::atomic<uint32_t> doorbell;
   alignas(kCacheLine) std::atomic<uint32_t> sleeping;
+  alignas(kCacheLine) std::atomic<uint32_t> failed;
+  int32_t pid;
+  uint64_t pid_namespace;
 };
 
 // Header of a single-producer / single-consumer byte ring whose data follows it. Both
@@ -210,6 +219,33 @@ class Segment {
   OwnedShmName registration_;  // while the name is ours: unlinked on SIGTERM / SIGHUP too
 };
 
+// The inode of this process's pid namespace: pids mean the same process only between
+// processes that share it (0 where /proc cannot say).
+uint64_t pid_namespace() {
+  struct stat status {};
+  return stat("/proc/self/ns/pid", &status) == 0 ? static_cast<uint64_t>(status.st_ino) : 0;
+}
+
+// A pidfd for the owner of `control`, which becomes readable when that process exits (not
+// fooled by a reused pid); -1 where it cannot be had (another pid namespace, a kernel
+// before 5.3): that peer's death is then found at the deadline only.
+int watch_process(const ControlBlock& control) {
+#ifdef SYS_pidfd_open
+  const uint64_t ours = pid_namespace();
+  if (ours == 0 || control.pid_namespace != ours || control.pid <= 0) return -1;
+  return static_cast<int>(syscall(SYS_pidfd_open, control.pid, 0));
+#else
+  (void)control;
+  return -1;
+#endif
+}
+
+bool has_exited(int pidfd) {
+  if (pidfd < 0) return false;
+  pollfd watched{pidfd, POLLIN, 0};
+  return poll(&watched, 1, 0) > 0 && (watched.revents & POLLIN) != 0;
+}
+
 long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
 }
@@ -330,6 +366,7 @@ struct ShmTransport::Impl {
     ControlBlock* control;  // the peer's doorbell
     Ring to_peer;           // in my segment
     Ring from_peer;         // in the peer's segment
+    std::shared_ptr<FileDescriptor> process;  // a pidfd of the peer (-1: none)
   };
 
   struct Progress {
@@ -370,6 +407,8 @@ struct ShmTransport::Impl {
 
     own_segment = Segment::create(segment_name(rank), bytes);
     control = new (own_segment.base()) ControlBlock{};
+    control->pid = static_cast<int32_t>(getpid());
+    control->pid_namespace = pid_namespace();
     for (size_t index = 0; index + 1 < local_ranks.size(); ++index) {
       new (ring_at(own_segment.base(), index, ring_bytes).header) RingHeader{};
     }
@@ -405,9 +444,11 @@ struct ShmTransport::Impl {
         give_up(local_ranks[index], "has no shared memory to open", e);
       }
       std::byte* base = segment.base();
-      peers.push_back(Peer{local_ranks[index], std::move(segment), control_block_at(base),
+      ControlBlock* peer_control = control_block_at(base);
+      peers.push_back(Peer{local_ranks[index], std::move(segment), peer_control,
                            ring_at(own_segment.base(), ring_index(my_index, index), ring_bytes),
-                           ring_at(base, ring_index(index, my_index), ring_bytes)});
+                           ring_at(base, ring_index(index, my_index), ring_bytes),
+                           std::make_shared<FileDescriptor>(watch_process(*peer_control))});
     }
     store.set(store_key(name_prefix, "attached", rank), present);
     for (int peer : local_ranks) {
@@ -472,19 +513,47 @@ struct ShmTransport::Impl {
     return progress;
   }
 
-  std::string describe_pending(const std::vector<PeerWork>& work) const {
-    auto outstanding = [](const char* direction, const auto& queue) {
+  // After a sleep with nothing moved: a peer this exchange waits for that has exited, or
+  // that gave up on an exchange of its own, will never move more than it has. What it
+  // moved before it stopped may still be in the rings (a send completes once it is in
+  // the ring: a peer may exit right after): that is taken first, and only work still left
+  // then fails. Peers this exchange does not wait for may have finished and exited.
+  void check_peers_alive(std::vector<PeerWork>& work) {
+    for (size_t index = 0; index < peers.size(); ++index) {
+      if (work[index].done()) continue;
+      const Peer& peer = peers[index];
+      const bool exited = has_exited(peer.process->get());
+      const uint32_t failed = peer.control->failed.load(std::memory_order_seq_cst);
+      if (!exited && failed == kHealthy) continue;
+      while (make_progress(work).moved) {
+      }
+      if (work[index].done()) continue;
+      const std::string who = "cgx shm: local rank " + std::to_string(peer.rank) + " (pid " +
+                              std::to_string(peer.control->pid) + ")";
+      if (exited)
+        throw TransportError(who + " exited while this rank waited for it; waiting for " + outstanding(work));
+      if (failed == kTimedOut)
+        throw TimeoutError(who + " timed out in an exchange, so this one cannot complete; waiting for " +
+                           outstanding(work));
+      throw TransportError(who + " failed in an exchange (a peer of its own died?), so this one cannot "
+                           "complete; waiting for " + outstanding(work));
+    }
+  }
+
+  // "rank 1 (send: 10 of 20 bytes outstanding), rank 2 (...)": what `work` still waits for.
+  std::string outstanding(const std::vector<PeerWork>& work) const {
+    auto left = [](const char* direction, const auto& queue) {
       return std::string(direction) + ": " + std::to_string(queue.total_bytes - queue.moved_bytes) +
              " of " + std::to_string(queue.total_bytes) + " bytes outstanding";
     };
-    std::string message = "cgx shm: timed out waiting for";
-    const char* separator = " ";
+    std::string message;
+    const char* separator = "";
     for (size_t index = 0; index < peers.size(); ++index) {
       if (work[index].done()) continue;
       message += separator + std::string("rank ") + std::to_string(peers[index].rank) + " (";
-      if (!work[index].sends.done()) message += outstanding("send", work[index].sends);
+      if (!work[index].sends.done()) message += left("send", work[index].sends);
       if (!work[index].sends.done() && !work[index].recvs.done()) message += "; ";
-      if (!work[index].recvs.done()) message += outstanding("recv", work[index].recvs);
+      if (!work[index].recvs.done()) message += left("recv", work[index].recvs);
       message += ")";
       separator = ", ";
     }
@@ -518,10 +587,14 @@ struct ShmTransport::Impl {
       Posted& first = *posted.front();
       try {
         complete(first.work, deadline);
-      } catch (...) {
+      } catch (const std::exception& e) {
         broken = true;
         for (Posted* p : posted) p->queued = false;
         posted.clear();
+        // Peers waiting for this rank stop now, not at their own deadline.
+        control->failed.store(dynamic_cast<const TimeoutError*>(&e) ? kTimedOut : kFailed,
+                              std::memory_order_seq_cst);
+        for (const Peer& peer : peers) ring_doorbell(*peer.control);
         throw;
       }
       first.queued = false;
@@ -536,9 +609,10 @@ struct ShmTransport::Impl {
       Progress progress = make_progress(work);
       if (!progress.moved && !progress.done && idle_passes == kSpinPasses) {
         progress = sleep_until_rung(work, deadline);
+        if (!progress.moved && !progress.done) check_peers_alive(work);
       }
       if (progress.done) return;
-      if (Clock::now() >= deadline) throw TimeoutError(describe_pending(work));
+      if (Clock::now() >= deadline) throw TimeoutError("cgx shm: timed out waiting for " + outstanding(work));
       if (progress.moved) {
         idle_passes = 0;
       } else if (idle_passes < kSpinPasses) {

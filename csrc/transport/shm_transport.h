@@ -5,7 +5,11 @@
 // single-consumer byte ring per local peer it sends to, plus a doorbell word that peers
 // bump (and futex-wake) when they move data to or from this rank. Segments are unlinked as
 // soon as every local peer has attached, so nothing is left in /dev/shm even if a process
-// dies later. Every wait is bounded by the exchange deadline.
+// dies later. Every wait is bounded by the exchange deadline, and ends sooner when a peer
+// it waits for has exited (watched through a pidfd, where the peers share a pid
+// namespace) or has given up on an exchange of its own (a flag in its segment, which a
+// failing rank sets): a dead local peer is a TransportError on every survivor within
+// about 50 ms of a sleep, not a timeout.
 //
 // The caller's thread moves the bytes: post() fills the rings as far as they have room,
 // wait() moves the rest (exchanges complete in posting order).

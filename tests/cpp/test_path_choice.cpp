@@ -1,11 +1,7 @@
 // CGX_COMPRESSION_AUTO's choices (collectives/path_choice.h): the same on every rank however
-// differently the ranks' clocks ran, made from the slowest rank's timings, the losing
-// path re-tried more rarely the more it loses, and a choice that needs an agreement not
-// made yet waits for it.
-#include <atomic>
-#include <chrono>
+// differently the ranks' clocks ran, made from the slowest rank's timings, and the losing
+// path re-tried more rarely the more it loses.
 #include <cstdint>
-#include <thread>
 #include <vector>
 
 #include "check.h"
@@ -24,8 +20,8 @@ using collectives::PathChooser;
 
 constexpr int kClass = 20;  // 1 MiB calls
 
-// Runs `calls` calls of kClass on this rank's chooser as the backend does: a compressed
-// call signs, exchanges signatures with every rank and is agreed; then each call's
+// Runs `calls` calls of kClass on this rank's chooser as the backend does: each call signs,
+// exchanges signatures with every rank, and its path is chosen from them; then its
 // duration is recorded as `took(call, path)` says. Returns the paths, in order.
 template <typename Took>
 std::vector<Path> run_calls(PathChooser& chooser, transport::Transport& transport, int rank, int size,
@@ -33,16 +29,13 @@ std::vector<Path> run_calls(PathChooser& chooser, transport::Transport& transpor
   const compression::LayoutCodec codec = layout({quantized(1000, 4, 512)});
   std::vector<Path> paths;
   for (int call = first; call < first + calls; ++call) {
-    const PathChooser::Choice choice = chooser.choose(kClass);
-    if (choice.path == Path::kCompressed) {
-      CallSignature signature(call, {{1000}}, 1000, codec, "Float", "SUM", 4, 512, 0);
-      chooser.sign(kClass, signature);
-      const CallSignature* all = collectives::check_same_on_all_ranks(transport, rank, size, signature,
-                                                                      soon(), scratch);
-      chooser.agreed(kClass, choice.index, all, size);
-    }
-    chooser.record(kClass, choice.path, took(call, choice.path));
-    paths.push_back(choice.path);
+    CallSignature signature(call, {{1000}}, 1000, codec, "Float", "SUM", 4, 512, 0);
+    chooser.sign(kClass, signature);
+    const CallSignature* all = collectives::check_same_on_all_ranks(transport, rank, size, signature,
+                                                                    soon(), scratch);
+    const Path path = chooser.choose(kClass, all, size);
+    chooser.record(kClass, path, took(call, path));
+    paths.push_back(path);
   }
   return paths;
 }
@@ -79,13 +72,15 @@ CGX_TEST(auto_choices_are_the_same_on_every_rank_and_follow_the_slowest_rank) {
     const auto every = from_every_rank(transport, rank, size, mine);
     for (int r = 0; r < size; ++r) CHECK(every[r] == every[0]);
 
-    CHECK(paths[0] == Path::kCompressed);  // measured first
-    CHECK_EQ(count(paths, Path::kExact, 0, PathChooser::kMinSamples + PathChooser::kLag), 0);
+    // Measured first compressed, then both ways in turn until every rank has both timings.
+    CHECK_EQ(count(paths, Path::kExact, 0, PathChooser::kMinSamples), 0);
+    CHECK(paths[PathChooser::kMinSamples] == Path::kExact);
+    CHECK(paths[PathChooser::kMinSamples + 1] == Path::kCompressed);
     // Settled on exact, compressed re-tried about once in 32 x (50000 / 3000) calls.
     CHECK_EQ(count(paths, Path::kCompressed, 100, 300), 0);
     CHECK(count(paths, Path::kExact, 100, 300) == 200);
-    // After the change, the next compressed probe carries the slower exact timings:
-    // compression wins kLag calls later, and keeps winning.
+    // After the change, the next exact probe brings the slower exact timings: compression
+    // wins from then on.
     CHECK(count(paths, Path::kCompressed, 800, 1000) >= 195);
     auto stats = chooser.stats();
     CHECK_EQ(stats.size(), size_t{1});
@@ -100,14 +95,11 @@ CGX_TEST(auto_choices_are_the_same_on_every_rank_and_follow_the_slowest_rank) {
 std::vector<Path> alone(PathChooser& chooser, int calls, double compressed_us, double exact_us) {
   std::vector<Path> paths;
   for (int call = 0; call < calls; ++call) {
-    const PathChooser::Choice choice = chooser.choose(kClass);
-    if (choice.path == Path::kCompressed) {
-      CallSignature signature;
-      chooser.sign(kClass, signature);
-      chooser.agreed(kClass, choice.index, &signature, 1);
-    }
-    chooser.record(kClass, choice.path, choice.path == Path::kExact ? exact_us : compressed_us);
-    paths.push_back(choice.path);
+    CallSignature signature;
+    chooser.sign(kClass, signature);
+    const Path path = chooser.choose(kClass, &signature, 1);
+    chooser.record(kClass, path, path == Path::kExact ? exact_us : compressed_us);
+    paths.push_back(path);
   }
   return paths;
 }
@@ -125,28 +117,6 @@ CGX_TEST(auto_retries_the_losing_path_more_rarely_the_more_it_loses) {
   PathChooser equal;
   const std::vector<Path> c = alone(equal, 200, 1000, 1000);
   CHECK(count(c, Path::kCompressed, 100) >= 96);
-}
-
-CGX_TEST(an_auto_choice_waits_for_the_agreement_it_needs) {
-  PathChooser chooser;
-  const PathChooser::Choice first = chooser.choose(kClass);
-  CHECK(first.path == Path::kCompressed);
-  for (uint64_t i = 1; i < PathChooser::kLag; ++i) {
-    const PathChooser::Choice c = chooser.choose(kClass);  // these need no agreement yet
-    CallSignature signature;
-    chooser.agreed(kClass, c.index, &signature, 1);
-  }
-  // Call kLag may use call 0's agreement: it waits until call 0 is agreed or abandoned.
-  std::atomic<bool> chosen{false};
-  std::thread caller([&] {
-    chooser.choose(kClass);
-    chosen = true;
-  });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  CHECK(!chosen);
-  chooser.agreed(kClass, first.index, nullptr, 0);  // call 0 failed before its check
-  caller.join();
-  CHECK(chosen);
 }
 
 }  // namespace

@@ -1,4 +1,6 @@
 // transport::ShmTransport between forked processes, with a store made of files.
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdint>
 #include <random>
@@ -108,8 +110,9 @@ CGX_TEST(shm_exchanges_messages_larger_than_the_ring_2_ranks) { exchange_large_m
 CGX_TEST(shm_exchanges_messages_larger_than_the_ring_3_ranks) { exchange_large_messages(3); }
 
 // Rank 0 sends rank 1 more than the ring holds and rank 1 never receives; rank 2 waits for
-// a message rank 0 never sends. Both raise TimeoutError at their deadline, not before and
-// not much after, and their transports refuse further use.
+// a message rank 0 never sends. Both raise TimeoutError at their deadline, not much after
+// (rank 2 maybe a little before, told by rank 0 that it timed out), and their transports
+// refuse further use.
 CGX_TEST(shm_times_out_when_a_peer_never_sends_or_receives) {
   run_ranks(3, [](int rank, KeyValueStore& store, const std::string& prefix) {
     ShmTransport transport(rank, {0, 1, 2}, prefix, kRingBytes, store);
@@ -118,7 +121,7 @@ CGX_TEST(shm_times_out_when_a_peer_never_sends_or_receives) {
       const auto start = Clock::now();
       CHECK_THROWS(transport.exchange(sends, recvs, start + wait), TimeoutError);
       const auto elapsed = Clock::now() - start;
-      CHECK(elapsed >= wait);
+      CHECK(elapsed >= wait - 100ms);
       CHECK(elapsed < wait + 2s);
       CHECK_THROWS(transport.exchange({}, {}, soon()), std::runtime_error);
     };
@@ -132,6 +135,44 @@ CGX_TEST(shm_times_out_when_a_peer_never_sends_or_receives) {
     // Nobody leaves before both timeouts are seen.
     store.set(prefix + "/done/" + std::to_string(rank), {1});
     for (int peer = 0; peer < 3; ++peer) store.get(prefix + "/done/" + std::to_string(peer));
+  });
+}
+
+// Rank 2 starts sending rank 0 more than the ring holds and exits; rank 1 waits for a
+// message of rank 0's that never comes. Rank 0 finds rank 2's process gone, and rank 1
+// finds rank 0 failed: both raise TransportError (not a timeout) long before the deadline.
+// (Rank 0 stays alive until rank 1 is done: without the flag rank 1 would wait out its
+// deadline.)
+CGX_TEST(shm_a_dead_local_peer_fails_the_exchanges_that_wait_for_it_at_once) {
+  run_ranks(3, [](int rank, KeyValueStore& store, const std::string& prefix) {
+    ShmTransport transport(rank, {0, 1, 2}, prefix, kRingBytes, store);
+    std::vector<uint8_t> big(1 << 20, 1);
+    if (rank == 2) {
+      auto pending = transport.post({{0, big.data(), big.size()}}, {});
+      _exit(0);
+    }
+    const auto start = Clock::now();
+    bool timed_out = false;
+    std::string message;
+    try {
+      if (rank == 0) {
+        transport.exchange({}, {{2, big.data(), big.size()}}, start + 20s);
+      } else {
+        transport.exchange({}, {{0, big.data(), 8}}, start + 20s);
+      }
+    } catch (const TimeoutError& e) {
+      timed_out = true;
+      message = e.what();
+    } catch (const transport::TransportError& e) {
+      message = e.what();
+    }
+    CHECK(!timed_out);
+    CHECK(Clock::now() - start < 2s);
+    CHECK(message.find(rank == 0 ? "local rank 2" : "local rank 0") != std::string::npos);
+    CHECK(message.find(rank == 0 ? "exited" : "failed") != std::string::npos);
+    CHECK_THROWS(transport.exchange({}, {}, soon()), transport::TransportError);
+    store.set(prefix + "/done/" + std::to_string(rank), {1});
+    for (int peer = 0; peer < 2; ++peer) store.get(prefix + "/done/" + std::to_string(peer));
   });
 }
 
