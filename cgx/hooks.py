@@ -400,10 +400,11 @@ class CGXState:
         for name, offset, numel, _ in compressed:
             self.residuals[name] = residual.narrow(0, offset, numel).clone()
 
-    def _count(self, buffer: torch.Tensor, layout: list, skip_incomplete: bool) -> None:
+    def _count(self, buffer: torch.Tensor, layout: list, skip_incomplete: bool, exactly: bool) -> None:
+        """A completed bucket's payload; `exactly`: CGX_COMPRESSION_AUTO sent it raw."""
         self.bytes_uncompressed += buffer.numel() * buffer.element_size()
-        if all(bits == RAW_BITS for _, _, bits, *_ in layout):
-            self.bytes_sent += buffer.numel() * buffer.element_size()  # Gloo, in its dtype
+        if exactly or all(bits == RAW_BITS for _, _, bits, *_ in layout):
+            self.bytes_sent += buffer.numel() * 4  # float32 values
             return
         self.bytes_sent += layout_bytes(layout, skip_incomplete)
 
@@ -558,14 +559,15 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
             state._prepare(buffer, compressed, settings, decides=group.rank() == 0)
             if state.two_level and fed:
                 residual = state._bucket_residual(buffer, fed)
-        state._count(buffer, layout, settings.skip_incomplete_buckets)
-        future = backend.allreduce_layout(buffer, layout, residual=residual).get_future()
-        if residual is not None:
-            def keep(done, residual=residual, fed=fed):
-                result = done.value()  # a failed call raises here and keeps the old residuals
+        work = backend.allreduce_layout(buffer, layout, residual=residual)
+
+        def settle(done, work=work, residual=residual, fed=fed if residual is not None else None):
+            result = done.value()  # a failed call raises here and keeps the old residuals
+            if residual is not None:
                 state._keep_residuals(residual, fed)
-                return result
-            future = future.then(keep)
+            state._count(buffer, layout, settings.skip_incomplete_buckets, _C.sent_exactly(work))
+            return result
+        future = work.get_future().then(settle)
     if bucket.is_last():
         state._end_step(group)
     return future.then(lambda f: f.value()[0])

@@ -357,6 +357,16 @@ PYBIND11_MODULE(_C, m) {
         "While set, the allreduces this thread issues on a cgx group take the exact path "
         "(use cgx.exact()). Returns the previous value.");
 
+  m.def(
+      "sent_exactly",
+      [](const c10::intrusive_ptr<c10d::Work>& work) {
+        const auto* cgx_work = dynamic_cast<const cgx::backend::CGXWork*>(work.get());
+        return cgx_work != nullptr && cgx_work->sent_exactly();
+      },
+      py::arg("work"),
+      "Whether CGX_COMPRESSION_AUTO sent a completed cgx call with every value raw (float32 "
+      "on the wire) instead of compressed; False for any other Work.");
+
   m.def("compress", &compress, py::arg("input"), py::arg("bits"), py::arg("bucket_size"),
         py::kw_only(), py::arg("stochastic") = false, py::arg("seed") = 0,
         py::arg("skip_incomplete_buckets") = false, py::arg("out") = py::none(),

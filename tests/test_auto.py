@@ -36,8 +36,10 @@ def _allreduces(rank, world, auto, n):
         inputs = [torch.randint(-1000, 1000, (n,), generator=torch.Generator().manual_seed(call * world + r))
                   .float() for r in range(world)]
         t = inputs[rank].clone()
-        dist.all_reduce(t, group=group)
+        work = dist.all_reduce(t, group=group, async_op=True)
+        work.wait()
         path = _path_of_last_call(group) if auto else "compressed"
+        assert cgx._C.sent_exactly(work) == (path == "exact")
         exact = torch.stack(inputs).sum(0)
         error = float((t - exact).abs().max())
         out.append((path, t, error, allreduce_error_bound(inputs, 4)))
@@ -225,3 +227,33 @@ def test_16_bit_averages_do_not_overflow_on_any_path():
                 assert torch.equal(t, torch.full_like(t, float("inf"))), (dtype, path, t[:4])
             else:  # beyond float32: Inf, or NaN where a quantized bucket holds it
                 assert not torch.isfinite(t).any(), (dtype, path, t[:4])
+
+
+def _hook_counts_what_was_sent(rank, world):
+    """A class's first three calls are compressed and its fourth goes the exact way,
+    whatever the timings: the hook's payload count follows the way each bucket went."""
+    import cgx
+    from test_hooks import make_model, train
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init_cgx(rank, world, pg_options=cgx.Config(minimal_size=0))  # auto is on by default
+    model = make_model()
+    ddp = DDP(model)  # one bucket
+    state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=4))
+    ddp.register_comm_hook(state, cgx.cgx_hook)
+    sent = []
+    for step in range(4):
+        train(ddp, model, rank, 1, start=step)
+        sent.append(state.compression_stats()["bytes_sent"])
+    numel = sum(p.numel() for p in model.parameters())
+    (entry,) = cgx.stats()["auto"]
+    return sent, numel, entry["compressed_calls"], entry["exact_calls"]
+
+
+def test_the_hook_counts_a_bucket_sent_exactly_as_float32():
+    for sent, numel, compressed_calls, exact_calls in values(run_ranks(_hook_counts_what_was_sent, 2)):
+        assert (compressed_calls, exact_calls) == (3, 1)
+        compressed = sent[0]
+        assert 0 < compressed < numel  # 4 bits: about an eighth of float32
+        assert sent[:3] == [compressed, 2 * compressed, 3 * compressed]
+        assert sent[3] - sent[2] == 4 * numel

@@ -5,6 +5,7 @@
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <functional>
 #include <optional>
 
@@ -36,7 +37,14 @@ class CGXWork final : public c10d::Work {
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
+  // Whether CGX_COMPRESSION_AUTO sent the call with every value raw (set before it
+  // completes): what it put on the wire is then its values in float32, not its layout's
+  // compressed size.
+  bool sent_exactly() const { return sent_exactly_; }
+  void mark_sent_exactly() { sent_exactly_ = true; }
+
  private:
+  std::atomic<bool> sent_exactly_{false};
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };

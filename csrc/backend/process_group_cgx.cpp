@@ -383,7 +383,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_layout(
     at::Tensor output, at::Tensor input, std::vector<compression::Segment> shard_layout,
     uint64_t seed) {
   auto codec = checked_shard_call("allgather_layout", output, input, getSize(), std::move(shard_layout));
-  auto body = [this, output, input, codec, seed](uint64_t sequence, const Lane& lane) {
+  auto body = [this, output, input, codec, seed](uint64_t sequence, const Lane& lane, CGXWork&) {
     at::NoGradGuard no_grad;
     const int64_t shard = input.numel();
     // Decoded in place where the output is float32; else through a float32 buffer.
@@ -416,8 +416,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_layout(
                     static_cast<int>(op));
   check_residual(residual, input, "reduce_scatter_layout");
   const char* op_text = op == c10d::ReduceOp::SUM ? "rs:SUM" : op == c10d::ReduceOp::AVG ? "rs:AVG" : "rs:PRE";
-  auto body = [this, output, input, codec, op, factor, residual, op_text](uint64_t sequence,
-                                                                          const Lane& lane) {
+  auto body = [this, output, input, codec, op, factor, residual, op_text](uint64_t sequence, const Lane& lane,
+                                                                          CGXWork&) {
     at::NoGradGuard no_grad;
     const int64_t shard = output.numel();
     // The caller's input stays as it was (c10d's contract): the shards are summed in a copy.
@@ -510,8 +510,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
   std::vector<at::Tensor> used = tensors;
   if (residual) used.push_back(*residual);
   return enqueue_compressed(used, tensors, op_type,
-                            [this, tensors, op, codec, residual, choose_path](uint64_t sequence, const Lane& lane) mutable {
-                              run_compressed(tensors, op, sequence, codec.get(), lane, residual, choose_path);
+                            [this, tensors, op, codec, residual, choose_path](uint64_t sequence, const Lane& lane,
+                                                                              CGXWork& work) mutable {
+                              run_compressed(tensors, op, sequence, codec.get(), lane, residual, choose_path, work);
                             });
 }
 
@@ -529,7 +530,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::enqueue_compressed(
     std::optional<c10::Stream> done_on;  // a GPU call's results are complete there
     try {
       check_usable();  // a call queued before an earlier one failed
-      auto run = [&](const Lane& lane) { body(sequence, lane); };
+      auto run = [&](const Lane& lane) { body(sequence, lane, *work); };
       if (ticket) {
         cuda_.run(*ticket, run);
         done_on = cuda_.finished();
@@ -587,7 +588,8 @@ uint64_t ProcessGroupCGX::call_seed(uint64_t sequence) const {
 void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
                                      c10d::ReduceOp::RedOpType op, uint64_t sequence,
                                      const compression::LayoutCodec* codec, const Lane& lane,
-                                     const std::optional<at::Tensor>& residual, bool choose_path) {
+                                     const std::optional<at::Tensor>& residual, bool choose_path,
+                                     CGXWork& work) {
   // Communication, not a differentiable op: write through detached views.
   at::NoGradGuard no_grad;
   // One contiguous float32 buffer holding every tensor; in place when the single tensor
@@ -634,7 +636,10 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
                   auto path = collectives::Path::kCompressed;
                   if (choose_path) {
                     path = paths_.choose(size_class, all, getSize());
-                    if (path == collectives::Path::kExact) o.codec = &raw.emplace(compression::LayoutCodec::raw(flat.numel()));
+                    if (path == collectives::Path::kExact) {
+                      o.codec = &raw.emplace(compression::LayoutCodec::raw(flat.numel()));
+                      work.mark_sent_exactly();
+                    }
                   }
                   const auto started = std::chrono::steady_clock::now();
                   const auto traffic = collectives::allreduce(*connection_.transport, getRank(), connection_.hosts,

@@ -7,7 +7,9 @@
 // agree on (dtype, op, total size), never from how a rank's list is split, so ranks given
 // different calls all reach the call signature check before any data moves.
 // It runs on the group's worker thread (csrc/collectives over csrc/transport): flat on
-// one host or with one rank per host, hierarchical otherwise. CUDA tensors are compressed
+// one host or with one rank per host, hierarchical otherwise. With CGX_COMPRESSION_AUTO a
+// CPU call's way (compressed, or every value raw) is chosen there once the call is
+// agreed, so both ways keep the compressed path's checks. CUDA tensors are compressed
 // on the GPU, on the group's own streams (cuda_lane.h).
 // Exact path: everything else goes to a wrapped backend, called from the caller's thread
 // so that it sees its collectives in program order on every rank: Gloo, or for CUDA
@@ -24,6 +26,7 @@
 #include <optional>
 #include <string>
 
+#include "backend/cgx_work.h"
 #include "backend/completion_order.h"
 #include "backend/connect.h"
 #include "backend/cuda_lane.h"
@@ -179,7 +182,7 @@ class ProcessGroupCGX final : public c10d::Backend {
   // Numbers a compressed call now and queues `body` on the worker thread; any failure of
   // it but a same-step signature mismatch marks the group failed. `tensors`: the call's
   // tensors (a CUDA call follows their caller's stream); `outputs`: the work's result.
-  using CompressedBody = std::function<void(uint64_t sequence, const Lane& lane)>;
+  using CompressedBody = std::function<void(uint64_t sequence, const Lane& lane, CGXWork& work)>;
   c10::intrusive_ptr<c10d::Work> enqueue_compressed(const std::vector<at::Tensor>& tensors,
                                                     std::vector<at::Tensor> outputs,
                                                     c10d::OpType op_type, CompressedBody body);
@@ -194,7 +197,7 @@ class ProcessGroupCGX final : public c10d::Backend {
   // or with every value raw (collectives/path_choice.h).
   void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op,
                       uint64_t sequence, const compression::LayoutCodec* codec, const Lane& lane,
-                      const std::optional<at::Tensor>& residual, bool choose_path);
+                      const std::optional<at::Tensor>& residual, bool choose_path, CGXWork& work);
   // What every rank must agree on before a compressed call moves data; `op`: the
   // collective and its reduction, as the mismatch message names them; `scale`: what the
   // sum is multiplied by.
