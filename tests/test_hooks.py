@@ -317,15 +317,23 @@ def _variants(rank, world, variant):
     ddp = DDP(model, bucket_cap_mb=0.02, **kwargs)
     state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=4), warmup_steps=2)
     ddp.register_comm_hook(state, cgx.cgx_hook)
-    _, same = train(ddp, model, rank, 5, dtype=dtype, check_every_step=True)
-    return same, state.step, state.compression_stats()["compression_ratio"]
+    opt, same_warm = train(ddp, model, rank, 2, dtype=dtype, check_every_step=True)
+    warm = state.compression_stats()
+    _, same = train(ddp, model, rank, 3, start=2, dtype=dtype, opt=opt, check_every_step=True)
+    end = state.compression_stats()
+    numel = sum(p.numel() for p in model.parameters())
+    return same_warm and same, state.step, warm, end, numel, model.hidden.weight.element_size()
 
 
 @pytest.mark.parametrize("variant", ["fp16", "bf16", "static", "unused"])
 def test_dtypes_static_graph_unused_parameters(variant):
-    for same, step, ratio in values(run_ranks(_variants, 2, args=(variant,))):
+    for same, step, warm, end, numel, element_size in values(run_ranks(_variants, 2, args=(variant,))):
         assert same and step == 5
-        assert ratio > 1.5  # 2 warm-up steps raw, then compressed
+        # 2 warm-up steps raw: float32 on the wire, whatever the dtype; then compressed.
+        assert warm["bytes_sent"] == 2 * 4 * numel and warm["bytes_uncompressed"] == 2 * element_size * numel
+        compressed_ratio = (end["bytes_uncompressed"] - warm["bytes_uncompressed"]) / (
+            end["bytes_sent"] - warm["bytes_sent"])
+        assert compressed_ratio > 1.5, compressed_ratio
 
 
 def _no_sync(rank, world):
@@ -542,6 +550,95 @@ def test_torch_cgx_form_resumes_onto_the_same_parameters_whatever_the_buckets(tw
     for same, residuals in values(run_ranks(_resume_with_other_buckets, 2, args=(two_level,))):
         assert same
         assert residuals == ["embed.weight", "head.weight", "hidden.weight"]
+
+
+class FourSquare(torch.nn.Module):
+    """Four weights of one shape: a residual put on the wrong one would fit it."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x if i == 0 else torch.relu(x))
+        return x
+
+
+def _both_forms_resume_alike(rank, world):
+    """torch_cgx's form and the model form with the same settings (2 bits: two-level
+    feedback by default), find_unused_parameters: 3 steps in one DDP bucket
+    (bucket_cap_mb=25), a checkpoint, then 2 more steps three ways: on in memory, resumed
+    at bucket_cap_mb=25, resumed at bucket_cap_mb=0.005 (two weights a bucket)."""
+    import cgx
+
+    # The group says 4 bits (no feedback by default): each form must say 2 itself.
+    init_cgx(rank, world, pg_options=cgx.Config(bits=4, compression_auto=False))
+    forms = {
+        "torch_cgx": lambda model: cgx.CGXState(dist.group.WORLD, layer_min_size=1024,
+                                                compression_params={"bits": 2, "bucket_size": 256}),
+        "model": lambda model: cgx.CGXState(None, model, cgx.CompressionPolicy(
+            bits=2, bucket_size=256, minimal_size=1023)),
+    }
+    out = {}
+    for form, state_of in forms.items():
+        def setup(cap_mb, saved=None):
+            torch.manual_seed(0)
+            model = FourSquare()
+            ddp = DDP(model, bucket_cap_mb=cap_mb, find_unused_parameters=True)
+            state = state_of(model)
+            ddp.register_comm_hook(state, cgx.cgx_hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            if saved:
+                model.load_state_dict(saved["model"])
+                opt.load_state_dict(saved["opt"])
+                state.load_state_dict(saved["cgx"])
+            return model, ddp, state, opt
+
+        model, ddp, state, opt = setup(25)
+        train(ddp, model, rank, 3, opt=opt)
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "cgx": state.state_dict()}, buf)
+        train(ddp, model, rank, 2, start=3, opt=opt)
+        runs = {"on": flat_params(model)}
+        for cap_mb in (25, 0.005):
+            buf.seek(0)
+            resumed, ddp, _, opt = setup(cap_mb, torch.load(buf))
+            train(ddp, resumed, rank, 2, start=3, opt=opt)
+            runs[cap_mb] = flat_params(resumed)
+        buf.seek(0)
+        out[form] = {
+            "runs": runs,
+            "settings": dict(state.layer_settings),
+            "fed back": sorted(n for n, s in state.layer_settings.items() if state.feeds_back(s)),
+            "saved residuals": torch.load(buf)["cgx"]["residuals"],
+        }
+    return out
+
+
+def test_both_forms_resume_alike_also_at_another_bucket_layout():
+    """The no-model form resumes as the model form does, bit for bit, given the same
+    settings. Two-level feedback's owner residuals follow DDP's bucket layout (the owner
+    of a chunk adds its own contribution unquantized), so in either form a resume at
+    another bucket_cap_mb takes a (slightly) different step than the run that went on,
+    while a resume in the same layout takes the same (docs/hooks.md, checkpoints)."""
+    import cgx
+
+    for out in values(run_ranks(_both_forms_resume_alike, 2)):
+        a, b = out["torch_cgx"], out["model"]
+        assert a["settings"] == b["settings"]
+        assert set(a["settings"].values()) == {cgx.LayerSetting(2, 256)}
+        assert a["fed back"] == b["fed back"] == [f"layers.{i}.weight" for i in range(4)]
+        assert sorted(a["saved residuals"]) == sorted(b["saved residuals"]) == a["fed back"]
+        for name, residual in a["saved residuals"].items():
+            assert torch.equal(residual, b["saved residuals"][name]), name
+        for run in ("on", 25, 0.005):
+            assert torch.equal(a["runs"][run], b["runs"][run]), run  # the forms agree
+        for form in (a, b):
+            assert torch.equal(form["runs"][25], form["runs"]["on"])  # same layout: exact
+            # Another layout moves the owners: the same total, rounded otherwise. (Should
+            # this become exact, docs/hooks.md and docs/error-feedback.md need updating.)
+            assert not torch.equal(form["runs"][0.005], form["runs"]["on"])
 
 
 class ReplayedBucket:
