@@ -20,54 +20,116 @@ the next k inner steps compute, and its result is merged into the local weights 
 
 The syncs run from a step post-hook on the inner optimizer. Only parameters that the
 inner optimizer updates are synchronized (buffers such as BatchNorm statistics stay each
-replica's own). Under FSDP2 the outer step runs on each rank's local shards; ``group``
-then pairs the ranks holding the same shard in each replica.
+replica's own), and that set follows the optimizer: every sync carries a small exact
+agreement of the replicas' inner step and trained parameters, so parameters that join
+(a param group added, a layer unfrozen) or leave it do so on every replica at the same
+step, and replicas out of step or training different parameters raise on every rank. Under FSDP2 the outer step runs on each rank's local shards; ``group`` then pairs
+the ranks holding the same shard in each replica.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from cgx import _C
 from cgx.agreement import first_difference
 from cgx.backend import exact, get_backend
+from cgx.errors import CallMismatchError, CollectiveTimeoutError, PeerError
 from cgx.hooks import check_same_place
-from cgx.layers import (RAW_BITS, CompressionPolicy, LayerSetting, Segment, append_segment, check_bits,
+from cgx.layers import (RAW, RAW_BITS, CompressionPolicy, LayerSetting, Segment, append_segment, check_bits,
                         check_bucket_size, layout_bytes)
 
 __all__ = ["DiLoCo"]
 
 _PATTERNS = ("strided", "sequential")
 
+# The replicas' agreement rides on each sync: its buffer ends with a raw (exact) row per
+# rank, each rank filling its own and zeros elsewhere, so after the average every rank holds
+# every rank's row over the group size (multiplied back and rounded: exact). A row: what
+# the call is for, the tensors the optimizer holds that are not the model's, the inner step
+# and a digest of the trained parameters, these two in 16-bit pieces (float32 carries them
+# exactly). close(), a fragment without members and an exact (Gloo) sync, whose sums a
+# longer buffer would order otherwise, send the rows alone.
+_SYNC, _CLOSE = 0, 1
+_STEP_PIECES, _DIGEST_PIECES = 3, 4
+_ROW = 2 + _STEP_PIECES + _DIGEST_PIECES
+_OUT_OF_STEP = ("every replica must call the inner optimizer's step() alike: DiLoCo counts those calls, and "
+                "GradScaler skips step() on a replica whose gradients have Inf/NaN (make the replicas skip together)")
 
-@dataclass
+
+@dataclass(eq=False)  # compared by identity: they hold tensors
+class _Member:
+    """A synced parameter."""
+
+    name: str
+    param: torch.Tensor  # the replica's parameter (a DTensor under FSDP2)
+    global_weight: torch.Tensor  # float32, the local shape (the shard under FSDP2)
+    setting: LayerSetting
+
+
+@dataclass(eq=False)
 class _Fragment:
-    """Whole layers that sync together, and everything their outer step needs."""
+    """Whole layers that sync together, and everything their outer step needs. Its members
+    change only when its sync starts (none of its syncs is in flight then)."""
 
     index: int
     offset: int  # syncs at the steps t with t % sync_every == offset
-    names: list[str]
-    params: list[torch.Tensor]  # the replica's parameters (DTensors under FSDP2)
-    global_weights: list[torch.Tensor]  # float32, the local shape (shards under FSDP2)
-    layout: list[Segment]  # over the fragment's flat outer gradient
-    compressed: list[tuple[str, int, int]]  # (name, offset, numel) of compressed parameters
-    outer: torch.optim.SGD
-    numel: int
+    members: list[_Member] = field(default_factory=list)
+    layout: list[Segment] = field(default_factory=list)  # over the fragment's flat outer gradient
+    compressed: list[tuple[str, int, int]] = field(default_factory=list)  # (name, offset, numel)
+    outer: torch.optim.SGD | None = None  # None while the fragment has no members
+    numel: int = 0
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.members]
+
+    def set_members(self, members: list[_Member], outer_options: dict[str, Any]) -> None:
+        """The fragment's members become `members`; those it kept keep their outer momentum."""
+        self.members = members
+        self.layout, self.compressed, self.numel = [], [], 0
+        for m in members:
+            numel = m.global_weight.numel()
+            if m.setting.compressed and numel > 0:
+                self.compressed.append((m.name, self.numel, numel))
+            append_segment(self.layout, self.numel, numel, m.setting)
+            self.numel += numel
+        previous = self.outer
+        self.outer = torch.optim.SGD([m.global_weight for m in members], **outer_options) if members else None
+        if previous is not None and self.outer is not None:
+            kept = {id(m.global_weight) for m in members}
+            for g, state in previous.state.items():
+                if id(g) in kept:
+                    self.outer.state[g] = state
 
 
-@dataclass
+@dataclass(eq=False)
+class _Agreement:
+    """What this rank said at a sync's start or at close(), and every rank's rows."""
+
+    kind: int  # _SYNC or _CLOSE
+    step: int
+    trained: list[tuple[str, tuple[int, ...]]]  # (name, shape) of what the optimizer trains, model order
+    rows: torch.Tensor  # (group size, _ROW) float32: every rank's row once `work` completed
+    work: Any  # the call carrying the rows (the sync's, or theirs alone); None once done and they are decoded
+
+
+@dataclass(eq=False)
 class _Sync:
     """A fragment's sync, from its start to the step its result is applied."""
 
     fragment: _Fragment
     due: int  # the step after which it is applied
-    outer_gradient: torch.Tensor  # flat float32; the average once the work completed
+    agreement: _Agreement
+    outer_gradient: torch.Tensor | None  # flat float32, the average once the work completed; None: no members
     residual: torch.Tensor | None  # this rank's error feedback, updated by the collective
-    work: Any  # the allreduce's Work; None once it completed
+    work: Any  # the allreduce's Work (the agreement's too, but beside an exact sync); None once it completed
 
 
 class DiLoCo:
@@ -76,6 +138,8 @@ class DiLoCo:
     Args:
         model: the replica's model (plain, DDP- or FSDP2-wrapped); its parameters that
             `inner_optimizer` updates are synchronized, named as ``named_parameters()``.
+            That set follows the optimizer: parameters that start or stop being trained
+            (param groups added, layers (un)frozen) join or leave it at the next sync.
         inner_optimizer: the optimizer the training loop steps; DiLoCo hooks its steps.
         sync_every: inner steps between two syncs of a parameter (H).
         fragments: groups of whole layers that sync at staggered steps (P); fragment p
@@ -128,6 +192,8 @@ class DiLoCo:
         self.overlap = overlap
         self.mix = float(mix)
         self.error_feedback = bool(error_feedback)
+        self._model = model
+        self._optimizer = inner_optimizer
         self._group = group
         self._skip_incomplete = backend.settings.skip_incomplete_buckets
         self._backend = backend
@@ -135,22 +201,25 @@ class DiLoCo:
             policy = CompressionPolicy(bits=bits, bucket_size=bucket_size or backend.settings.bucket_size,
                                        scheme=backend.settings.scheme.name,
                                        minimal_size=backend.settings.minimal_size)
+        self._policy = policy
+        self._outer_options = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov}
         params = _synced_parameters(model, inner_optimizer)
-        layers = _layers(params)
+        # Against all the model's layers: frozen ones may join later, into empty fragments.
+        layers = _layers(dict(model.named_parameters()))
         if fragments > len(layers):
             raise ValueError(f"cgx.DiLoCo: fragments={fragments} is more than the model's "
-                             f"{len(layers)} layers with parameters the optimizer updates")
+                             f"{len(layers)} layers with parameters")
         settings = policy.resolve(model)
-        assignment = _assign(params, layers, fragments, fragment_pattern)
-        self._fragments = [
-            _fragment(p, p * sync_every // fragments, names, params, settings, outer_lr, outer_momentum, nesterov)
-            for p, names in enumerate(assignment)
-        ]
+        assignment = _assign(params, _layers(params), fragments, fragment_pattern)
+        self._fragments = [_Fragment(p, p * sync_every // fragments) for p in range(fragments)]
+        for fragment, names in zip(self._fragments, assignment):
+            fragment.set_members([_member(n, params[n], settings[n]) for n in names], self._outer_options)
         difference = first_difference(group, {
             "sync_every": sync_every, "fragments": fragments, "fragment_pattern": fragment_pattern,
             "outer_lr": float(outer_lr), "outer_momentum": float(outer_momentum), "nesterov": bool(nesterov),
             "overlap": overlap, "mix": self.mix, "error_feedback": self.error_feedback,
             "fragments and layouts": [(f.names, f.layout) for f in self._fragments],
+            "parameters": [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()],
         })
         if difference:
             raise ValueError(f"cgx.DiLoCo: the ranks of the group were given different settings: "
@@ -158,9 +227,17 @@ class DiLoCo:
         self.step = 0
         self.residuals: dict[str, torch.Tensor] = {}
         self._in_flight: list[_Sync] = []
+        self._joining: dict[str, tuple[int, _Member]] = {}  # name -> (fragment, member): joins at its start
+        self._leaving: set[str] = set()  # members that leave when their fragment's sync next starts
+        self._closed = False
         self._stats = {"outer_syncs": 0, "bytes_sent": 0, "bytes_uncompressed": 0, "peak_bytes": 0,
                        "waits": 0, "wait_seconds": 0.0}
-        self._start_from_rank_0()
+        # Every replica starts from group rank 0's weights, frozen ones too, as DDP does.
+        self._broadcast_from_rank_0([p for _, p in model.named_parameters()])
+        with torch.no_grad():
+            for fragment in self._fragments:
+                for m in fragment.members:
+                    m.global_weight.copy_(_local(m.param))
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
 
     # ---- the schedule
@@ -171,82 +248,249 @@ class DiLoCo:
             self._finish(sync)
         for fragment in self._fragments:
             if self.step % self.sync_every == fragment.offset:
+                self._change_members(fragment)
                 sync = self._start(fragment)
                 if self.overlap == 0:
                     self._finish(sync)
 
     def _start(self, fragment: _Fragment) -> _Sync:
-        """Launches the allreduce of the fragment's outer gradient (global - local)."""
+        """Launches the allreduce of the fragment's outer gradient (global - local), the
+        agreement's rows after it (beside it for an exact sync)."""
+        trained, strangers = _trained(self._model, self._optimizer)
+        rows = self._rows(_SYNC, trained, strangers)
+        if not fragment.members:  # the replicas still agree, on their step above all
+            sync = _Sync(fragment, self.step + self.overlap, self._agree(_SYNC, trained, rows), None, None, None)
+            self._in_flight.append(sync)
+            return sync
+        exact_sync = all(bits == RAW_BITS for _, _, bits, *_ in fragment.layout)
         with torch.no_grad():
-            outer_gradient = torch.cat([(g - _local(p).float()).reshape(-1)
-                                        for g, p in zip(fragment.global_weights, fragment.params)])
+            flat = torch.cat([*((m.global_weight - _local(m.param).float()).reshape(-1) for m in fragment.members),
+                              *([] if exact_sync else [rows.view(-1)])])
         residual = None
         if self.error_feedback and fragment.compressed:
-            residual = torch.zeros_like(outer_gradient)
+            residual = torch.zeros_like(flat)
             for name, offset, numel in fragment.compressed:
                 if name in self.residuals:
                     residual.narrow(0, offset, numel).copy_(self.residuals[name])
-        if all(bits == RAW_BITS for _, _, bits, *_ in fragment.layout):
+        if exact_sync:
+            agreement = self._agree(_SYNC, trained, rows)
             with exact():  # Gloo's sum, then the division: exact DiLoCo
-                work = dist.all_reduce(outer_gradient, op=dist.ReduceOp.AVG, group=self._group, async_op=True)
+                work = dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._group, async_op=True)
         else:
-            work = self._backend.allreduce_layout(outer_gradient, fragment.layout, average=True,
-                                                  residual=residual)
-        sent = layout_bytes(fragment.layout, self._skip_incomplete)
-        self._stats["bytes_sent"] += sent
-        self._stats["bytes_uncompressed"] += 4 * fragment.numel
-        self._stats["peak_bytes"] = max(self._stats["peak_bytes"], sent)
-        sync = _Sync(fragment, self.step + self.overlap, outer_gradient, residual, work)
+            layout = list(fragment.layout)
+            append_segment(layout, fragment.numel, rows.numel(), RAW)
+            work = self._backend.allreduce_layout(flat, layout, average=True, residual=residual)
+            agreement = _Agreement(_SYNC, self.step, trained, flat[fragment.numel:].view_as(rows), work)
+        sync = _Sync(fragment, self.step + self.overlap, agreement, flat[:fragment.numel], residual, work)
         self._in_flight.append(sync)
         return sync
 
-    def _finish(self, sync: _Sync) -> None:
-        """Waits for the sync's allreduce, then applies it: residuals, outer step, merge.
-        A failed allreduce raises here and changes nothing (its sync is dropped)."""
+    def _finish(self, sync: _Sync, follow: bool = True) -> None:
+        """Waits for the sync's allreduce, checks the agreement it carried, then applies it:
+        residuals, outer step, merge; with `follow`, then makes the synced set follow the
+        trained set the replicas agreed on. A failed allreduce or agreement raises here and
+        changes nothing (its sync is dropped)."""
         self._in_flight.remove(sync)
-        if sync.work is not None:
+        agreement = sync.agreement
+        if sync.outer_gradient is not None and sync.work is not None:
             started = time.perf_counter()
             if self.overlap == 0 or not sync.work.is_completed():  # without overlap the step always waits
                 self._stats["waits"] += 1
-            sync.work.wait()
-            sync.work = None
+            self._complete(sync)
             self._stats["wait_seconds"] += time.perf_counter() - started
+        self._check(agreement)
+        if sync.outer_gradient is not None:
+            self._apply(sync)
+        if follow:
+            self._follow(agreement.trained)
+
+    def _complete(self, sync: _Sync) -> None:
+        """Waits for the sync's allreduce and counts its payload as it went: compressed as
+        the fragment's layout says, or float32 where CGX_COMPRESSION_AUTO sent it exactly
+        (the agreement's rows are not counted)."""
+        self._wait(sync.agreement)
+        if sync.work is None:
+            return
+        sync.work.wait()
+        fragment = sync.fragment
+        sent = 4 * fragment.numel if _C.sent_exactly(sync.work) else layout_bytes(fragment.layout,
+                                                                                  self._skip_incomplete)
+        self._stats["bytes_sent"] += sent
+        self._stats["bytes_uncompressed"] += 4 * fragment.numel
+        self._stats["peak_bytes"] = max(self._stats["peak_bytes"], sent)
+        sync.work = None
+
+    def _apply(self, sync: _Sync) -> None:
         fragment = sync.fragment
         if sync.residual is not None:
             for name, offset, numel in fragment.compressed:
                 self.residuals[name] = sync.residual.narrow(0, offset, numel).clone()
         with torch.no_grad():
             offset = 0
-            for g in fragment.global_weights:
+            for m in fragment.members:
+                g = m.global_weight
                 g.grad = sync.outer_gradient.narrow(0, offset, g.numel()).view_as(g)
                 offset += g.numel()
             fragment.outer.step()
-            for g, p in zip(fragment.global_weights, fragment.params):
+            for m in fragment.members:
+                g, local = m.global_weight, _local(m.param)
                 g.grad = None
-                local = _local(p)
                 local.copy_(g if self.overlap == 0 else torch.lerp(g, local.float(), self.mix))
         self._stats["outer_syncs"] += 1
 
-    def _start_from_rank_0(self) -> None:
-        """Every replica starts from group rank 0's weights, as DDP does."""
-        globals_ = [g for f in self._fragments for g in f.global_weights]
-        flat = torch.cat([g.reshape(-1) for g in globals_])
-        dist.broadcast(flat, group_src=0, group=self._group)
+    # ---- agreement: the replicas' inner step and trained parameters
+
+    def _rows(self, kind: int, trained: list[tuple[str, tuple[int, ...]]], strangers: int) -> torch.Tensor:
+        rows = torch.zeros(self._group.size(), _ROW)
+        digest = int.from_bytes(hashlib.blake2b(repr(trained).encode(), digest_size=8).digest(), "little")
+        rows[dist.get_rank(self._group)] = torch.tensor(
+            [kind, min(strangers, 0xFFFF), *_pieces(self.step, _STEP_PIECES), *_pieces(digest, _DIGEST_PIECES)],
+            dtype=torch.float32)
+        return rows
+
+    def _agree(self, kind: int, trained: list[tuple[str, tuple[int, ...]]], rows: torch.Tensor) -> _Agreement:
+        """Launches the rows alone, the compressed path's way with every value raw (exact):
+        its call signature, checked before anything moves, carries the group's call count,
+        so it cannot pair with a call of another kind (as an exact call can)."""
+        layout: list[Segment] = []
+        append_segment(layout, 0, rows.numel(), RAW)
+        work = self._backend.allreduce_layout(rows.view(-1), layout, average=True, residual=None)
+        return _Agreement(kind, self.step, trained, rows, work)
+
+    def _wait(self, agreement: _Agreement) -> None:
+        """Waits for the call carrying the rows and decodes them."""
+        if agreement.work is None:
+            return
+        at = _describe(agreement.kind, agreement.step)
+        try:
+            agreement.work.wait()
+        except CallMismatchError as e:  # a call of another kind, or at another call of the group
+            raise RuntimeError(f"cgx.DiLoCo: the replicas are out of step at {at} here: the group's ranks made "
+                               f"different calls ({e}); {_OUT_OF_STEP}") from e
+        except (CollectiveTimeoutError, PeerError) as e:  # the same kind of error, saying where it happened
+            raise type(e)(f"cgx.DiLoCo: {at} failed: {e}; a replica died, or waits in another collective of the "
+                          f"group because it is out of step: {_OUT_OF_STEP}") from e
+        agreement.rows.mul_(self._group.size()).round_()
+        agreement.work = None
+
+    def _check(self, agreement: _Agreement) -> None:
+        """Raises on every rank alike where the rows differ: RuntimeError for another
+        inner step (or a sync against close()), ValueError for another trained set."""
+        self._wait(agreement)
+        rows = agreement.rows.long().tolist()
+        mine = rows[dist.get_rank(self._group)]
+        for peer, row in enumerate(rows):
+            if row[0] != mine[0] or _step(row) != _step(mine):
+                raise RuntimeError(f"cgx.DiLoCo: the replicas are out of step: {_describe(mine[0], _step(mine))} "
+                                   f"here, {_describe(row[0], _step(row))} on group rank {peer}; {_OUT_OF_STEP}")
+        for peer, row in enumerate(rows):
+            if row[1]:
+                raise ValueError(f"cgx.DiLoCo: at the sync of inner step {agreement.step}, inner_optimizer on group "
+                                 f"rank {peer} updates {row[1]} tensor(s) that are not parameters of the model: "
+                                 f"add param groups of this model's parameters only")
+        if any(row[2 + _STEP_PIECES:] != mine[2 + _STEP_PIECES:] for row in rows):
+            self._name_difference(agreement)
+
+    def _name_difference(self, agreement: _Agreement) -> None:
+        """Raises ValueError naming a parameter trained on one replica and not on another
+        (every rank gets here: the digests differ)."""
+        everyone: list[Any] = [None] * self._group.size()
+        dist.all_gather_object(everyone, agreement.trained, group=self._group)
+        mine = dict(agreement.trained)
+        differences = (
+            f"{name!r} is trained here, not on group rank {peer}" if name not in theirs
+            else f"{name!r} is trained on group rank {peer}, not here" if name not in mine
+            else f"{name!r} has shape {list(mine[name])} here, {list(theirs[name])} on group rank {peer}"
+            for peer, theirs in enumerate(map(dict, everyone))
+            for name in [*mine, *theirs] if mine.get(name) != theirs.get(name))
+        raise ValueError(f"cgx.DiLoCo: the replicas' inner optimizers train different parameters at the sync of "
+                         f"inner step {agreement.step}: {next(differences)}; every replica must add the same "
+                         f"param groups and (un)freeze the same parameters before the same inner step")
+
+    # ---- what is synced follows what the optimizer trains
+
+    def _follow(self, trained: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Makes the synced set follow `trained`, which every replica agreed on: members
+        no longer trained leave when their fragment's sync next starts, and newly trained
+        parameters start from group rank 0's values now and join a fragment when its
+        sync next starts."""
+        wanted = {name for name, _ in trained}
+        members = {m.name for f in self._fragments for m in f.members}
+        self._leaving = members - wanted
+        for name in [n for n in self._joining if n not in wanted]:
+            _restore(self._joining.pop(name)[1])
+        new = [name for name, _ in trained if name not in members and name not in self._joining]
+        if not new:
+            return
+        params = dict(self._model.named_parameters())
+        self._broadcast_from_rank_0([params[n] for n in new])
+        for names in _layers({n: params[n] for n in new}).values():
+            fragment = self._fragment_for(names[0])
+            for name in names:
+                self._joining[name] = (fragment, self._member(name, params[name]))
+
+    def _fragment_for(self, name: str) -> int:
+        """Where a newly trained parameter goes: to its layer's fragment where another of
+        the layer's parameters is synced, else to the fragment with the fewest elements
+        (the lowest index on a tie); from what every replica agreed, so alike on all."""
+        layer = name.rpartition(".")[0]
+        planned = [(f.index, m.name, m.param.numel()) for f in self._fragments for m in f.members
+                   if m.name not in self._leaving]
+        planned += [(index, n, m.param.numel()) for n, (index, m) in self._joining.items()]
+        for index, other, _ in planned:
+            if other.rpartition(".")[0] == layer:
+                return index
+        load = [0] * len(self._fragments)
+        for index, _, numel in planned:
+            load[index] += numel
+        return min(range(len(load)), key=lambda index: (load[index], index))
+
+    def _change_members(self, fragment: _Fragment) -> None:
+        """Applies the fragment's pending changes at its sync's start: a member that
+        leaves takes its global weight (so equal on every replica) and drops its momentum
+        and residual; a parameter that joins brings its global weight."""
+        leaving = [m for m in fragment.members if m.name in self._leaving]
+        joining = [m for index, m in self._joining.values() if index == fragment.index]
+        if not leaving and not joining:
+            return
+        for m in leaving:
+            _restore(m)
+            self.residuals.pop(m.name, None)
+            self._leaving.discard(m.name)
+        for m in joining:
+            del self._joining[m.name]
+        fragment.set_members([m for m in fragment.members if m not in leaving] + joining, self._outer_options)
+
+    def _member(self, name: str, param: torch.Tensor) -> _Member:
+        owner = self._model.get_submodule(name.rpartition(".")[0])
+        return _member(name, param, self._policy.setting_for(name, owner, param))
+
+    def _broadcast_from_rank_0(self, params: list[torch.Tensor]) -> None:
+        """The parameters take group rank 0's values (one broadcast per dtype)."""
         with torch.no_grad():
-            offset = 0
-            for fragment in self._fragments:
-                for g, p in zip(fragment.global_weights, fragment.params):
-                    g.copy_(flat.narrow(0, offset, g.numel()).view_as(g))
-                    _local(p).copy_(g)
-                    offset += g.numel()
+            for dtype in dict.fromkeys(_local(p).dtype for p in params):
+                tensors = [_local(p) for p in params if _local(p).dtype == dtype]
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+                dist.broadcast(flat, group_src=0, group=self._group)
+                offset = 0
+                for t in tensors:
+                    t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
+                    offset += t.numel()
 
     # ---- lifetime
 
     def close(self) -> None:
-        """Applies the syncs still in flight now and removes the hook from the optimizer."""
+        """Agrees with the other replicas on the inner step (RuntimeError on every rank
+        where they differ), applies the syncs still in flight and removes the hook from
+        the optimizer. A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self._hook.remove()
+        agreement = self._agree(_CLOSE, [], self._rows(_CLOSE, [], 0))
         for sync in list(self._in_flight):
-            self._finish(sync)
+            self._finish(sync, follow=False)
+        self._check(agreement)
 
     def __enter__(self) -> DiLoCo:
         return self
@@ -255,6 +499,7 @@ class DiLoCo:
         if kind is None:
             self.close()
         else:  # the step that raised left its state as it was; nothing more is applied
+            self._closed = True
             self._hook.remove()
             self._in_flight.clear()
 
@@ -262,82 +507,112 @@ class DiLoCo:
 
     def stats(self) -> dict[str, Any]:
         """This rank's totals: step, outer_syncs (fragment syncs applied), bytes_sent
-        (payload this rank put into syncs) against bytes_uncompressed (float32),
+        (payload this rank put into syncs, counted as each completes: compressed, or
+        float32 where CGX_COMPRESSION_AUTO sent it exactly) against bytes_uncompressed
+        (float32),
         peak_bytes (the largest single sync), waits (syncs not yet complete when their
         result was due, and every sync without overlap: the inner loop waited on the link)
         and wait_seconds."""
         return {"step": self.step, **self._stats, "in_flight": len(self._in_flight)}
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: global weights, outer momentum, residuals, step, stats, and
-        the syncs in flight (waited for, their averaged outer gradient kept, to be applied
-        at their step after a resume). Checkpoint it with the model and the inner
-        optimizer; every rank saves its own (residuals differ between ranks)."""
+        """This rank's state: global weights, outer momentum, residuals, step, stats, which
+        parameters each fragment syncs (and those about to join or leave), and the syncs in
+        flight (waited for, their averaged outer gradient kept, to be applied at their step
+        after a resume). Checkpoint it with the model and the inner optimizer; every rank
+        saves its own (residuals differ between ranks)."""
         for sync in self._in_flight:
-            if sync.work is not None:
-                sync.work.wait()
-                sync.work = None
+            self._complete(sync)
+        members = [m for f in self._fragments for m in f.members] + [m for _, m in self._joining.values()]
         return {
             "rank": dist.get_rank(self._group),
             "world_size": self._group.size(),
             "fragments": [f.names for f in self._fragments],
+            "joining": {name: index for name, (index, _) in self._joining.items()},
+            "leaving": sorted(self._leaving),
             "step": self.step,
-            "global_weights": {n: g.clone() for f in self._fragments for n, g in zip(f.names, f.global_weights)},
-            "outer_momentum": {n: f.outer.state[g]["momentum_buffer"].clone()
-                               for f in self._fragments for n, g in zip(f.names, f.global_weights)
-                               if f.outer.state[g].get("momentum_buffer") is not None},
+            "global_weights": {m.name: m.global_weight.clone() for m in members},
+            "outer_momentum": {m.name: f.outer.state[m.global_weight]["momentum_buffer"].clone()
+                               for f in self._fragments for m in f.members
+                               if f.outer.state[m.global_weight].get("momentum_buffer") is not None},
             "residuals": {n: r.clone() for n, r in self.residuals.items()},
-            "in_flight": [{"fragment": s.fragment.index, "due": s.due, "outer_gradient": s.outer_gradient.clone(),
-                           "residual": None if s.residual is None else s.residual.clone()}
+            "in_flight": [{"fragment": s.fragment.index, "due": s.due,
+                           "outer_gradient": None if s.outer_gradient is None else s.outer_gradient.clone(),
+                           "residual": None if s.residual is None else s.residual.clone(),
+                           "step": s.agreement.step, "trained": s.agreement.trained,
+                           "agreement": s.agreement.rows.clone()}
                           for s in self._in_flight],
             "stats": dict(self._stats),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Loads this rank's state_dict() into a DiLoCo built as the saved one was (same
-        model, fragments and group size); ValueError naming what differs otherwise.
-        Residuals load only on the rank and group size that saved them: to resume at
-        another size, load with ``state["residuals"] = {}`` and no sync in flight."""
+        """Loads this rank's state_dict() into a DiLoCo with the same number of fragments,
+        on a model that has every parameter the state syncs (build the model and its
+        optimizer's param groups as when it was saved); the state's members of each
+        fragment, and the joins and leaves pending, replace this DiLoCo's. ValueError naming
+        what differs otherwise. Residuals load only on the rank and group size that saved
+        them, syncs in flight only at that group size: to resume at another size, load with
+        ``state["residuals"] = {}`` and no sync in flight."""
         what = "cgx.DiLoCo.load_state_dict"
         missing = [k for k in _STATE_KEYS if k not in (state if isinstance(state, dict) else {})]
         if missing:
             raise ValueError(f"{what}: missing {missing} (expected the dict of DiLoCo.state_dict())")
-        if state["fragments"] != [f.names for f in self._fragments]:
-            raise ValueError(f"{what}: the state's fragments are not this DiLoCo's (another model, "
-                             f"fragments or fragment_pattern)")
+        if len(state["fragments"]) != len(self._fragments):
+            raise ValueError(f"{what}: the state has {len(state['fragments'])} fragments, this DiLoCo "
+                             f"{len(self._fragments)}")
         if state["residuals"] or any(s["residual"] is not None for s in state["in_flight"]):
             check_same_place(state, dist.get_rank(self._group), self._group.size(), what)
-        weights = {n: g for f in self._fragments for n, g in zip(f.names, f.global_weights)}
+        if state["in_flight"] and state["world_size"] != self._group.size():
+            raise ValueError(f"{what}: the state has syncs in flight of a group of {state['world_size']} ranks, "
+                             f"loaded in one of {self._group.size()}")
+        params = dict(self._model.named_parameters())
+        synced = [n for names in state["fragments"] for n in names] + list(state["joining"])
+        for name in synced:
+            if name not in params:
+                raise ValueError(f"{what}: the state syncs {name!r}, a parameter this model does not have: build "
+                                 f"the model (and add its optimizer's param groups) as when the state was saved")
         for key in ("global_weights", "outer_momentum", "residuals"):
             for name, tensor in state[key].items():
-                if name not in weights or tensor.shape != (
-                        (weights[name].numel(),) if key == "residuals" else weights[name].shape):
+                local = _local(params[name]) if name in synced else None
+                if local is None or tensor.shape != ((local.numel(),) if key == "residuals" else local.shape):
                     raise ValueError(f"{what}: {key}[{name!r}] does not fit this model's parameter "
                                      f"(a checkpoint of another model or shard)")
-        if set(state["global_weights"]) != set(weights):
-            raise ValueError(f"{what}: global_weights lacks {sorted(set(weights) - set(state['global_weights']))}")
+        if set(state["global_weights"]) != set(synced):
+            raise ValueError(f"{what}: global_weights lacks {sorted(set(synced) - set(state['global_weights']))}")
         for sync in self._in_flight:  # the replaced run's syncs: completed, not applied
+            self._wait(sync.agreement)
             if sync.work is not None:
                 sync.work.wait()
+
+        def member(name: str) -> _Member:
+            m = self._member(name, params[name])
+            m.global_weight.copy_(state["global_weights"][name])
+            return m
+
         with torch.no_grad():
-            for fragment in self._fragments:
-                for name, g in zip(fragment.names, fragment.global_weights):
-                    g.copy_(state["global_weights"][name])
-                    fragment.outer.state.pop(g, None)
-                    if name in state["outer_momentum"]:
-                        fragment.outer.state[g] = {"momentum_buffer": state["outer_momentum"][name].clone()}
+            for fragment, names in zip(self._fragments, state["fragments"]):
+                fragment.outer = None  # the state's momentum, not this run's
+                fragment.set_members([member(n) for n in names], self._outer_options)
+                for m in fragment.members:
+                    if m.name in state["outer_momentum"]:
+                        fragment.outer.state[m.global_weight] = {
+                            "momentum_buffer": state["outer_momentum"][m.name].clone()}
+            self._joining = {name: (index, member(name)) for name, index in state["joining"].items()}
+        self._leaving = set(state["leaving"])
         self.residuals = {n: r.clone() for n, r in state["residuals"].items()}
         self.step = int(state["step"])
         self._stats = dict(state["stats"])
         self._in_flight = [
-            _Sync(self._fragments[s["fragment"]], s["due"], s["outer_gradient"].clone(),
+            _Sync(self._fragments[s["fragment"]], s["due"],
+                  _Agreement(_SYNC, s["step"], s["trained"], s["agreement"].clone(), None),
+                  None if s["outer_gradient"] is None else s["outer_gradient"].clone(),
                   None if s["residual"] is None else s["residual"].clone(), None)
             for s in state["in_flight"]
         ]
 
 
-_STATE_KEYS = ("rank", "world_size", "fragments", "step", "global_weights", "outer_momentum", "residuals",
-               "in_flight", "stats")
+_STATE_KEYS = ("rank", "world_size", "fragments", "joining", "leaving", "step", "global_weights", "outer_momentum",
+               "residuals", "in_flight", "stats")
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -346,19 +621,49 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if hasattr(param, "to_local") else param
 
 
+def _member(name: str, param: torch.Tensor, setting: LayerSetting) -> _Member:
+    with torch.no_grad():
+        return _Member(name, param, _local(param).detach().float().clone(), setting)
+
+
+def _restore(member: _Member) -> None:
+    """A parameter that is no longer synced keeps its global weight: equal on every replica."""
+    with torch.no_grad():
+        _local(member.param).copy_(member.global_weight)
+
+
+def _pieces(value: int, count: int) -> list[int]:
+    return [(value >> (16 * i)) & 0xFFFF for i in range(count)]
+
+
+def _step(row: list[int]) -> int:
+    return sum(piece << (16 * i) for i, piece in enumerate(row[2:2 + _STEP_PIECES]))
+
+
+def _describe(kind: int, step: int) -> str:
+    return f"the sync of inner step {step}" if kind == _SYNC else f"close() after inner step {step}"
+
+
+def _trained(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[tuple[str, tuple[int, ...]]], int]:
+    """(name, shape) of the model's parameters the optimizer updates (in the optimizer,
+    requiring grad), in model order; and how many tensors it holds that are not the model's."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    named = list(model.named_parameters())
+    strangers = len(held - {id(p) for _, p in named})
+    return [(n, tuple(p.shape)) for n, p in named if id(p) in held and p.requires_grad], strangers
+
+
 def _synced_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The model's parameters the optimizer updates, by name, in model order; ValueError
     if the optimizer holds parameters that are not the model's, or none of them."""
-    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    named = {id(p): n for n, p in model.named_parameters()}
-    strangers = owned - set(named)
+    trained, strangers = _trained(model, optimizer)
     if strangers:
-        raise ValueError(f"cgx.DiLoCo: inner_optimizer updates {len(strangers)} tensor(s) that are not "
+        raise ValueError(f"cgx.DiLoCo: inner_optimizer updates {strangers} tensor(s) that are not "
                          f"parameters of the model: give the optimizer of this model's parameters")
-    params = {n: p for n, p in model.named_parameters() if id(p) in owned and p.requires_grad}
-    if not params:
+    if not trained:
         raise ValueError("cgx.DiLoCo: inner_optimizer updates none of the model's trainable parameters")
-    return params
+    params = dict(model.named_parameters())
+    return {n: params[n] for n, _ in trained}
 
 
 def _layers(params: dict[str, torch.Tensor]) -> dict[str, list[str]]:
@@ -403,25 +708,6 @@ def _split(sizes: list[int], fragments: int, pattern: str) -> list[int]:
         if p < fragments - 1 and (so_far * fragments >= (p + 1) * total or layers_left == fragments - 1 - p):
             p += 1
     return choice
-
-
-def _fragment(index: int, offset: int, names: list[str], params: dict[str, torch.Tensor],
-              settings: dict[str, LayerSetting], outer_lr: float, outer_momentum: float,
-              nesterov: bool) -> _Fragment:
-    members = [params[n] for n in names]
-    with torch.no_grad():
-        global_weights = [_local(p).detach().float().clone() for p in members]
-    layout: list[Segment] = []
-    compressed = []
-    cursor = 0
-    for name, g in zip(names, global_weights):
-        setting = settings[name]
-        if setting.compressed and g.numel() > 0:
-            compressed.append((name, cursor, g.numel()))
-        append_segment(layout, cursor, g.numel(), setting)
-        cursor += g.numel()
-    outer = torch.optim.SGD(global_weights, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
-    return _Fragment(index, offset, names, members, global_weights, layout, compressed, outer, cursor)
 
 
 def _check_arguments(model, optimizer, sync_every, fragments, bits, bucket_size, policy, outer_lr,

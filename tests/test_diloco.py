@@ -1,6 +1,7 @@
 """cgx.DiLoCo: exact against a hand-written DiLoCo, compressed within the quantizer's
 bound, the fragment schedule and the overlap's merge, the per-host and FSDP2 forms,
-checkpoint and resume, a peer dying mid-sync, and bad input. Real processes."""
+parameters joining and leaving the synced set, replicas out of step, checkpoint and
+resume, a peer dying mid-sync, and bad input. Real processes."""
 
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ def _train_step(model, inner, rank: int, step: int) -> None:
 
 def _weights(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _resume(saved: io.BytesIO, model, inner, diloco) -> dict:
+    """Loads a checkpoint of {"model", "inner", "diloco"} states into the three; returns it."""
+    saved.seek(0)
+    checkpoint = torch.load(saved)
+    model.load_state_dict(checkpoint["model"])
+    inner.load_state_dict(checkpoint["inner"])
+    diloco.load_state_dict(checkpoint["diloco"])
+    return checkpoint
 
 
 # ---- exact DiLoCo equals a hand-written one
@@ -235,6 +246,32 @@ def test_fragment_split_keeps_each_fragment_within_its_share_plus_one_layer():
 # ---- deployments: DDP inside a host, FSDP2 inside a replica
 
 
+def _counts_what_auto_sent(rank, world):
+    """With CGX_COMPRESSION_AUTO on, a class's first three calls are compressed and its
+    fourth goes the exact way whatever the timings: the fourth sync counts as float32."""
+    import cgx
+    from cgx.layers import layout_bytes
+
+    init_cgx(rank, world, pg_options=cgx.Config(minimal_size=0))  # auto is on by default
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = cgx.DiLoCo(model, inner, sync_every=2, bits=4)
+    sent = []
+    for step in range(8):
+        _train_step(model, inner, rank, step)
+        if step % 2 == 1:
+            sent.append(diloco.stats()["bytes_sent"])
+    (fragment,) = diloco._fragments
+    (entry,) = cgx.stats()["auto"]
+    return sent, layout_bytes(fragment.layout, False), fragment.numel, entry["exact_calls"]
+
+
+def test_a_sync_auto_sent_exactly_counts_as_float32():
+    for sent, compressed, numel, exact_calls in values(run_ranks(_counts_what_auto_sent, 2)):
+        assert exact_calls == 1 and compressed < numel
+        assert sent == [compressed, 2 * compressed, 3 * compressed, 3 * compressed + 4 * numel]
+
+
 def _per_host(rank, world):
     import cgx
 
@@ -303,6 +340,136 @@ def test_fsdp2_inner_outer_step_on_local_shards():
             assert torch.equal(results[rank][1][name], tensor), (rank, name)
 
 
+# ---- what is synced follows what the optimizer trains; replicas agree on it and on the step
+
+
+def _head_model(rank: int) -> torch.nn.Module:
+    torch.manual_seed(rank)  # replicas start apart: DiLoCo starts every parameter from rank 0's
+    body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    model = torch.nn.Sequential(body, torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    body[2].weight.requires_grad_(False)  # unfrozen later, as fine-tuning schedules do
+    return model
+
+
+def _follows_the_optimizer(rank, world):
+    import cgx
+
+    init_cgx(rank, world)
+    options = dict(sync_every=4, fragments=2, bits=4)  # fragment 1 syncs at steps 2, 6, ...; fragment 0 at 4, 8, ...
+
+    def build(head_trained):
+        model = _head_model(rank)
+        inner = torch.optim.SGD(model[0].parameters(), lr=0.05)  # the head's group joins later
+        if head_trained is not None:  # resuming: the optimizer and model as when the state was saved
+            model[0][2].weight.requires_grad_(True)
+            inner.add_param_group({"params": model[2].parameters()})
+            model[2].requires_grad_(head_trained)
+        return model, inner, cgx.DiLoCo(model, inner, **options)
+
+    model, inner, diloco = build(None)
+    frozen = model[0][2].weight
+    start = frozen.detach().clone()  # equal on every rank already
+    inner.add_param_group({"params": model[2].parameters()})
+    seen, saved = {}, io.BytesIO()
+    for step in range(16):
+        if step == 6:
+            frozen.requires_grad_(True)
+        if step == 10:
+            model[2].requires_grad_(False)  # frozen again: leaves the synced set
+        if step == 12:
+            torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()},
+                       saved)
+        _train_step(model, inner, rank, step)
+        if step + 1 in (6, 10, 14, 16):
+            seen[step + 1] = _weights(model), diloco.state_dict()["fragments"]
+    diloco.close()
+
+    resumed_model, resumed_inner, resumed = build(head_trained=False)
+    checkpoint = _resume(saved, resumed_model, resumed_inner, resumed)
+    for step in range(12, 16):
+        _train_step(resumed_model, resumed_inner, rank, step)
+    differing = [n for n, w in _weights(resumed_model).items() if not torch.equal(w, seen[16][0][n])]
+    resumed.close()
+
+    headless = _head_model(rank)
+    headless[2] = torch.nn.Identity()
+    try:
+        cgx.DiLoCo(headless, torch.optim.SGD(headless.parameters(), lr=0.05), **options).load_state_dict(
+            checkpoint["diloco"])
+        refused = "loaded"
+    except ValueError as e:
+        refused = str(e)
+
+    model = _head_model(rank)  # the replicas disagree: rank 0 adds the head's group, rank 1 does not
+    inner = torch.optim.SGD(model[0].parameters(), lr=0.05)
+    with cgx.DiLoCo(model, inner, sync_every=2, bits=4):
+        if rank == 0:
+            inner.add_param_group({"params": model[2].parameters()})
+        try:
+            for step in range(2):
+                _train_step(model, inner, rank, step)
+            disagreement = "no error"
+        except ValueError as e:
+            disagreement = str(e)
+    return start, seen, differing, refused, disagreement
+
+
+def test_synced_parameters_follow_the_optimizer_on_every_replica():
+    results = values(run_ranks(_follows_the_optimizer, 2, timeout_s=120))
+    for rank in range(2):
+        start, seen, differing, refused, disagreement = results[rank]
+        assert torch.equal(start, results[0][0])  # a frozen parameter starts from rank 0's too
+        body, head, unfrozen = ["0.0.weight", "0.0.bias", "0.2.bias"], ["2.weight", "2.bias"], ["0.2.weight"]
+        assert seen[6][1] == [body[:2], body[2:] + head]  # the head joined the least loaded fragment
+        assert seen[10][1] == [body[:2], body[2:] + head + unfrozen]  # the unfrozen weight: its layer's
+        assert seen[14][1] == seen[16][1] == [body[:2], body[2:] + unfrozen]  # the head left
+        # Each right after the sync it first joined (or left) in: equal on every replica.
+        for step, names in ((6, head), (10, unfrozen), (14, head), (16, head)):
+            for name in names:
+                assert torch.equal(seen[step][0][name], results[0][1][step][0][name]), (rank, step, name)
+        assert torch.equal(seen[14][0]["2.weight"], seen[16][0]["2.weight"])  # frozen: stays put
+        assert differing == []  # resumed from a state taken while the head was leaving: bit-identical
+        assert "the state syncs '2.weight', a parameter this model does not have" in refused, refused
+    assert "'2.weight' is trained here, not on group rank 1" in results[0][4], results[0][4]
+    assert "'2.weight' is trained on group rank 0, not here" in results[1][4], results[1][4]
+    assert "at the sync of inner step 2" in results[1][4]
+    # Not trivially equal: between syncs the replicas train apart (fragment 1 last synced at step 14).
+    assert not torch.equal(results[0][1][16][0]["0.2.bias"], results[1][1][16][0]["0.2.bias"])
+
+
+def _skipped_step(rank, world, overlap, fragments):
+    import cgx
+
+    init_cgx(rank, world, timeout_s=20)
+    model = _model(0)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=fragments, bits=4, overlap=overlap)
+    start = time.monotonic()
+    try:
+        for step in range(10):
+            if rank == 1 and step == 5:
+                continue  # as GradScaler skips optimizer.step() where the gradients have Inf
+            _train_step(model, inner, rank, step)
+        diloco.close()
+        return "no error", diloco.step
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+
+
+@pytest.mark.parametrize("overlap,fragments", [(0, 1), (1, 2)])
+def test_a_replica_that_skipped_a_step_raises_on_every_rank_naming_the_steps(overlap, fragments):
+    (ahead, ahead_s), (behind, behind_s) = values(run_ranks(_skipped_step, 2, args=(overlap, fragments),
+                                                            timeout_s=60))
+    if fragments == 1:  # both sync at steps 4 and 8, then meet in close(): their rows name both steps
+        assert "close() after inner step 10 here, close() after inner step 9 on group rank 1" in ahead, ahead
+        assert "close() after inner step 9 here, close() after inner step 10 on group rank 0" in behind, behind
+    else:  # rank 0's sync of step 10 (fragment 1) meets rank 1's close(): calls of other sizes
+        assert "out of step at the sync of inner step 10 here" in ahead, ahead
+        assert "out of step at close() after inner step 9 here" in behind, behind
+    assert "GradScaler" in ahead and "GradScaler" in behind
+    assert ahead_s < 20 and behind_s < 20  # at once, not at the group's timeout
+
+
 # ---- checkpoint and resume, failure mid-sync
 
 
@@ -332,11 +499,7 @@ def _checkpoint_resume(rank, world):
     diloco.close()
 
     model, inner, diloco = build()  # as at the start, then the three states
-    saved.seek(0)
-    checkpoint = torch.load(saved)
-    model.load_state_dict(checkpoint["model"])
-    inner.load_state_dict(checkpoint["inner"])
-    diloco.load_state_dict(checkpoint["diloco"])
+    _resume(saved, model, inner, diloco)
     for step in range(6, 12):
         _train_step(model, inner, rank, step)
     resumed = _weights(model)
