@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from cgx import _C, mpi
-from cgx.config import VARIABLES, Config, from_env
+from cgx.config import RAW_BITS, VARIABLES, Config, from_env
 
 # Settings every rank of a group must share (the host name is each rank's own).
 _SHARED_FIELDS = tuple(v.field for v in VARIABLES if v.field != "hostname")
@@ -73,8 +73,15 @@ def create_backend(dist_options, backend_options=None) -> _C.ProcessGroupCGX:
         options._timeout = timeout
         nccl_store = dist.PrefixStore(f"nccl/{incarnation}/", store)
         exact_cuda = dist.ProcessGroupNCCL(nccl_store, rank, size, options)
+    # The calls auto sends the exact way run on cgx's worker thread, after their agreement:
+    # across hosts through a Gloo backend of their own, whose collectives then come in the
+    # worker's order on every rank whatever the caller threads do on `exact`.
+    worker_exact = None
+    if config.compression_auto and config.bits != RAW_BITS:
+        worker_exact = dist.ProcessGroupGloo(dist.PrefixStore(f"gloo-worker/{incarnation}/", store), rank, size,
+                                             timeout)
     return _C.ProcessGroupCGX(
-        cgx_store, rank, size, timeout, exact, exact_cuda, to_settings(config)
+        cgx_store, rank, size, timeout, exact, exact_cuda, worker_exact, to_settings(config)
     )
 
 

@@ -253,17 +253,23 @@ PYBIND11_MODULE(_C, m) {
       m, "ProcessGroupCGX")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> exact,
-                       const py::object& exact_cuda, Settings settings) {
-             c10::intrusive_ptr<c10d::Backend> cuda;
-             if (!exact_cuda.is_none()) cuda = exact_cuda.cast<c10::intrusive_ptr<c10d::Backend>>();
+                       const py::object& exact_cuda, const py::object& worker_exact, Settings settings) {
+             auto optional_backend = [](const py::object& backend) {
+               return backend.is_none() ? c10::intrusive_ptr<c10d::Backend>()
+                                        : backend.cast<c10::intrusive_ptr<c10d::Backend>>();
+             };
+             auto cuda = optional_backend(exact_cuda);
+             auto worker = optional_backend(worker_exact);
              py::gil_scoped_release no_gil;
              return c10::make_intrusive<ProcessGroupCGX>(store, rank, size, timeout,
                                                          std::move(exact), std::move(cuda),
-                                                         std::move(settings));
+                                                         std::move(worker), std::move(settings));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("exact"), py::arg("exact_cuda"), py::arg("settings"),
-           "exact: the Gloo backend of the exact path; exact_cuda: the backend for CUDA tensors "
+           py::arg("exact"), py::arg("exact_cuda"), py::arg("worker_exact"), py::arg("settings"),
+           "exact: the Gloo backend of the exact path; worker_exact: a Gloo backend of its own "
+           "for the calls CGX_COMPRESSION_AUTO sends the exact way across hosts, or None; "
+           "exact_cuda: the backend for CUDA tensors "
            "on the exact path (NCCL), or None for Gloo.")
       .def_property_readonly("cuda_exact_backend", &ProcessGroupCGX::cuda_exact_backend,
                              "The backend CUDA tensors take on the exact path: gloo or nccl.")

@@ -146,15 +146,17 @@ def test_ddp_hook_buckets_go_both_ways_and_replicas_stay_identical():
         assert sum(e["exact_calls"] for e in auto) > 0 and sum(e["compressed_calls"] for e in auto) > 0
 
 
-def _mismatches_on_every_path(rank, world):
+def _mismatches_on_every_path(rank, world, inner):
     """Ranks given different calls, between matching calls that go both ways: each
     mismatch raises CallMismatchError on every rank whichever way auto would send it (the
     way is chosen only once the call is agreed), and leaves the group and auto's choices
-    as they were."""
+    as they were. The exact way is cgx's raw allreduce over shared memory, Gloo's
+    otherwise."""
     import cgx
 
     init_cgx(rank, world)
-    group = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, minimal_size=0, compression_auto=True))
+    group = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, minimal_size=0, compression_auto=True,
+                                                               inner_communicator=inner))
     mismatches = {
         # The same byte size, another dtype: summed as is, the ranks would disagree.
         "dtype": lambda: torch.full((200,), 1.5, dtype=torch.float16) if rank == 0
@@ -179,8 +181,9 @@ def _mismatches_on_every_path(rank, world):
     return messages, paths
 
 
-def test_a_mismatch_raises_on_every_rank_whichever_way_auto_sends_the_call():
-    results = values(run_ranks(_mismatches_on_every_path, 2, timeout_s=120))
+@pytest.mark.parametrize("inner", ["SHM", "GLOO"])
+def test_a_mismatch_raises_on_every_rank_whichever_way_auto_sends_the_call(inner):
+    results = values(run_ranks(_mismatches_on_every_path, 2, args=(inner,), timeout_s=120))
     (messages0, paths), (messages1, paths1) = results
     assert paths == paths1
     assert "exact" in paths and "compressed" in paths
@@ -190,7 +193,7 @@ def test_a_mismatch_raises_on_every_rank_whichever_way_auto_sends_the_call():
         assert "ranks were given different calls" in message, (name, message)
 
 
-def _overflowing_averages(rank, world):
+def _overflowing_averages(rank, world, inner):
     """16-bit values whose sum leaves their range, or whose sum leaves float32's, on
     every way a call can go (auto's two ways, cgx.exact())."""
     import cgx
@@ -201,7 +204,8 @@ def _overflowing_averages(rank, world):
     # float16's sum leaves float16's range; bfloat16's, float32's (it is summed there).
     for dtype, average, overflow in ((torch.float16, 40000.0, 40000.0), (torch.bfloat16, 2.0 ** 126, 2.0 ** 127)):
         # A group per dtype: its calls make one size class that goes both ways.
-        group = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, minimal_size=0, compression_auto=True))
+        group = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, minimal_size=0, compression_auto=True,
+                                                                   inner_communicator=inner))
         for call in range(20):
             for op, value in ((dist.ReduceOp.AVG, average), (dist.ReduceOp.SUM, overflow)):
                 t = torch.full((200,), value, dtype=dtype)
@@ -215,8 +219,9 @@ def _overflowing_averages(rank, world):
     return out
 
 
-def test_16_bit_averages_do_not_overflow_on_any_path():
-    for out in values(run_ranks(_overflowing_averages, 2, timeout_s=120)):
+@pytest.mark.parametrize("inner", ["SHM", "GLOO"])
+def test_16_bit_averages_do_not_overflow_on_any_path(inner):
+    for out in values(run_ranks(_overflowing_averages, 2, args=(inner,), timeout_s=120)):
         for dtype in (torch.float16, torch.bfloat16):
             taken = {path for d, _, _, path, _ in out if d == dtype}
             assert taken == {"exact", "compressed", "cgx.exact()"}, (dtype, taken)

@@ -25,7 +25,7 @@ Failure failure_of(const std::exception_ptr& error) {
     return Failure::kTimeout;
   } catch (const transport::TransportError&) {
     return Failure::kPeer;
-  } catch (const PeerError&) {
+  } catch (const c10::DistNetworkError&) {  // PeerError, or Gloo's own (auto's exact way across hosts)
     return Failure::kPeer;
   } catch (const collectives::CallMismatchError&) {
     return Failure::kMismatch;

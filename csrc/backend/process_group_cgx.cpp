@@ -104,12 +104,14 @@ std::vector<c10::Device> gpu_of(const std::vector<at::Tensor>& tensors) {
 ProcessGroupCGX::ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                  int size, std::chrono::milliseconds timeout,
                                  c10::intrusive_ptr<c10d::Backend> exact,
-                                 c10::intrusive_ptr<c10d::Backend> exact_cuda, Settings settings)
+                                 c10::intrusive_ptr<c10d::Backend> exact_cuda,
+                                 c10::intrusive_ptr<c10d::Backend> worker_exact, Settings settings)
     : c10d::Backend(rank, size),
       settings_((validate(settings), std::move(settings))),
       timeout_(timeout),
       exact_(checked_exact(std::move(exact), rank, size)),
       exact_cuda_(exact_cuda ? checked_exact(std::move(exact_cuda), rank, size) : exact_),
+      worker_exact_(worker_exact ? checked_exact(std::move(worker_exact), rank, size) : nullptr),
       connection_(connect(store, rank, size, exact_, settings_)),
       executor_(make_host_executor(settings_)),
       cross_executor_(make_host_executor(settings_)) {}
@@ -626,24 +628,18 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   collectives::CallSignature signature = signature_of(sequence, tensors, flat.numel(), *codec, op_name(op));
   const int size_class = collectives::size_class(flat.numel());
   if (choose_path) paths_.sign(size_class, signature);
-  // Auto's exact way: the same call with every value raw (summed in float32, like the
-  // compressed way, so that no path overflows where the other does not).
-  std::optional<compression::LayoutCodec> raw;
   // Counted in the callers' dtypes (2 bytes a value for float16 / bfloat16).
   agree_and_run(options, call_seed(sequence), lane, signature, flat, residual, &Stats::allreduce,
                 static_cast<double>(input_bytes) / flat.numel(),
                 [&](collectives::AllreduceOptions& o, const collectives::CallSignature* all) {
-                  auto path = collectives::Path::kCompressed;
-                  if (choose_path) {
-                    path = paths_.choose(size_class, all, getSize());
-                    if (path == collectives::Path::kExact) {
-                      o.codec = &raw.emplace(compression::LayoutCodec::raw(flat.numel()));
-                      work.mark_sent_exactly();
-                    }
-                  }
+                  const auto path = choose_path ? paths_.choose(size_class, all, getSize())
+                                                : collectives::Path::kCompressed;
+                  if (path == collectives::Path::kExact) work.mark_sent_exactly();
                   const auto started = std::chrono::steady_clock::now();
-                  const auto traffic = collectives::allreduce(*connection_.transport, getRank(), connection_.hosts,
-                                                              flat.data_ptr<float>(), o);
+                  const auto traffic = path == collectives::Path::kExact
+                                           ? exact_sum(flat, o)
+                                           : collectives::allreduce(*connection_.transport, getRank(),
+                                                                    connection_.hosts, flat.data_ptr<float>(), o);
                   const std::chrono::duration<double, std::micro> took = std::chrono::steady_clock::now() - started;
                   if (choose_path) paths_.record(size_class, path, took.count());
                   return traffic;
@@ -655,6 +651,28 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
     t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
     offset += t.numel();
   }
+}
+
+collectives::Traffic ProcessGroupCGX::exact_sum(at::Tensor& flat, collectives::AllreduceOptions& options) {
+  // Summed in float32, like the compressed way, so that no way overflows where the other
+  // does not. Over shared memory (one host) cgx's own allreduce with every value raw is
+  // the faster; across hosts Gloo's, whose ring costs fewer round trips than cgx's
+  // exchanges over Gloo's pairs.
+  const bool shared_memory_only = num_hosts() == 1 && settings_.inner_communicator == InnerCommunicator::SHM;
+  if (shared_memory_only || !worker_exact_) {
+    const auto raw = compression::LayoutCodec::raw(flat.numel());
+    options.codec = &raw;
+    return collectives::allreduce(*connection_.transport, getRank(), connection_.hosts, flat.data_ptr<float>(),
+                                  options);
+  }
+  std::vector<at::Tensor> tensors{flat};
+  c10d::AllreduceOptions sum;
+  sum.reduceOp = c10d::ReduceOp::SUM;
+  sum.timeout = timeout_;
+  worker_exact_->allreduce(tensors, sum)->wait();
+  // Gloo's ring: each rank sends 2 (size - 1) / size of the values.
+  const auto values = static_cast<uint64_t>(flat.numel());
+  return {2 * (getSize() - 1) * values * sizeof(float) / getSize(), values};
 }
 
 // ---- Exact path: Gloo (or NCCL for CUDA tensors), called from the caller's thread (program order on every rank).

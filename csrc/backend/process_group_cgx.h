@@ -43,10 +43,14 @@ class ProcessGroupCGX final : public c10d::Backend {
  public:
   // `exact`: a Gloo backend for this group, created on its own prefix of `store`.
   // `exact_cuda`: the backend for CUDA tensors on the exact path (NCCL), or null for Gloo,
-  // which stages them through host memory.
+  // which stages them through host memory. `worker_exact`: a Gloo backend of its own for
+  // the calls CGX_COMPRESSION_AUTO sends the exact way, used from the worker thread only
+  // (so its collectives are in the worker's order on every rank, apart from the caller
+  // threads' calls on `exact`); null: those calls travel raw through cgx's transports.
   ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> exact,
-                  c10::intrusive_ptr<c10d::Backend> exact_cuda, Settings settings);
+                  c10::intrusive_ptr<c10d::Backend> exact_cuda,
+                  c10::intrusive_ptr<c10d::Backend> worker_exact, Settings settings);
   ~ProcessGroupCGX() override;
 
   const std::string getBackendName() const override { return "cgx"; }
@@ -193,8 +197,11 @@ class ProcessGroupCGX final : public c10d::Backend {
       std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
       std::shared_ptr<const compression::LayoutCodec> codec,
       std::optional<at::Tensor> residual = std::nullopt);
+  // The exact way of an agreed call (CGX_COMPRESSION_AUTO): `flat`'s float32 values summed
+  // unquantized, on the worker.
+  collectives::Traffic exact_sum(at::Tensor& flat, collectives::AllreduceOptions& options);
   // `choose_path`: CGX_COMPRESSION_AUTO picks the way once the call is agreed: compressed,
-  // or with every value raw (collectives/path_choice.h).
+  // or exact_sum (collectives/path_choice.h).
   void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op,
                       uint64_t sequence, const compression::LayoutCodec* codec, const Lane& lane,
                       const std::optional<at::Tensor>& residual, bool choose_path, CGXWork& work);
@@ -227,6 +234,7 @@ class ProcessGroupCGX final : public c10d::Backend {
   const std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Backend> exact_;
   c10::intrusive_ptr<c10d::Backend> exact_cuda_;  // exact_ when there is no NCCL
+  c10::intrusive_ptr<c10d::Backend> worker_exact_;  // may be null
   Connection connection_;  // which ranks share a host, and the transports to reach them
   collectives::Scratch scratch_;        // used by the worker thread only
   collectives::Scratch cross_scratch_;  // the hierarchical cross phases (their own thread)
