@@ -119,8 +119,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CGX_COMPRESSION_AUTO", "compression_auto", True, "0/1, true/false, yes/no, on/off",
              _bool,
              "Compression only where it pays: per group and size class, cgx times its "
-             "compressible CPU allreduces compressed and sent the exact way (every value "
-             "raw, summed in float32) and sends each call the faster way, the same on every rank; the "
+             "compressible CPU allreduces compressed and sent the exact way (unquantized, "
+             "summed in float32) and sends each call the faster way, the same on every rank; the "
              "slower way is re-tried now and then. Runs are then not bit-reproducible. 0: every "
              "compressible call is compressed. cgx.stats() shows the choice per size class "
              "(docs/configuration.md)."),
