@@ -292,13 +292,15 @@ class DiLoCo:
         changes nothing (its sync is dropped)."""
         self._in_flight.remove(sync)
         agreement = sync.agreement
+        started = time.perf_counter()
+        waits = sync.work is not None and (self.overlap == 0 or not sync.work.is_completed())
+        # The agreement first: beside an exact sync it is a call of its own, and where the
+        # replicas are out of step the exact sync's Gloo call has no partner to wait for.
+        self._check(agreement)
         if sync.outer_gradient is not None and sync.work is not None:
-            started = time.perf_counter()
-            if self.overlap == 0 or not sync.work.is_completed():  # without overlap the step always waits
-                self._stats["waits"] += 1
+            self._stats["waits"] += waits  # without overlap the step always waits
             self._complete(sync)
             self._stats["wait_seconds"] += time.perf_counter() - started
-        self._check(agreement)
         if sync.outer_gradient is not None:
             self._apply(sync)
         if follow:

@@ -437,16 +437,16 @@ def test_synced_parameters_follow_the_optimizer_on_every_replica():
     assert not torch.equal(results[0][1][16][0]["0.2.bias"], results[1][1][16][0]["0.2.bias"])
 
 
-def _skipped_step(rank, world, overlap, fragments):
+def _skipped_step(rank, world, overlap, fragments, bits, steps):
     import cgx
 
     init_cgx(rank, world, timeout_s=20)
     model = _model(0)
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
-    diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=fragments, bits=4, overlap=overlap)
+    diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=fragments, bits=bits, overlap=overlap)
     start = time.monotonic()
     try:
-        for step in range(10):
+        for step in range(steps):
             if rank == 1 and step == 5:
                 continue  # as GradScaler skips optimizer.step() where the gradients have Inf
             _train_step(model, inner, rank, step)
@@ -456,11 +456,14 @@ def _skipped_step(rank, world, overlap, fragments):
         return str(e), time.monotonic() - start
 
 
-@pytest.mark.parametrize("overlap,fragments", [(0, 1), (1, 2)])
-def test_a_replica_that_skipped_a_step_raises_on_every_rank_naming_the_steps(overlap, fragments):
-    (ahead, ahead_s), (behind, behind_s) = values(run_ranks(_skipped_step, 2, args=(overlap, fragments),
-                                                            timeout_s=60))
-    if fragments == 1:  # both sync at steps 4 and 8, then meet in close(): their rows name both steps
+@pytest.mark.parametrize("overlap,fragments,bits,steps", [(0, 1, 4, 10), (1, 2, 4, 10), (1, 1, 32, 12)])
+def test_a_replica_that_skipped_a_step_raises_on_every_rank_naming_the_steps(overlap, fragments, bits, steps):
+    (ahead, ahead_s), (behind, behind_s) = values(run_ranks(_skipped_step, 2,
+                                                            args=(overlap, fragments, bits, steps), timeout_s=60))
+    if bits == 32:  # rank 0's exact sync of step 12 meets rank 1's close(): their rows name both
+        assert "the sync of inner step 12 here, close() after inner step 11 on group rank 1" in ahead, ahead
+        assert "close() after inner step 11 here, the sync of inner step 12 on group rank 0" in behind, behind
+    elif fragments == 1:  # both sync at steps 4 and 8, then meet in close(): their rows name both steps
         assert "close() after inner step 10 here, close() after inner step 9 on group rank 1" in ahead, ahead
         assert "close() after inner step 9 here, close() after inner step 10 on group rank 0" in behind, behind
     else:  # rank 0's sync of step 10 (fragment 1) meets rank 1's close(): calls of other sizes
