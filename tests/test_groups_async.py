@@ -81,7 +81,7 @@ def test_subgroups_concurrent_groups_async_work():
 def _ddp(rank, world):
     import cgx
 
-    init_cgx(rank, world, pg_options=cgx.Config(bits=8))
+    init_cgx(rank, world, pg_options=cgx.Config(bits=8, compression_auto=False))  # every bucket compressed
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
