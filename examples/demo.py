@@ -99,9 +99,9 @@ def run(rank: int, world_size: int, bits: int, device_type: str, store_path: str
         ddp_raw = total["uncompressed_bytes"] - allreduce_stats["uncompressed_bytes"]
         # CGX_COMPRESSION_AUTO (on by default) sends a bucket exactly where that is faster.
         exact_calls = sum(e["exact_calls"] for e in total["auto"])
-        print(f"DDP, 20 steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}; compressed buckets sent "
+        print(f"DDP, 20 steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}; buckets sent "
               f"{ddp_sent / 2**20:.2f} MiB vs {ddp_raw / 2**20:.2f} MiB uncompressed "
-              f"({ddp_raw / max(1, ddp_sent):.2f}x), {exact_calls} sent exactly (faster here); "
+              f"({ddp_raw / max(1, ddp_sent):.2f}x), {exact_calls} of them exactly (faster here); "
               f"replicas identical: {identical}")
         print(f"DiLoCo, 24 steps, 2 fragments every 8 steps: loss {diloco_losses[0]:.3f} -> "
               f"{diloco_losses[-1]:.3f}; {diloco_stats['outer_syncs']} syncs sent "
