@@ -73,15 +73,20 @@ def create_backend(dist_options, backend_options=None) -> _C.ProcessGroupCGX:
         options._timeout = timeout
         nccl_store = dist.PrefixStore(f"nccl/{incarnation}/", store)
         exact_cuda = dist.ProcessGroupNCCL(nccl_store, rank, size, options)
-    # The calls auto sends the exact way run on cgx's worker thread, after their agreement:
-    # across hosts through a Gloo backend of their own, whose collectives then come in the
-    # worker's order on every rank whatever the caller threads do on `exact`.
+    # The calls auto sends the exact way run on cgx's worker thread, after their agreement.
+    # Where every peer is reached over shared memory (one host name, as the C++ host map
+    # counts hosts) they travel raw through cgx's own allreduce; elsewhere through a Gloo
+    # backend of their own, whose collectives then come in the worker's order on every
+    # rank whatever the caller threads do on `exact`.
+    settings = to_settings(config)
     worker_exact = None
     if config.compression_auto and config.bits != RAW_BITS:
-        worker_exact = dist.ProcessGroupGloo(dist.PrefixStore(f"gloo-worker/{incarnation}/", store), rank, size,
-                                             timeout)
+        hosts = _gather(cgx_store, "hostname", rank, size, settings.hostname)
+        if not (len(set(hosts)) == 1 and config.inner_communicator == "SHM"):
+            worker_exact = dist.ProcessGroupGloo(dist.PrefixStore(f"gloo-worker/{incarnation}/", store), rank,
+                                                 size, timeout)
     return _C.ProcessGroupCGX(
-        cgx_store, rank, size, timeout, exact, exact_cuda, worker_exact, to_settings(config)
+        cgx_store, rank, size, timeout, exact, exact_cuda, worker_exact, settings
     )
 
 

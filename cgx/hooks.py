@@ -550,7 +550,7 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         state._count_sparse(buffer)
         future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
     else:
-        residual, compressed = None, []
+        residual, compressed, fed = None, [], []
         if state.step < state.warmup_steps:
             layout = [(0, buffer.numel(), RAW_BITS, 1, "maxmin")]
         else:
@@ -561,7 +561,7 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
                 residual = state._bucket_residual(buffer, fed)
         work = backend.allreduce_layout(buffer, layout, residual=residual)
 
-        def settle(done, work=work, residual=residual, fed=fed if residual is not None else None):
+        def settle(done, work=work, residual=residual, fed=fed):
             result = done.value()  # a failed call raises here and keeps the old residuals
             if residual is not None:
                 state._keep_residuals(residual, fed)

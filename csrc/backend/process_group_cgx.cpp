@@ -657,9 +657,8 @@ collectives::Traffic ProcessGroupCGX::exact_sum(at::Tensor& flat, collectives::A
   // Summed in float32, like the compressed way, so that no way overflows where the other
   // does not. Over shared memory (one host) cgx's own allreduce with every value raw is
   // the faster; across hosts Gloo's, whose ring costs fewer round trips than cgx's
-  // exchanges over Gloo's pairs.
-  const bool shared_memory_only = num_hosts() == 1 && settings_.inner_communicator == InnerCommunicator::SHM;
-  if (shared_memory_only || !worker_exact_) {
+  // exchanges over Gloo's pairs (create_backend gives a worker_exact_ only there).
+  if (!worker_exact_) {
     const auto raw = compression::LayoutCodec::raw(flat.numel());
     options.codec = &raw;
     return collectives::allreduce(*connection_.transport, getRank(), connection_.hosts, flat.data_ptr<float>(),

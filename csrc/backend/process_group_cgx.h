@@ -46,7 +46,8 @@ class ProcessGroupCGX final : public c10d::Backend {
   // which stages them through host memory. `worker_exact`: a Gloo backend of its own for
   // the calls CGX_COMPRESSION_AUTO sends the exact way, used from the worker thread only
   // (so its collectives are in the worker's order on every rank, apart from the caller
-  // threads' calls on `exact`); null: those calls travel raw through cgx's transports.
+  // threads' calls on `exact`); null (cgx.backend gives none where every peer is on
+  // shared memory): those calls travel raw through cgx's transports.
   ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> exact,
                   c10::intrusive_ptr<c10d::Backend> exact_cuda,

@@ -122,6 +122,7 @@ class FileDescriptor {
   ~FileDescriptor() {
     if (fd_ >= 0) close(fd_);
   }
+  FileDescriptor(FileDescriptor&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
   FileDescriptor(const FileDescriptor&) = delete;
   FileDescriptor& operator=(const FileDescriptor&) = delete;
   int get() const { return fd_; }
@@ -366,7 +367,7 @@ struct ShmTransport::Impl {
     ControlBlock* control;  // the peer's doorbell
     Ring to_peer;           // in my segment
     Ring from_peer;         // in the peer's segment
-    std::shared_ptr<FileDescriptor> process;  // a pidfd of the peer (-1: none)
+    FileDescriptor process;  // a pidfd of the peer (-1: none)
   };
 
   struct Progress {
@@ -448,7 +449,7 @@ struct ShmTransport::Impl {
       peers.push_back(Peer{local_ranks[index], std::move(segment), peer_control,
                            ring_at(own_segment.base(), ring_index(my_index, index), ring_bytes),
                            ring_at(base, ring_index(index, my_index), ring_bytes),
-                           std::make_shared<FileDescriptor>(watch_process(*peer_control))});
+                           FileDescriptor(watch_process(*peer_control))});
     }
     store.set(store_key(name_prefix, "attached", rank), present);
     for (int peer : local_ranks) {
@@ -522,7 +523,7 @@ struct ShmTransport::Impl {
     for (size_t index = 0; index < peers.size(); ++index) {
       if (work[index].done()) continue;
       const Peer& peer = peers[index];
-      const bool exited = has_exited(peer.process->get());
+      const bool exited = has_exited(peer.process.get());
       const uint32_t failed = peer.control->failed.load(std::memory_order_seq_cst);
       if (!exited && failed == kHealthy) continue;
       while (make_progress(work).moved) {
