@@ -129,7 +129,7 @@ def _repeated_stochastic(rank, world, calls):
     import cgx
 
     init_cgx(rank, world, pg_options=cgx.Config(bits=2, bucket_size=256, minimal_size=0,
-                                                 stochastic_rounding=True, seed=7))
+                                                 stochastic_rounding=True, seed=7, compression_auto=False))
     inputs = [make_input(r, 4096, torch.float32) for r in range(world)]
     exact = torch.stack([x.double() for x in inputs]).sum(0)
     total = torch.zeros(4096, dtype=torch.float64)
@@ -160,7 +160,8 @@ def _extreme_values(rank, world):
     bits, finite where the exact sum is finite and its buckets' ranges are."""
     import cgx
 
-    init_cgx(rank, world, pg_options=cgx.Config(bits=5, bucket_size=512, minimal_size=0))
+    init_cgx(rank, world, pg_options=cgx.Config(bits=5, bucket_size=512, minimal_size=0,
+                                                 compression_auto=False))
     cases = {}
     # A finite exact sum near FLT_MAX (5 bits: min + 31 * scale rounds past FLT_MAX).
     near_max = [torch.zeros(1024) for _ in range(world)]

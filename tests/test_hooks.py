@@ -155,7 +155,7 @@ def _reference_average(model, x, y, world):
 def _interleaved(rank, world):
     import cgx
 
-    init_cgx(rank, world, pg_options=cgx.Config(bits=8, minimal_size=0))
+    init_cgx(rank, world, pg_options=cgx.Config(bits=8, minimal_size=0, compression_auto=False))
     model = make_model(interleave=True)
     ddp = DDP(model, bucket_cap_mb=0.02)
     # embed's gradient is ready last: after DDP rebuilds its buckets (step 1 on) it is
@@ -213,7 +213,8 @@ def _cumulative_error(rank, world, feedback, dtype, algorithm):
     import cgx
 
     init_cgx(rank, world)
-    group = dist.new_group(backend="cgx", pg_options=cgx.Config(inner_reduction=algorithm))
+    group = dist.new_group(backend="cgx", pg_options=cgx.Config(inner_reduction=algorithm,
+                                                                  compression_auto=False))  # every step compressed
     torch.manual_seed(0)
     model = Linear64().to(dtype)
     c = torch.randn(64, 64, generator=torch.Generator().manual_seed(rank)).to(dtype)
