@@ -257,7 +257,9 @@ class DiLoCo:
         """Launches the allreduce of the fragment's outer gradient (global - local), the
         agreement's rows after it (beside it for an exact sync)."""
         trained, strangers = _trained(self._model, self._optimizer)
-        rows = self._rows(_SYNC, trained, strangers)
+        # The rows travel with the outer gradient, so they live on its device.
+        device = fragment.members[0].global_weight.device if fragment.members else torch.device("cpu")
+        rows = self._rows(_SYNC, trained, strangers, device)
         if not fragment.members:  # the replicas still agree, on their step above all
             sync = _Sync(fragment, self.step + self.overlap, self._agree(_SYNC, trained, rows), None, None, None)
             self._in_flight.append(sync)
@@ -342,8 +344,9 @@ class DiLoCo:
 
     # ---- agreement: the replicas' inner step and trained parameters
 
-    def _rows(self, kind: int, trained: list[tuple[str, tuple[int, ...]]], strangers: int) -> torch.Tensor:
-        rows = torch.zeros(self._group.size(), _ROW)
+    def _rows(self, kind: int, trained: list[tuple[str, tuple[int, ...]]], strangers: int,
+              device: torch.device) -> torch.Tensor:
+        rows = torch.zeros(self._group.size(), _ROW, device=device)
         digest = int.from_bytes(hashlib.blake2b(repr(trained).encode(), digest_size=8).digest(), "little")
         rows[dist.get_rank(self._group)] = torch.tensor(
             [kind, min(strangers, 0xFFFF), *_pieces(self.step, _STEP_PIECES), *_pieces(digest, _DIGEST_PIECES)],
@@ -489,7 +492,7 @@ class DiLoCo:
             return
         self._closed = True
         self._hook.remove()
-        agreement = self._agree(_CLOSE, [], self._rows(_CLOSE, [], 0))
+        agreement = self._agree(_CLOSE, [], self._rows(_CLOSE, [], 0, torch.device("cpu")))
         for sync in list(self._in_flight):
             self._finish(sync, follow=False)
         self._check(agreement)

@@ -224,3 +224,49 @@ def test_ddp_with_the_cgx_hook_on_cuda_parameters(bits):
     assert torch.equal(params0, params1), "replicas drifted apart"
     # Exact training on the same data goes from 2.31 to 1.27 (mean of the last 5 steps).
     assert sum(losses[-5:]) / 5 < 0.75 * losses[0], f"did not train: {losses}"
+
+
+def _diloco_on_cuda(rank, world, bits, device="cuda"):
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    init_cgx(rank, world)
+    torch.manual_seed(rank)  # replicas start apart: DiLoCo starts them from rank 0's weights
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).to(device)
+    model[2].weight.requires_grad_(False)  # unfrozen mid-run: it joins the synced set
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    with cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=bits, overlap=1) as diloco:
+        for step in range(24):
+            if step == 6:
+                model[2].weight.requires_grad_(True)
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x = torch.randn(64, 32, generator=g).to(device)
+            loss = torch.nn.functional.cross_entropy(model(x), x[:, :10].argmax(1))
+            inner.zero_grad()
+            loss.backward()
+            inner.step()
+            losses.append(loss.item())
+        state = diloco.state_dict()
+    globals_ = {name: w.cpu() for name, w in state["global_weights"].items()}
+    skipped = None
+    try:  # rank 1 skips a step
+        with cgx.DiLoCo(model, inner, sync_every=2, bits=bits):
+            for step in range(4 - rank):
+                model(torch.randn(8, 32, device=device)).sum().backward()
+                inner.step()
+    except RuntimeError as e:
+        skipped = str(e)
+    return globals_, state["fragments"], losses, skipped
+
+
+@needs_gpu
+@pytest.mark.parametrize("bits", [4, 32])
+def test_diloco_on_cuda_parameters(bits):
+    """The outer gradient, its agreement rows and the residuals live on the GPU."""
+    (globals0, fragments0, losses, skipped0), (globals1, fragments1, _, skipped1) = values(
+        run_ranks(_diloco_on_cuda, 2, args=(bits,), timeout_s=120))
+    assert fragments0 == fragments1 and any("2.weight" in f for f in fragments0), fragments0
+    assert globals0.keys() == globals1.keys()
+    assert all(torch.equal(globals0[n], globals1[n]) for n in globals0), "global weights differ across replicas"
+    assert sum(losses[-4:]) / 4 < 0.9 * losses[0], f"did not train: {losses}"
+    assert skipped0 and "out of step" in skipped0 and skipped1 and "out of step" in skipped1, (skipped0, skipped1)
