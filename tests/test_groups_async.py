@@ -96,7 +96,8 @@ def _ddp(rank, world):
         opt.step()
         losses.append(loss.item())
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return flat, cgx.stats()
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return flat, cgx.stats(), type(backend).__name__
 
 
 @pytest.mark.parametrize("debug", ["OFF", "DETAIL"])
@@ -104,7 +105,10 @@ def test_ddp_keeps_replicas_identical(debug):
     """Also under TORCH_DISTRIBUTED_DEBUG=DETAIL, where torch wraps the backend in a
     checker that compares every collective (and sequence numbers) across ranks."""
     per_rank = values(run_ranks(_ddp, 3, env={"TORCH_DISTRIBUTED_DEBUG": debug}))
-    params = [p for p, _ in per_rank]
+    # torch reads the variable at import: the harness must make the ranks see it.
+    assert all(wrapped == ("_ProcessGroupWrapper" if debug == "DETAIL" else "ProcessGroupCGX")
+               for _, _, wrapped in per_rank), per_rank[0][2]
+    params = [p for p, _, _ in per_rank]
     for p in params[1:]:
         assert torch.equal(p, params[0]), "replicas drifted apart"
     stats = per_rank[0][1]

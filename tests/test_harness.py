@@ -1,0 +1,91 @@
+"""The test harness itself: forked ranks see what spawned interpreters would see.
+
+Ranks are forked from a server that imported torch and cgx once (tests/harness.py says
+what a fork changes); each property here failed before the harness restored it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import RankError, run_ranks, values
+
+
+def _what_a_rank_sees(rank, world):
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    started = time.monotonic()
+    x = torch.randn(1 << 22)
+    parallel_sum = float(x.sum())  # the intra-op pool at work (a pool broken by the fork hangs here)
+    product = torch.randn(512, 512) @ torch.randn(512, 512)
+    return {
+        "probe": os.environ.get("CGX_HARNESS_PROBE"),
+        "given": os.environ.get("CGX_HARNESS_GIVEN"),
+        "debug_level": str(dist.get_debug_level()),
+        "torch_rank": os.environ.get("RANK"),
+        "threads": torch.get_num_threads(),
+        "random": random.random(),
+        "worked": parallel_sum == parallel_sum and product.shape == (512, 512),
+        "seconds": time.monotonic() - started,
+    }
+
+
+def test_a_rank_sees_the_callers_environment_and_what_is_read_from_it_at_import(monkeypatch):
+    run_ranks(_what_a_rank_sees, 1)  # the server is running before the caller's environment changes
+    monkeypatch.setenv("CGX_HARNESS_PROBE", "set after the server started")
+    env = {"CGX_HARNESS_GIVEN": "given", "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+           # An MPI launch's variables, with an address so that adoption needs no MPI call.
+           "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1"}
+    seen = values(run_ranks(_what_a_rank_sees, 2, env=env))
+    spawned_threads = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                                         capture_output=True, text=True, check=True).stdout)
+    for rank in seen:
+        assert rank["probe"] == "set after the server started"
+        assert rank["given"] == "given"
+        assert rank["debug_level"] == "DebugLevel.DETAIL"  # torch reads it at import
+        assert rank["torch_rank"] == "1"  # cgx.mpi adopts an MPI launch at import
+        assert rank["threads"] == spawned_threads and rank["worked"]
+    assert seen[0]["random"] != seen[1]["random"]  # not the server's state, copied twice
+    plain = values(run_ranks(_what_a_rank_sees, 1))[0]
+    assert plain["debug_level"] == "DebugLevel.OFF" and plain["torch_rank"] is None
+
+
+def _sleeps(rank, world):
+    if rank == 1:
+        time.sleep(600)
+
+
+def _raises(rank, world):
+    if rank == 1:
+        raise KeyError("rank 1's own error")
+    return rank
+
+
+def _exits(rank, world):
+    if rank == 0:
+        os._exit(3)
+    return rank
+
+
+def test_a_hang_is_killed_at_the_limit_and_errors_and_deaths_are_reported():
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="still running after 3 s"):
+        run_ranks(_sleeps, 2, timeout_s=3)
+    assert time.monotonic() - started < 30
+    assert multiprocessing.active_children() == []
+    results = run_ranks(_raises, 2)
+    assert results[0] == 0 and isinstance(results[1], RankError) and results[1].type == "KeyError"
+    assert "rank 1's own error" in results[1].message and "_raises" in results[1].traceback
+    with pytest.raises(AssertionError, match="rank 0 died with exit code 3"):
+        run_ranks(_exits, 2)
+    assert run_ranks(_exits, 2, expect_exit={0}) == [None, 1]
