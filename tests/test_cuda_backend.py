@@ -248,25 +248,38 @@ def _diloco_on_cuda(rank, world, bits, device="cuda"):
             losses.append(loss.item())
         state = diloco.state_dict()
     globals_ = {name: w.cpu() for name, w in state["global_weights"].items()}
-    skipped = None
-    try:  # rank 1 skips a step
-        with cgx.DiLoCo(model, inner, sync_every=2, bits=bits):
-            for step in range(4 - rank):
-                model(torch.randn(8, 32, device=device)).sum().backward()
-                inner.step()
-    except RuntimeError as e:
-        skipped = str(e)
-    return globals_, state["fragments"], losses, skipped
+    return globals_, state["fragments"], losses
 
 
 @needs_gpu
 @pytest.mark.parametrize("bits", [4, 32])
 def test_diloco_on_cuda_parameters(bits):
     """The outer gradient, its agreement rows and the residuals live on the GPU."""
-    (globals0, fragments0, losses, skipped0), (globals1, fragments1, _, skipped1) = values(
+    (globals0, fragments0, losses), (globals1, fragments1, _) = values(
         run_ranks(_diloco_on_cuda, 2, args=(bits,), timeout_s=120))
     assert fragments0 == fragments1 and any("2.weight" in f for f in fragments0), fragments0
     assert globals0.keys() == globals1.keys()
     assert all(torch.equal(globals0[n], globals1[n]) for n in globals0), "global weights differ across replicas"
     assert sum(losses[-4:]) / 4 < 0.9 * losses[0], f"did not train: {losses}"
-    assert skipped0 and "out of step" in skipped0 and skipped1 and "out of step" in skipped1, (skipped0, skipped1)
+
+
+def _mismatched_calls(rank, world):
+    torch.cuda.set_device(0)
+    init_cgx(rank, world, pg_options=cgx.Config(bits=4, minimal_size=0, compression_auto=False))
+    try:
+        dist.all_reduce(torch.ones(100 if rank == 0 else 18, device="cuda"))
+        refused = "no error"
+    except cgx.CallMismatchError as e:
+        refused = str(e)
+    after = torch.ones(64, device="cuda")
+    dist.all_reduce(after)  # the group stays usable
+    return refused, after.cpu()
+
+
+@needs_gpu
+def test_mismatched_calls_on_cuda_tensors_raise_on_every_rank():
+    """On the H100 machine (2026-11-26) group rank 0 died of SIGSEGV here, on a thread
+    of cgx's, for CPU tensors too with the GPU hidden; it raises on the CPU VM (docs/cuda.md)."""
+    for refused, after in values(run_ranks(_mismatched_calls, 2, timeout_s=60)):
+        assert "rank 0 has 100 elements, rank 1 has 18 elements" in refused, refused
+        assert torch.equal(after, torch.full((64,), 2.0))
