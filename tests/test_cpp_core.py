@@ -1,8 +1,13 @@
 """The C++ tests of the torch-free core (tests/cpp): chunking, layout codec, quantizer,
-shared-memory transport. Built here with CMake, without torch or Python, and run."""
+shared-memory transport. Built here with CMake, without torch or Python, and run.
+
+The build folder is build/cpp-tests/<compiler> in the repository (ignored by git), so a
+second run rebuilds only what changed (~1 s when nothing did, ~16 s from scratch on
+the 2-core VM); where the repository is not writable, a temporary folder."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -44,6 +49,18 @@ def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
     return done
 
 
+def _build_folder(compiler: str, cmake: str, tmp_path_factory) -> Path:
+    """A folder of its own per compiler and CMake: CMake refuses to switch compilers in
+    a configured folder."""
+    key = hashlib.sha256(f"{compiler}\0{cmake}".encode()).hexdigest()[:12]
+    build = SOURCE.parent.parent / "build" / "cpp-tests" / key
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return tmp_path_factory.mktemp("cpp-tests")
+    return build if os.access(build, os.W_OK) else tmp_path_factory.mktemp("cpp-tests")
+
+
 @pytest.fixture(scope="session")
 def core_tests(tmp_path_factory) -> Path:
     compiler = _compiler()
@@ -51,7 +68,7 @@ def core_tests(tmp_path_factory) -> Path:
         pytest.skip("no C++ compiler found (CXX, c++, g++, clang++)")
     cmake = _tool("cmake")
     assert cmake, "cmake is needed (on PATH, or `pip install cmake`), as for the package build"
-    build = tmp_path_factory.mktemp("cpp-tests")
+    build = _build_folder(compiler, cmake, tmp_path_factory)
     configure = [cmake, "-S", str(SOURCE), "-B", str(build), f"-DCMAKE_CXX_COMPILER={compiler}"]
     ninja = _tool("ninja")
     if ninja:

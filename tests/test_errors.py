@@ -244,6 +244,9 @@ def test_bad_environment_value_on_one_rank_raises_on_every_rank_fast():
         assert elapsed < 20, elapsed  # not the 60 s timeout
 
 
+LATE_S, SET_UP_TIMEOUT_S = 2.0, 3  # rank 0 is killed 1 s in, before rank 1's late key
+
+
 def _killed_in_set_up(rank, world, how):
     """Rank 0 is killed while it waits in the shared-memory set-up for rank 1, which
     announces its segment late (its store delays that key)."""
@@ -259,7 +262,7 @@ def _killed_in_set_up(rank, world, how):
 
         def set(self, key, value):
             if "/created/" in key:
-                time.sleep(4.0)
+                time.sleep(LATE_S)
             self.inner.set(key, value)
 
         def get(self, key):
@@ -276,7 +279,7 @@ def _killed_in_set_up(rank, world, how):
     cgx._C.ProcessGroupCGX = late_or_killed
     start = time.monotonic()
     try:
-        init_cgx(rank, world, timeout_s=5, pg_options=cgx.Config(bits=4))
+        init_cgx(rank, world, timeout_s=SET_UP_TIMEOUT_S, pg_options=cgx.Config(bits=4))
         return "no error"
     except Exception as e:  # noqa: BLE001  (reported to the test)
         return str(e), time.monotonic() - start
@@ -296,7 +299,7 @@ def test_rank_killed_in_set_up_leaves_nothing_in_dev_shm(how):
         assert "cgx shm: rank 0 has no shared memory to open" in message, message
     else:  # rank 0's segment outlived it; rank 1 waited for it, then removed it
         assert "cgx shm: rank 0 has not opened the others' shared memory in time" in message, message
-    assert elapsed < 4.0 + 5 + 5, elapsed
+    assert elapsed < LATE_S + SET_UP_TIMEOUT_S + 5, elapsed
 
 
 def _dies_mid_collective(rank, world, timeout_s):

@@ -95,7 +95,7 @@ def test_a_killed_rank_ends_the_job_with_an_error_not_a_hang():
     done = mpirun(2, "kill", timeout_s=120)
     elapsed = time.monotonic() - start
     assert done.returncode != 0
-    assert elapsed < 60, elapsed  # the group's timeout is 10 s
+    assert elapsed < 60, elapsed  # the group's timeout is 4 s
     assert "signal 9" in done.stdout + done.stderr, done.stderr[-2000:]
     assert cgx_shm_entries() == shm_before
     left = subprocess.run(["pgrep", "-f", WORKER], capture_output=True, text=True).stdout
@@ -105,7 +105,7 @@ def test_a_killed_rank_ends_the_job_with_an_error_not_a_hang():
 def test_a_dead_peer_makes_the_survivor_raise_within_the_timeout():
     """With a launcher that leaves the survivors running (Open MPI told not to abort the
     job), the MPI transport's own deadline ends the wait: rank 0 raises after the group's
-    10 s timeout, not later, and says why."""
+    4 s timeout, not later, and says why."""
     cmd, env = mpirun_command(2, "dead-peer",
                               mpirun_options=("--enable-recovery",))
     shm_before = cgx_shm_entries()
@@ -125,7 +125,7 @@ def test_a_dead_peer_makes_the_survivor_raise_within_the_timeout():
             job.wait()
         out.seek(0)
         assert report is not None, out.read()[-3000:]
-    assert 9.5 <= float(report.group(1)) < 20, report.group(0)
+    assert 3.8 <= float(report.group(1)) < 12, report.group(0)
     assert report.group(2).startswith("CollectiveTimeoutError: "), report.group(0)
     assert "timed out waiting for peers" in report.group(2), report.group(0)
     assert cgx_shm_entries() == shm_before
