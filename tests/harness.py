@@ -6,7 +6,7 @@ to the parent. The parent enforces a wall-clock limit, kills stragglers, and che
 nothing was left in /dev/shm.
 
 The ranks are forked from a server process that imported torch and cgx once
-(multiprocessing's forkserver): a rank starts in about 0.1 s, where a spawned
+(multiprocessing's forkserver): a rank starts in about 0.02 s, where a spawned
 interpreter spends 2-4 s importing torch on a 2-core machine. What a fork changes
 against a fresh interpreter, and what this module does about it:
 
@@ -15,22 +15,36 @@ against a fresh interpreter, and what this module does about it:
   rank would see it.
 - Settings read from the environment at import: TORCH_DISTRIBUTED_DEBUG (torch's debug
   level) and an MPI launcher's ranks (cgx.mpi's adoption) are read again after that.
-  Other import-time reads keep the server's value; a test that needs one set must set
-  it before the suite starts.
-- Thread pools: the server runs no torch operation, so it owns no intra-op (OpenMP)
-  pool for a fork to break; each rank makes its own at first use, of the default size.
-- Python's random module is reseeded in each rank (CPython does so after a fork).
-- A rank ends with os._exit after reporting: atexit handlers do not run, as in any
-  forked child; the harness destroys the rank's process groups itself.
+  Where the rank's environment gives another value than the server had to a variable in
+  READ_AT_IMPORT (thread counts, the hash seed, ...), the call's ranks are spawned
+  instead, as `spawn=True` asks.
+- Random state: torch's default generator and Python's random module are seeded anew in
+  each rank (numpy's too, where the server loaded it), as in a fresh interpreter. The
+  str hash seed cannot change after start: every forked rank of a session has the
+  server's. A test whose property needs ranks that iterate sets of strings in different
+  orders passes `spawn=True`.
+- Thread pools: the server runs no torch operation; OpenBLAS stops its threads before a
+  fork. Each rank makes its own pools at first use, of the default size.
+- Output: a rank's stdout and stderr (file descriptors 1 and 2) go to files that the
+  caller copies to its own sys.stdout and sys.stderr when the ranks end, so that pytest
+  shows them with the test that ran them (a fork would otherwise write to wherever the
+  server's descriptors pointed when it started).
+- Exit: a forked rank ends with os._exit, so after reporting it runs the atexit handlers
+  itself (a handler that hangs is caught by the limit, as at a spawned rank's exit);
+  Python's finalisation and C++ static destructors do not run.
 
 tests/test_harness.py checks each of these.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
+import gc
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -41,6 +55,9 @@ import torch.multiprocessing as mp
 
 # Imported once by the server every rank is forked from.
 PRELOADED = ["torch", "torch.distributed", "torch.nn.parallel", "cgx", "pytest", "harness"]
+# Read when the interpreter starts or torch loads, so a forked rank keeps the server's.
+READ_AT_IMPORT = ("PYTHONHASHSEED", "PYTHONWARNINGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                  "OPENBLAS_NUM_THREADS", "TORCH_LOGS", "TORCH_SHOW_CPP_STACKTRACES")
 SHM_DIR = "/dev/shm"
 
 
@@ -73,8 +90,9 @@ def init_cgx(rank: int, world_size: int, timeout_s: float = 60.0, pg_options=Non
     )
 
 
-def _rank_main(rank, fn, world_size, environ, result_dir, args):
-    _take_environment(environ)
+def _rank_main(rank, fn, world_size, environ, result_dir, args, forked):
+    if forked:
+        _become_fresh(environ, os.path.join(result_dir, str(rank)))
     try:
         value: Any = fn(rank, world_size, *args)
     except BaseException as e:  # reported to the parent, which decides
@@ -83,30 +101,80 @@ def _rank_main(rank, fn, world_size, environ, result_dir, args):
         _shutdown()
     with open(os.path.join(result_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(value, f)
+    if forked:  # what a spawned rank's exit would run; the limit still applies
+        gc.collect()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
-def _take_environment(environ: dict[str, str]) -> None:
-    """Makes the forked rank's environment `environ`, and re-reads what torch and cgx
-    read from it at import (see the module's docstring)."""
+def _become_fresh(environ: dict[str, str], output: str) -> None:
+    """Makes a forked rank what a fresh interpreter would be where it can (see the
+    module's docstring): its environment, what torch and cgx read from it at import, its
+    random state, and its output going to `output`.stdout / .stderr."""
+    import random
+
+    import torch
     import torch.distributed as dist
 
     import cgx.mpi
 
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        target = os.open(f"{output}.{stream}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
     os.environ.clear()
     os.environ.update(environ)
     dist.set_debug_level_from_env()
     cgx.mpi.adopt_mpi_launch()
+    torch.seed()
+    random.seed()
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
 
 
 _context = None
+_server_environ: dict[str, str] = {}
 
 
 def _forkserver():
-    global _context
+    """The forkserver context; the server starts at the first rank, with the caller's
+    environment of that moment, kept to compare later calls' against."""
+    global _context, _server_environ
     if _context is None:
+        from multiprocessing import forkserver
+
         _context = mp.get_context("forkserver")
         _context.set_forkserver_preload(PRELOADED)
+        forkserver.ensure_running()
+        _server_environ = dict(os.environ)
     return _context
+
+
+@contextlib.contextmanager
+def _environment(environ: dict[str, str]):
+    """os.environ is `environ` inside (a spawned child takes its parent's at start)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _replay_output(result_dir: str, world_size: int) -> None:
+    """Copies each forked rank's stdout and stderr to the caller's, rank by rank."""
+    for rank in range(world_size):
+        for stream, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+            path = os.path.join(result_dir, f"{rank}.{stream}")
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    text = f.read()
+                if text:
+                    out.write(text)
+                    out.flush()
 
 
 def _shutdown():
@@ -124,28 +192,41 @@ def run_ranks(
     args: tuple = (),
     timeout_s: float = 180.0,
     expect_exit: set[int] = frozenset(),
+    spawn: bool = False,
 ) -> list[Any]:
     """fn(rank, world_size, *args) on each rank, in the environment `env` adds to the
     caller's and the defaults (CGX_COMPRESSION_AUTO=0); returns the per-rank results in rank
     order (a RankError for a rank that raised, None for a rank in `expect_exit` that
-    exited without reporting). Raises AssertionError on a hang or an unexpected death."""
+    exited without reporting). Raises AssertionError on a hang or an unexpected death.
+    The ranks are forked from the server, or spawned (fresh interpreters, 2-4 s each) with
+    `spawn` or where `env` or the caller's environment changes a READ_AT_IMPORT
+    variable."""
     shm_before = cgx_shm_entries()
     with tempfile.TemporaryDirectory(prefix="cgx-test-") as tmp:
         # CGX_COMPRESSION_AUTO off unless a test asks: its choices follow timings, and
         # tests compare runs bit for bit (tests/test_auto.py turns it on).
         environ = {**os.environ, "CGX_TEST_INIT_METHOD": f"file://{tmp}/store", "CGX_COMPRESSION_AUTO": "0",
                    **(env or {})}
-        processes = [_forkserver().Process(target=_rank_main, args=(rank, fn, world_size, environ, tmp, args))
+        context = None if spawn else _forkserver()
+        forked = context is not None and all(environ.get(v) == _server_environ.get(v) for v in READ_AT_IMPORT)
+        context = context if forked else mp.get_context("spawn")
+        processes = [context.Process(target=_rank_main, args=(rank, fn, world_size, environ, tmp, args, forked))
                      for rank in range(world_size)]
-        for process in processes:
-            process.start()
+        # A spawned rank takes the environment as it starts (and reads it at import).
+        with contextlib.nullcontext() if forked else _environment(environ):
+            for process in processes:
+                process.start()
         deadline = time.monotonic() + timeout_s
         for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
-        if any(p.is_alive() for p in processes):
-            for p in processes:
+        hung = any(p.is_alive() for p in processes)
+        for p in processes:
+            if hung:
                 p.kill()
-                p.join()
+            p.join()
+        if forked:
+            _replay_output(tmp, world_size)
+        if hung:
             raise AssertionError(f"ranks still running after {timeout_s} s (hang?)")
         results = []
         for rank, process in enumerate(processes):

@@ -34,6 +34,7 @@ def _what_a_rank_sees(rank, world):
         "torch_rank": os.environ.get("RANK"),
         "threads": torch.get_num_threads(),
         "random": random.random(),
+        "torch_random": float(torch.rand(1)),
         "worked": parallel_sum == parallel_sum and product.shape == (512, 512),
         "seconds": time.monotonic() - started,
     }
@@ -58,6 +59,45 @@ def test_a_rank_sees_the_callers_environment_and_what_is_read_from_it_at_import(
     assert seen[0]["random"] != seen[1]["random"]  # not the server's state, copied twice
     plain = values(run_ranks(_what_a_rank_sees, 1))[0]
     assert plain["debug_level"] == "DebugLevel.OFF" and plain["torch_rank"] is None
+    # torch's default generator is seeded anew in every rank of every call, as when spawned.
+    assert len({r["torch_random"] for r in [*seen, plain]}) == 3
+
+
+def _threads_and_hash(rank, world):
+    import torch
+
+    return torch.get_num_threads(), hash("cgx"), os.environ.get("PYTHONHASHSEED")
+
+
+def test_settings_read_at_start_get_spawned_ranks():
+    """A variable the interpreter or torch reads as it starts cannot change in a forked
+    rank: such calls spawn their ranks, which see it."""
+    one_thread = values(run_ranks(_threads_and_hash, 2, env={"OMP_NUM_THREADS": "1"}))
+    assert [threads for threads, _, _ in one_thread] == [1, 1]
+    seeded = values(run_ranks(_threads_and_hash, 2, env={"PYTHONHASHSEED": "7"}))
+    assert seeded[0][1] == seeded[1][1] and seeded[0][2] == "7"
+    spawned = values(run_ranks(_threads_and_hash, 2, spawn=True))
+    assert spawned[0][1] != spawned[1][1]  # fresh interpreters: a hash seed each
+
+
+def _prints(rank, world):
+    print(f"rank {rank} says hello", flush=True)
+    os.write(2, f"rank {rank} writes to fd 2\n".encode())
+    return rank
+
+
+def test_a_ranks_output_reaches_the_test_that_ran_it(capfd):
+    run_ranks(_prints, 2)
+    out, err = capfd.readouterr()
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out, out
+    assert "rank 1 writes to fd 2" in err, err
+
+
+def _hangs_at_exit(rank, world):
+    import atexit
+
+    atexit.register(time.sleep, 600)
+    return rank
 
 
 def _sleeps(rank, world):
@@ -89,3 +129,5 @@ def test_a_hang_is_killed_at_the_limit_and_errors_and_deaths_are_reported():
     with pytest.raises(AssertionError, match="rank 0 died with exit code 3"):
         run_ranks(_exits, 2)
     assert run_ranks(_exits, 2, expect_exit={0}) == [None, 1]
+    with pytest.raises(AssertionError, match="still running after 3 s"):  # as at a spawned rank's exit
+        run_ranks(_hangs_at_exit, 1, timeout_s=3)
