@@ -18,8 +18,9 @@ against a fresh interpreter, and what this module does about it:
   Where the rank's environment gives another value than the server had to a variable in
   READ_AT_IMPORT (thread counts, the hash seed, ...), the call's ranks are spawned
   instead, as `spawn=True` asks.
-- Random state: torch's default generator and Python's random module are seeded anew in
-  each rank (numpy's too, where the server loaded it), as in a fresh interpreter. The
+- Random state: torch's default generator is seeded anew in each rank (numpy's too,
+  where the server loaded it), as in a fresh interpreter; CPython reseeds the random
+  module after a fork itself. The
   str hash seed cannot change after start: every forked rank of a session has the
   server's. A test whose property needs ranks that iterate sets of strings in different
   orders passes `spawn=True`.
@@ -112,8 +113,6 @@ def _become_fresh(environ: dict[str, str], output: str) -> None:
     """Makes a forked rank what a fresh interpreter would be where it can (see the
     module's docstring): its environment, what torch and cgx read from it at import, its
     random state, and its output going to `output`.stdout / .stderr."""
-    import random
-
     import torch
     import torch.distributed as dist
 
@@ -128,7 +127,6 @@ def _become_fresh(environ: dict[str, str], output: str) -> None:
     dist.set_debug_level_from_env()
     cgx.mpi.adopt_mpi_launch()
     torch.seed()
-    random.seed()
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
 

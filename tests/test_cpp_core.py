@@ -1,9 +1,10 @@
 """The C++ tests of the torch-free core (tests/cpp): chunking, layout codec, quantizer,
 shared-memory transport. Built here with CMake, without torch or Python, and run.
 
-The build folder is build/cpp-tests/<compiler> in the repository (ignored by git), so a
-second run rebuilds only what changed (~1 s when nothing did, ~16 s from scratch on
-the 2-core VM); where the repository is not writable, a temporary folder."""
+The build folder is build/cpp-tests/<hash of the compiler and CMake> in the repository
+(ignored by git), so a rerun rebuilds only what changed (the build takes ~16 s from
+scratch on the 2-core VM, next to nothing when nothing changed); where the repository
+is not writable, a temporary folder."""
 
 from __future__ import annotations
 

@@ -226,12 +226,11 @@ def test_ddp_with_the_cgx_hook_on_cuda_parameters(bits):
     assert sum(losses[-5:]) / 5 < 0.75 * losses[0], f"did not train: {losses}"
 
 
-def _diloco_on_cuda(rank, world, bits, device="cuda"):
-    if device == "cuda":
-        torch.cuda.set_device(0)
+def _diloco_on_cuda(rank, world, bits):
+    torch.cuda.set_device(0)
     init_cgx(rank, world)
     torch.manual_seed(rank)  # replicas start apart: DiLoCo starts them from rank 0's weights
-    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).to(device)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).cuda()
     model[2].weight.requires_grad_(False)  # unfrozen mid-run: it joins the synced set
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -240,7 +239,7 @@ def _diloco_on_cuda(rank, world, bits, device="cuda"):
             if step == 6:
                 model[2].weight.requires_grad_(True)
             g = torch.Generator().manual_seed(1000 * step + rank)
-            x = torch.randn(64, 32, generator=g).to(device)
+            x = torch.randn(64, 32, generator=g).cuda()
             loss = torch.nn.functional.cross_entropy(model(x), x[:, :10].argmax(1))
             inner.zero_grad()
             loss.backward()
