@@ -266,7 +266,7 @@ def attach_method(method, ddp, model):
                          warmup_steps=WARMUP_STEPS, adaptive=adaptive,
                          error_feedback=feedback, two_level="one-level" not in method)
     ddp.register_comm_hook(state, cgx.cgx_hook)
-    return lambda step: state.compression_stats()["bytes_sent"]
+    return lambda step: state.stats()["payload_bytes"]
 
 
 def shard_method(method, model):
@@ -341,7 +341,7 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
         ddp = model
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         diloco = diloco_method(method, model, opt)
-        traffic = lambda step: (diloco.stats()["bytes_sent"], float32 * step)  # noqa: E731
+        traffic = lambda step: (diloco.stats()["payload_bytes"], float32 * step)  # noqa: E731
     else:
         ddp = DDP(model, bucket_cap_mb=1024)
         bytes_so_far = attach_method(method, ddp, model)

@@ -32,6 +32,7 @@ from typing import Iterable, Mapping
 import torch
 
 from cgx import _C
+from cgx.config import check_int
 from cgx.layers import LayerSetting, check_bits, check_bucket_size, check_setting
 
 __all__ = ["AdaptiveBits", "choose_settings", "normalized_error", "quantization_error"]
@@ -152,8 +153,7 @@ class AdaptiveBits:
             raise ValueError(f"cgx.AdaptiveBits: default {default} is not among the candidates")
         if not (isinstance(alpha, (int, float)) and 0 < alpha < math.inf):
             raise ValueError(f"cgx.AdaptiveBits: alpha must be a finite number > 0, got {alpha!r}")
-        if not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"cgx.AdaptiveBits: interval must be an integer >= 1, got {interval!r}")
+        check_int(interval, "interval", "cgx.AdaptiveBits", low=1)
         self.alpha = alpha
         self.interval = interval
         self.accumulated: dict[str, torch.Tensor] = {}

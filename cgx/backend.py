@@ -135,14 +135,20 @@ def _check_same_config(store: dist.Store, rank: int, size: int, config: Config |
     return config
 
 
+def resolve_group(group: dist.ProcessGroup | None, what: str = "cgx", when: str = "first") -> dist.ProcessGroup:
+    """`group`, or the default group for None; RuntimeError naming `what` (the caller)
+    where the default group does not exist yet (`when`: when it must be made)."""
+    if group is not None:
+        return group
+    if not dist.is_initialized():
+        raise RuntimeError(f"{what}: the default process group does not exist yet: call "
+                           f"torch.distributed.init_process_group {when}")
+    return dist.group.WORLD
+
+
 def get_backend(group: dist.ProcessGroup | None = None) -> _C.ProcessGroupCGX:
     """The ProcessGroupCGX behind a "cgx" group (the default group when None)."""
-    if group is None:
-        if not dist.is_initialized():
-            raise RuntimeError("cgx: the default process group does not exist yet: call "
-                               "torch.distributed.init_process_group first")
-        group = dist.group.WORLD
-    backend = group._get_backend(torch.device("cpu"))
+    backend = resolve_group(group)._get_backend(torch.device("cpu"))
     # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps backends in a checking wrapper.
     backend = getattr(backend, "wrapped_pg", backend)
     if not isinstance(backend, _C.ProcessGroupCGX):

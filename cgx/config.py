@@ -22,7 +22,8 @@ from cgx._C import (MAX_BITS, MAX_BUCKET_SIZE, MAX_HADAMARD_BITS, MAX_HADAMARD_B
                     SCHEMES, CrossCommunicator,
                     InnerCommunicator, ReductionAlgorithm)
 
-__all__ = ["Variable", "VARIABLES", "Config", "from_env", "describe", "markdown_table"]
+__all__ = ["Variable", "VARIABLES", "Config", "from_env", "describe", "markdown_table", "int_range", "is_int",
+           "check_int"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -35,8 +36,21 @@ def _number(value: int) -> str:
     return str(value)
 
 
-def _int_range(low: int, high: int) -> str:
+def int_range(low: int, high: int) -> str:
+    """An integer range as errors and docs write it (``1..2^30``)."""
     return f"{_number(low)}..{_number(high)}"
+
+
+def is_int(value: Any) -> bool:
+    """An int and not a bool (True is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(value: Any, name: str, what: str, low: int = 0, high: int | None = None) -> None:
+    """ValueError naming `what`'s argument `name` unless `value` is an integer in low..high."""
+    if not (is_int(value) and value >= low and (high is None or value <= high)):
+        allowed = f">= {low}" if high is None else f"in {int_range(low, high)}"
+        raise ValueError(f"{what}: {name} must be an integer {allowed}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +120,7 @@ VARIABLES: tuple[Variable, ...] = (
              f"Bits per value on the wire. {RAW_BITS} turns compression off: every allreduce "
              "is exact."),
     Variable("CGX_COMPRESSION_BUCKET_SIZE", "bucket_size", 512,
-             f"integer in {_int_range(1, MAX_BUCKET_SIZE)}", _int_in(1, MAX_BUCKET_SIZE),
+             f"integer in {int_range(1, MAX_BUCKET_SIZE)}", _int_in(1, MAX_BUCKET_SIZE),
              "Values per quantization bucket (each bucket sends its own min and scale)."),
     Variable("CGX_COMPRESSION_SCHEME", "scheme", "maxmin", " | ".join(SCHEMES), _choice(*SCHEMES),
              "How values become levels: maxmin (levels evenly between each bucket's min and "
@@ -114,7 +128,7 @@ VARIABLES: tuple[Variable, ...] = (
              f"distribution; 1..{MAX_HADAMARD_BITS} bits, buckets a power of two in "
              f"8..{MAX_HADAMARD_BUCKET}; docs/wire-format.md)."),
     Variable("CGX_COMPRESSION_MINIMAL_SIZE", "minimal_size", 16,
-             f"integer in {_int_range(0, MAX_MINIMAL_SIZE)}", _int_in(0, MAX_MINIMAL_SIZE),
+             f"integer in {int_range(0, MAX_MINIMAL_SIZE)}", _int_in(0, MAX_MINIMAL_SIZE),
              "Tensors with at most this many elements are reduced exactly (uncompressed)."),
     Variable("CGX_COMPRESSION_AUTO", "compression_auto", True, "0/1, true/false, yes/no, on/off",
              _bool,
@@ -166,12 +180,12 @@ VARIABLES: tuple[Variable, ...] = (
              "Host identity: ranks with the same value share memory. Set it to different "
              "values to force the cross-host path (tests, network namespaces)."),
     Variable("CGX_SHM_RING_BYTES", "shm_ring_bytes", 4 << 20,
-             f"integer in {_int_range(MIN_SHM_RING_BYTES, MAX_SHM_RING_BYTES)}",
+             f"integer in {int_range(MIN_SHM_RING_BYTES, MAX_SHM_RING_BYTES)}",
              _int_in(MIN_SHM_RING_BYTES, MAX_SHM_RING_BYTES),
              "Capacity of each shared-memory ring (one per ordered pair of local ranks); "
              "larger messages stream through it."),
     Variable("CGX_PIPELINE_PIECE_VALUES", "piece_values", PIECE_VALUES,
-             f"integer in {_int_range(0, MAX_PIECE_VALUES)}", _int_in(0, MAX_PIECE_VALUES),
+             f"integer in {int_range(0, MAX_PIECE_VALUES)}", _int_in(0, MAX_PIECE_VALUES),
              "Values per piece of a compressed collective's pipeline: each rank's chunk "
              "travels in pieces of about this many values (at most 64), one on the wire "
              "while the next is encoded. 0: each chunk in one piece, no overlap. The flat "

@@ -29,6 +29,7 @@ the ranks holding the same shard in each replica.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -39,11 +40,13 @@ import torch.distributed as dist
 
 from cgx import _C
 from cgx.agreement import first_difference
-from cgx.backend import exact, get_backend
+from cgx.backend import exact, get_backend, resolve_group
+from cgx.config import check_int
+from cgx.counters import Stats
 from cgx.errors import CallMismatchError, CollectiveTimeoutError, PeerError
-from cgx.hooks import check_same_place
-from cgx.layers import (RAW, RAW_BITS, CompressionPolicy, LayerSetting, Segment, append_segment, check_bits,
+from cgx.layers import (RAW, CompressionPolicy, LayerSetting, Segment, all_raw, append_segment, check_bits,
                         check_bucket_size, layout_bytes)
+from cgx.residuals import Residuals, check_same_place, place
 
 __all__ = ["DiLoCo"]
 
@@ -62,6 +65,57 @@ _ROW = 2 + _STEP_PIECES + _DIGEST_PIECES
 _OUT_OF_STEP = ("every replica must call the inner optimizer's step() alike: DiLoCo counts those calls, and "
                 "GradScaler skips step() on a replica whose gradients have Inf/NaN (make the replicas skip together)")
 
+# stats() keys renamed when the front-ends took one vocabulary (old -> new; docs/stats.md).
+_RENAMED = {"bytes_sent": "payload_bytes", "bytes_uncompressed": "uncompressed_payload_bytes",
+            "peak_bytes": "peak_payload_bytes"}
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """The hyper-parameters every replica must share (compared over the group at
+    construction, in this order), checked."""
+
+    sync_every: int
+    fragments: int
+    fragment_pattern: str
+    outer_lr: float
+    outer_momentum: float
+    nesterov: bool
+    overlap: int
+    mix: float
+    error_feedback: bool
+
+    def __post_init__(self) -> None:
+        what = "cgx.DiLoCo"
+        check_int(self.sync_every, "sync_every", what, low=1)
+        check_int(self.fragments, "fragments", what, low=1)
+        check_int(self.overlap, "overlap", what)
+        if self.fragments > self.sync_every:
+            raise ValueError(f"{what}: fragments={self.fragments} is more than sync_every={self.sync_every} "
+                             f"(fragments sync at distinct steps within sync_every)")
+        if self.overlap >= self.sync_every:
+            raise ValueError(f"{what}: overlap={self.overlap} must be less than sync_every={self.sync_every} "
+                             f"(a fragment's sync must be applied before its next one starts)")
+        if not isinstance(self.outer_lr, (int, float)) or not self.outer_lr > 0:
+            raise ValueError(f"{what}: outer_lr must be > 0, got {self.outer_lr!r}")
+        if not isinstance(self.outer_momentum, (int, float)) or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"{what}: outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError(f"{what}: nesterov needs outer_momentum > 0")
+        if not isinstance(self.mix, (int, float)) or not 0 <= self.mix <= 1:
+            raise ValueError(f"{what}: mix must be in [0, 1], got {self.mix!r}")
+        if self.fragment_pattern not in _PATTERNS:
+            raise ValueError(f"{what}: fragment_pattern must be one of {_PATTERNS}, got {self.fragment_pattern!r}")
+        # As every replica compares them: numbers as floats, switches as bools.
+        for name, kind in (("outer_lr", float), ("outer_momentum", float), ("mix", float), ("nesterov", bool),
+                           ("error_feedback", bool)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+
+    @property
+    def outer_options(self) -> dict[str, Any]:
+        """The outer SGD's arguments."""
+        return {"lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": self.nesterov}
+
 
 @dataclass(eq=False)  # compared by identity: they hold tensors
 class _Member:
@@ -71,42 +125,6 @@ class _Member:
     param: torch.Tensor  # the replica's parameter (a DTensor under FSDP2)
     global_weight: torch.Tensor  # float32, the local shape (the shard under FSDP2)
     setting: LayerSetting
-
-
-@dataclass(eq=False)
-class _Fragment:
-    """Whole layers that sync together, and everything their outer step needs. Its members
-    change only when its sync starts (none of its syncs is in flight then)."""
-
-    index: int
-    offset: int  # syncs at the steps t with t % sync_every == offset
-    members: list[_Member] = field(default_factory=list)
-    layout: list[Segment] = field(default_factory=list)  # over the fragment's flat outer gradient
-    compressed: list[tuple[str, int, int]] = field(default_factory=list)  # (name, offset, numel)
-    outer: torch.optim.SGD | None = None  # None while the fragment has no members
-    numel: int = 0
-
-    @property
-    def names(self) -> list[str]:
-        return [m.name for m in self.members]
-
-    def set_members(self, members: list[_Member], outer_options: dict[str, Any]) -> None:
-        """The fragment's members become `members`; those it kept keep their outer momentum."""
-        self.members = members
-        self.layout, self.compressed, self.numel = [], [], 0
-        for m in members:
-            numel = m.global_weight.numel()
-            if m.setting.compressed and numel > 0:
-                self.compressed.append((m.name, self.numel, numel))
-            append_segment(self.layout, self.numel, numel, m.setting)
-            self.numel += numel
-        previous = self.outer
-        self.outer = torch.optim.SGD([m.global_weight for m in members], **outer_options) if members else None
-        if previous is not None and self.outer is not None:
-            kept = {id(m.global_weight) for m in members}
-            for g, state in previous.state.items():
-                if id(g) in kept:
-                    self.outer.state[g] = state
 
 
 @dataclass(eq=False)
@@ -130,6 +148,227 @@ class _Sync:
     outer_gradient: torch.Tensor | None  # flat float32, the average once the work completed; None: no members
     residual: torch.Tensor | None  # this rank's error feedback, updated by the collective
     work: Any  # the allreduce's Work (the agreement's too, but beside an exact sync); None once it completed
+
+
+class _Replicas:
+    """The replicas as one rank sees them: the group they sync over, this rank's
+    residuals and traffic, and the agreement every sync carries."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.backend = get_backend(group)  # ValueError for a group that is not cgx's
+        self.skip_incomplete = self.backend.settings.skip_incomplete_buckets
+        self.residuals = Residuals()
+        self.stats = {"outer_syncs": 0, "payload_bytes": 0, "uncompressed_payload_bytes": 0,
+                      "peak_payload_bytes": 0, "waits": 0, "wait_seconds": 0.0}
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def count(self, payload_bytes: int, uncompressed_payload_bytes: int) -> None:
+        self.stats["payload_bytes"] += payload_bytes
+        self.stats["uncompressed_payload_bytes"] += uncompressed_payload_bytes
+        self.stats["peak_payload_bytes"] = max(self.stats["peak_payload_bytes"], payload_bytes)
+
+    def broadcast_from_rank_0(self, params: list[torch.Tensor]) -> None:
+        """The parameters take group rank 0's values (one broadcast per dtype)."""
+        with torch.no_grad():
+            for dtype in dict.fromkeys(_local(p).dtype for p in params):
+                tensors = [_local(p) for p in params if _local(p).dtype == dtype]
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+                dist.broadcast(flat, group_src=0, group=self.group)
+                offset = 0
+                for t in tensors:
+                    t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
+                    offset += t.numel()
+
+    # ---- agreement: the replicas' inner step and trained parameters
+
+    def rows(self, kind: int, step: int, trained: list[tuple[str, tuple[int, ...]]], strangers: int,
+             device: torch.device) -> torch.Tensor:
+        rows = torch.zeros(self.group.size(), _ROW, device=device)
+        digest = int.from_bytes(hashlib.blake2b(repr(trained).encode(), digest_size=8).digest(), "little")
+        rows[self.rank] = torch.tensor(
+            [kind, min(strangers, 0xFFFF), *_pieces(step, _STEP_PIECES), *_pieces(digest, _DIGEST_PIECES)],
+            dtype=torch.float32)
+        return rows
+
+    def agree(self, kind: int, step: int, trained: list[tuple[str, tuple[int, ...]]],
+              rows: torch.Tensor) -> _Agreement:
+        """Launches the rows alone, the compressed path's way with every value raw (exact):
+        its call signature, checked before anything moves, carries the group's call count,
+        so it cannot pair with a call of another kind (as an exact call can)."""
+        layout: list[Segment] = []
+        append_segment(layout, 0, rows.numel(), RAW)
+        work = self.backend.allreduce_layout(rows.view(-1), layout, average=True, residual=None)
+        return _Agreement(kind, step, trained, rows, work)
+
+    def wait(self, agreement: _Agreement) -> None:
+        """Waits for the call carrying the rows and decodes them."""
+        if agreement.work is None:
+            return
+        at = _describe(agreement.kind, agreement.step)
+        try:
+            agreement.work.wait()
+        except CallMismatchError as e:  # a call of another kind, or at another call of the group
+            raise RuntimeError(f"cgx.DiLoCo: the replicas are out of step at {at} here: the group's ranks made "
+                               f"different calls ({e}); {_OUT_OF_STEP}") from e
+        except (CollectiveTimeoutError, PeerError) as e:  # the same kind of error, saying where it happened
+            raise type(e)(f"cgx.DiLoCo: {at} failed: {e}; a replica died, or waits in another collective of the "
+                          f"group because it is out of step: {_OUT_OF_STEP}") from e
+        agreement.rows.mul_(self.group.size()).round_()
+        agreement.work = None
+
+    def check(self, agreement: _Agreement) -> None:
+        """Raises on every rank alike where the rows differ: RuntimeError for another
+        inner step (or a sync against close()), ValueError for another trained set."""
+        self.wait(agreement)
+        rows = agreement.rows.long().tolist()
+        mine = rows[self.rank]
+        for peer, row in enumerate(rows):
+            if row[0] != mine[0] or _step(row) != _step(mine):
+                raise RuntimeError(f"cgx.DiLoCo: the replicas are out of step: {_describe(mine[0], _step(mine))} "
+                                   f"here, {_describe(row[0], _step(row))} on group rank {peer}; {_OUT_OF_STEP}")
+        for peer, row in enumerate(rows):
+            if row[1]:
+                raise ValueError(f"cgx.DiLoCo: at the sync of inner step {agreement.step}, inner_optimizer on group "
+                                 f"rank {peer} updates {row[1]} tensor(s) that are not parameters of the model: "
+                                 f"add param groups of this model's parameters only")
+        if any(row[2 + _STEP_PIECES:] != mine[2 + _STEP_PIECES:] for row in rows):
+            self._name_difference(agreement)
+
+    def _name_difference(self, agreement: _Agreement) -> None:
+        """Raises ValueError naming a parameter trained on one replica and not on another
+        (every rank gets here: the digests differ)."""
+        everyone: list[Any] = [None] * self.group.size()
+        dist.all_gather_object(everyone, agreement.trained, group=self.group)
+        mine = dict(agreement.trained)
+        differences = (
+            f"{name!r} is trained here, not on group rank {peer}" if name not in theirs
+            else f"{name!r} is trained on group rank {peer}, not here" if name not in mine
+            else f"{name!r} has shape {list(mine[name])} here, {list(theirs[name])} on group rank {peer}"
+            for peer, theirs in enumerate(map(dict, everyone))
+            for name in [*mine, *theirs] if mine.get(name) != theirs.get(name))
+        raise ValueError(f"cgx.DiLoCo: the replicas' inner optimizers train different parameters at the sync of "
+                         f"inner step {agreement.step}: {next(differences)}; every replica must add the same "
+                         f"param groups and (un)freeze the same parameters before the same inner step")
+
+
+@dataclass(eq=False)
+class _Fragment:
+    """Whole layers that sync together, and their sync: its start (the outer gradient's
+    allreduce, with the agreement), its completion, and its application (outer step and
+    merge). Its members change only when its sync starts (none of its syncs is in flight
+    then)."""
+
+    index: int
+    offset: int  # syncs at the steps t with t % sync_every == offset
+    members: list[_Member] = field(default_factory=list)
+    layout: list[Segment] = field(default_factory=list)  # over the fragment's flat outer gradient
+    compressed: list[tuple[str, int, int]] = field(default_factory=list)  # (name, offset, numel)
+    outer: torch.optim.SGD | None = None  # None while the fragment has no members
+    numel: int = 0
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.members]
+
+    def set_members(self, members: list[_Member], outer_options: dict[str, Any],
+                    momentum: dict[str, torch.Tensor] | None = None) -> None:
+        """The fragment's members become `members`; those it kept keep their outer momentum,
+        or all take `momentum`'s (name -> buffer) where it is given (a loaded state)."""
+        self.members = members
+        self.layout, self.compressed, self.numel = [], [], 0
+        for m in members:
+            numel = m.global_weight.numel()
+            if m.setting.compressed and numel > 0:
+                self.compressed.append((m.name, self.numel, numel))
+            append_segment(self.layout, self.numel, numel, m.setting)
+            self.numel += numel
+        previous = None if momentum is not None else self.outer
+        self.outer = torch.optim.SGD([m.global_weight for m in members], **outer_options) if members else None
+        if previous is not None and self.outer is not None:
+            kept = {id(m.global_weight) for m in members}
+            for g, state in previous.state.items():
+                if id(g) in kept:
+                    self.outer.state[g] = state
+        for m in members if momentum is not None else ():
+            if m.name in momentum:
+                self.outer.state[m.global_weight] = {"momentum_buffer": momentum[m.name].clone()}
+
+    def change_members(self, leaving: set[str], joining: list[_Member], outer_options: dict[str, Any],
+                       residuals: Residuals) -> None:
+        """At the sync's start: members named in `leaving` leave, taking their global
+        weight (so equal on every replica) and dropping their momentum and residual;
+        `joining` join with their global weights."""
+        gone = [m for m in self.members if m.name in leaving]
+        for m in gone:
+            _restore(m)
+            residuals.pop(m.name, None)
+        self.set_members([m for m in self.members if m not in gone] + joining, outer_options)
+
+    def outer_momentum(self) -> dict[str, torch.Tensor]:
+        """Each member's outer momentum buffer (copies), where it has one yet."""
+        return {m.name: self.outer.state[m.global_weight]["momentum_buffer"].clone() for m in self.members
+                if self.outer.state[m.global_weight].get("momentum_buffer") is not None}
+
+    def start(self, replicas: _Replicas, step: int, due: int, error_feedback: bool,
+              trained: list[tuple[str, tuple[int, ...]]], strangers: int) -> _Sync:
+        """Launches the allreduce of the outer gradient (global - local), the agreement's
+        rows after it (beside it for an exact sync)."""
+        # The rows travel with the outer gradient, so they live on its device.
+        device = self.members[0].global_weight.device if self.members else torch.device("cpu")
+        rows = replicas.rows(_SYNC, step, trained, strangers, device)
+        if not self.members:  # the replicas still agree, on their step above all
+            return _Sync(self, due, replicas.agree(_SYNC, step, trained, rows), None, None, None)
+        exact_sync = all_raw(self.layout)
+        with torch.no_grad():
+            flat = torch.cat([*((m.global_weight - _local(m.param).float()).reshape(-1) for m in self.members),
+                              *([] if exact_sync else [rows.view(-1)])])
+        residual = None
+        if error_feedback and self.compressed:
+            residual = replicas.residuals.gather(flat.numel(), self.compressed, flat.device)
+        if exact_sync:
+            agreement = replicas.agree(_SYNC, step, trained, rows)
+            with exact():  # Gloo's sum, then the division: exact DiLoCo
+                work = dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=replicas.group, async_op=True)
+        else:
+            layout = list(self.layout)
+            append_segment(layout, self.numel, rows.numel(), RAW)
+            work = replicas.backend.allreduce_layout(flat, layout, average=True, residual=residual)
+            agreement = _Agreement(_SYNC, step, trained, flat[self.numel:].view_as(rows), work)
+        return _Sync(self, due, agreement, flat[:self.numel], residual, work)
+
+    def complete(self, sync: _Sync, replicas: _Replicas) -> None:
+        """Waits for the sync's allreduce and counts its payload as it went: compressed as
+        the layout says, or float32 where CGX_COMPRESSION_AUTO sent it exactly (the
+        agreement's rows are not counted)."""
+        replicas.wait(sync.agreement)
+        if sync.work is None:
+            return
+        sync.work.wait()
+        replicas.count(layout_bytes(self.layout, replicas.skip_incomplete, _C.sent_exactly(sync.work)),
+                       4 * self.numel)
+        sync.work = None
+
+    def apply(self, sync: _Sync, replicas: _Replicas, overlap: int, mix: float) -> None:
+        """Keeps the residuals the collective left, takes the outer step on the global
+        weights, and restarts the local weights from them (mixed, with overlap)."""
+        if sync.residual is not None:
+            replicas.residuals.keep(sync.residual, self.compressed)
+        with torch.no_grad():
+            offset = 0
+            for m in self.members:
+                g = m.global_weight
+                g.grad = sync.outer_gradient.narrow(0, offset, g.numel()).view_as(g)
+                offset += g.numel()
+            self.outer.step()
+            for m in self.members:
+                g, local = m.global_weight, _local(m.param)
+                g.grad = None
+                local.copy_(g if overlap == 0 else torch.lerp(g, local.float(), mix))
+        replicas.stats["outer_syncs"] += 1
 
 
 class DiLoCo:
@@ -180,65 +419,66 @@ class DiLoCo:
         group: dist.ProcessGroup | None = None,
         fragment_pattern: str = "strided",
     ) -> None:
-        _check_arguments(model, inner_optimizer, sync_every, fragments, bits, bucket_size, policy, outer_lr,
-                         outer_momentum, nesterov, overlap, mix, fragment_pattern)
-        if group is None:
-            if not dist.is_initialized():
-                raise RuntimeError("cgx.DiLoCo: the default process group does not exist yet: call "
-                                   "torch.distributed.init_process_group first")
-            group = dist.group.WORLD
-        backend = get_backend(group)  # ValueError for a group that is not cgx's
-        self.sync_every = sync_every
-        self.overlap = overlap
-        self.mix = float(mix)
-        self.error_feedback = bool(error_feedback)
+        _check_model_and_policy(model, inner_optimizer, bits, bucket_size, policy)
+        self._schedule = _Schedule(sync_every, fragments, fragment_pattern, outer_lr, outer_momentum, nesterov,
+                                   overlap, mix, error_feedback)
+        self._replicas = _Replicas(resolve_group(group, "cgx.DiLoCo"))
         self._model = model
         self._optimizer = inner_optimizer
-        self._group = group
-        self._skip_incomplete = backend.settings.skip_incomplete_buckets
-        self._backend = backend
-        if policy is None:
-            policy = CompressionPolicy(bits=bits, bucket_size=bucket_size or backend.settings.bucket_size,
-                                       scheme=backend.settings.scheme.name,
-                                       minimal_size=backend.settings.minimal_size)
-        self._policy = policy
-        self._outer_options = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov}
-        params = _synced_parameters(model, inner_optimizer)
-        # Against all the model's layers: frozen ones may join later, into empty fragments.
-        layers = _layers(dict(model.named_parameters()))
-        if fragments > len(layers):
-            raise ValueError(f"cgx.DiLoCo: fragments={fragments} is more than the model's "
-                             f"{len(layers)} layers with parameters")
-        settings = policy.resolve(model)
-        assignment = _assign(params, _layers(params), fragments, fragment_pattern)
-        self._fragments = [_Fragment(p, p * sync_every // fragments) for p in range(fragments)]
-        for fragment, names in zip(self._fragments, assignment):
-            fragment.set_members([_member(n, params[n], settings[n]) for n in names], self._outer_options)
-        difference = first_difference(group, {
-            "sync_every": sync_every, "fragments": fragments, "fragment_pattern": fragment_pattern,
-            "outer_lr": float(outer_lr), "outer_momentum": float(outer_momentum), "nesterov": bool(nesterov),
-            "overlap": overlap, "mix": self.mix, "error_feedback": self.error_feedback,
-            "fragments and layouts": [(f.names, f.layout) for f in self._fragments],
-            "parameters": [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()],
-        })
-        if difference:
-            raise ValueError(f"cgx.DiLoCo: the ranks of the group were given different settings: "
-                             f"{difference}; every replica must build DiLoCo alike on the same model")
+        self._policy = policy or CompressionPolicy.from_settings(self._replicas.backend.settings, bits=bits,
+                                                                 bucket_size=bucket_size)
+        self._fragments = self._initial_fragments()
+        self._agree_on_construction()
         self.step = 0
-        self.residuals: dict[str, torch.Tensor] = {}
         self._in_flight: list[_Sync] = []
         self._joining: dict[str, tuple[int, _Member]] = {}  # name -> (fragment, member): joins at its start
         self._leaving: set[str] = set()  # members that leave when their fragment's sync next starts
         self._closed = False
-        self._stats = {"outer_syncs": 0, "bytes_sent": 0, "bytes_uncompressed": 0, "peak_bytes": 0,
-                       "waits": 0, "wait_seconds": 0.0}
         # Every replica starts from group rank 0's weights, frozen ones too, as DDP does.
-        self._broadcast_from_rank_0([p for _, p in model.named_parameters()])
+        self._replicas.broadcast_from_rank_0([p for _, p in model.named_parameters()])
         with torch.no_grad():
             for fragment in self._fragments:
                 for m in fragment.members:
                     m.global_weight.copy_(_local(m.param))
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+
+    # The hyper-parameters, as attributes.
+    sync_every = property(lambda self: self._schedule.sync_every)
+    overlap = property(lambda self: self._schedule.overlap)
+    mix = property(lambda self: self._schedule.mix)
+    error_feedback = property(lambda self: self._schedule.error_feedback)
+
+    @property
+    def residuals(self) -> Residuals:
+        """This rank's error-feedback residuals, by parameter name."""
+        return self._replicas.residuals
+
+    def _initial_fragments(self) -> list[_Fragment]:
+        """The fragments of the parameters the inner optimizer trains, whole layers each."""
+        schedule = self._schedule
+        params = _synced_parameters(self._model, self._optimizer)
+        # Against all the model's layers: frozen ones may join later, into empty fragments.
+        layers = _layers(dict(self._model.named_parameters()))
+        if schedule.fragments > len(layers):
+            raise ValueError(f"cgx.DiLoCo: fragments={schedule.fragments} is more than the model's "
+                             f"{len(layers)} layers with parameters")
+        settings = self._policy.resolve(self._model)
+        assignment = _assign(params, _layers(params), schedule.fragments, schedule.fragment_pattern)
+        fragments = [_Fragment(p, p * schedule.sync_every // schedule.fragments) for p in range(schedule.fragments)]
+        for fragment, names in zip(fragments, assignment):
+            fragment.set_members([_member(n, params[n], settings[n]) for n in names], schedule.outer_options)
+        return fragments
+
+    def _agree_on_construction(self) -> None:
+        """ValueError on every rank where the replicas built DiLoCo otherwise."""
+        difference = first_difference(self._replicas.group, {
+            **dataclasses.asdict(self._schedule),
+            "fragments and layouts": [(f.names, f.layout) for f in self._fragments],
+            "parameters": [(n, tuple(p.shape), p.dtype) for n, p in self._model.named_parameters()],
+        })
+        if difference:
+            raise ValueError(f"cgx.DiLoCo: the ranks of the group were given different settings: "
+                             f"{difference}; every replica must build DiLoCo alike on the same model")
 
     # ---- the schedule
 
@@ -249,168 +489,33 @@ class DiLoCo:
         for fragment in self._fragments:
             if self.step % self.sync_every == fragment.offset:
                 self._change_members(fragment)
-                sync = self._start(fragment)
+                trained, strangers = _trained(self._model, self._optimizer)
+                sync = fragment.start(self._replicas, self.step, self.step + self.overlap, self.error_feedback,
+                                      trained, strangers)
+                self._in_flight.append(sync)
                 if self.overlap == 0:
                     self._finish(sync)
 
-    def _start(self, fragment: _Fragment) -> _Sync:
-        """Launches the allreduce of the fragment's outer gradient (global - local), the
-        agreement's rows after it (beside it for an exact sync)."""
-        trained, strangers = _trained(self._model, self._optimizer)
-        # The rows travel with the outer gradient, so they live on its device.
-        device = fragment.members[0].global_weight.device if fragment.members else torch.device("cpu")
-        rows = self._rows(_SYNC, trained, strangers, device)
-        if not fragment.members:  # the replicas still agree, on their step above all
-            sync = _Sync(fragment, self.step + self.overlap, self._agree(_SYNC, trained, rows), None, None, None)
-            self._in_flight.append(sync)
-            return sync
-        exact_sync = all(bits == RAW_BITS for _, _, bits, *_ in fragment.layout)
-        with torch.no_grad():
-            flat = torch.cat([*((m.global_weight - _local(m.param).float()).reshape(-1) for m in fragment.members),
-                              *([] if exact_sync else [rows.view(-1)])])
-        residual = None
-        if self.error_feedback and fragment.compressed:
-            residual = torch.zeros_like(flat)
-            for name, offset, numel in fragment.compressed:
-                if name in self.residuals:
-                    residual.narrow(0, offset, numel).copy_(self.residuals[name])
-        if exact_sync:
-            agreement = self._agree(_SYNC, trained, rows)
-            with exact():  # Gloo's sum, then the division: exact DiLoCo
-                work = dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._group, async_op=True)
-        else:
-            layout = list(fragment.layout)
-            append_segment(layout, fragment.numel, rows.numel(), RAW)
-            work = self._backend.allreduce_layout(flat, layout, average=True, residual=residual)
-            agreement = _Agreement(_SYNC, self.step, trained, flat[fragment.numel:].view_as(rows), work)
-        sync = _Sync(fragment, self.step + self.overlap, agreement, flat[:fragment.numel], residual, work)
-        self._in_flight.append(sync)
-        return sync
-
     def _finish(self, sync: _Sync, follow: bool = True) -> None:
-        """Waits for the sync's allreduce, checks the agreement it carried, then applies it:
-        residuals, outer step, merge; with `follow`, then makes the synced set follow the
-        trained set the replicas agreed on. A failed allreduce or agreement raises here and
-        changes nothing (its sync is dropped)."""
+        """Waits for the sync's allreduce, checks the agreement it carried, then applies it;
+        with `follow`, then makes the synced set follow the trained set the replicas agreed
+        on. A failed allreduce or agreement raises here and changes nothing (its sync is
+        dropped)."""
         self._in_flight.remove(sync)
-        agreement = sync.agreement
+        stats = self._replicas.stats
         started = time.perf_counter()
         waits = sync.work is not None and (self.overlap == 0 or not sync.work.is_completed())
         # The agreement first: beside an exact sync it is a call of its own, and where the
         # replicas are out of step the exact sync's Gloo call has no partner to wait for.
-        self._check(agreement)
+        self._replicas.check(sync.agreement)
         if sync.outer_gradient is not None and sync.work is not None:
-            self._stats["waits"] += waits  # without overlap the step always waits
-            self._complete(sync)
-            self._stats["wait_seconds"] += time.perf_counter() - started
+            stats["waits"] += waits  # without overlap the step always waits
+            sync.fragment.complete(sync, self._replicas)
+            stats["wait_seconds"] += time.perf_counter() - started
         if sync.outer_gradient is not None:
-            self._apply(sync)
+            sync.fragment.apply(sync, self._replicas, self.overlap, self.mix)
         if follow:
-            self._follow(agreement.trained)
-
-    def _complete(self, sync: _Sync) -> None:
-        """Waits for the sync's allreduce and counts its payload as it went: compressed as
-        the fragment's layout says, or float32 where CGX_COMPRESSION_AUTO sent it exactly
-        (the agreement's rows are not counted)."""
-        self._wait(sync.agreement)
-        if sync.work is None:
-            return
-        sync.work.wait()
-        fragment = sync.fragment
-        sent = 4 * fragment.numel if _C.sent_exactly(sync.work) else layout_bytes(fragment.layout,
-                                                                                  self._skip_incomplete)
-        self._stats["bytes_sent"] += sent
-        self._stats["bytes_uncompressed"] += 4 * fragment.numel
-        self._stats["peak_bytes"] = max(self._stats["peak_bytes"], sent)
-        sync.work = None
-
-    def _apply(self, sync: _Sync) -> None:
-        fragment = sync.fragment
-        if sync.residual is not None:
-            for name, offset, numel in fragment.compressed:
-                self.residuals[name] = sync.residual.narrow(0, offset, numel).clone()
-        with torch.no_grad():
-            offset = 0
-            for m in fragment.members:
-                g = m.global_weight
-                g.grad = sync.outer_gradient.narrow(0, offset, g.numel()).view_as(g)
-                offset += g.numel()
-            fragment.outer.step()
-            for m in fragment.members:
-                g, local = m.global_weight, _local(m.param)
-                g.grad = None
-                local.copy_(g if self.overlap == 0 else torch.lerp(g, local.float(), self.mix))
-        self._stats["outer_syncs"] += 1
-
-    # ---- agreement: the replicas' inner step and trained parameters
-
-    def _rows(self, kind: int, trained: list[tuple[str, tuple[int, ...]]], strangers: int,
-              device: torch.device) -> torch.Tensor:
-        rows = torch.zeros(self._group.size(), _ROW, device=device)
-        digest = int.from_bytes(hashlib.blake2b(repr(trained).encode(), digest_size=8).digest(), "little")
-        rows[dist.get_rank(self._group)] = torch.tensor(
-            [kind, min(strangers, 0xFFFF), *_pieces(self.step, _STEP_PIECES), *_pieces(digest, _DIGEST_PIECES)],
-            dtype=torch.float32)
-        return rows
-
-    def _agree(self, kind: int, trained: list[tuple[str, tuple[int, ...]]], rows: torch.Tensor) -> _Agreement:
-        """Launches the rows alone, the compressed path's way with every value raw (exact):
-        its call signature, checked before anything moves, carries the group's call count,
-        so it cannot pair with a call of another kind (as an exact call can)."""
-        layout: list[Segment] = []
-        append_segment(layout, 0, rows.numel(), RAW)
-        work = self._backend.allreduce_layout(rows.view(-1), layout, average=True, residual=None)
-        return _Agreement(kind, self.step, trained, rows, work)
-
-    def _wait(self, agreement: _Agreement) -> None:
-        """Waits for the call carrying the rows and decodes them."""
-        if agreement.work is None:
-            return
-        at = _describe(agreement.kind, agreement.step)
-        try:
-            agreement.work.wait()
-        except CallMismatchError as e:  # a call of another kind, or at another call of the group
-            raise RuntimeError(f"cgx.DiLoCo: the replicas are out of step at {at} here: the group's ranks made "
-                               f"different calls ({e}); {_OUT_OF_STEP}") from e
-        except (CollectiveTimeoutError, PeerError) as e:  # the same kind of error, saying where it happened
-            raise type(e)(f"cgx.DiLoCo: {at} failed: {e}; a replica died, or waits in another collective of the "
-                          f"group because it is out of step: {_OUT_OF_STEP}") from e
-        agreement.rows.mul_(self._group.size()).round_()
-        agreement.work = None
-
-    def _check(self, agreement: _Agreement) -> None:
-        """Raises on every rank alike where the rows differ: RuntimeError for another
-        inner step (or a sync against close()), ValueError for another trained set."""
-        self._wait(agreement)
-        rows = agreement.rows.long().tolist()
-        mine = rows[dist.get_rank(self._group)]
-        for peer, row in enumerate(rows):
-            if row[0] != mine[0] or _step(row) != _step(mine):
-                raise RuntimeError(f"cgx.DiLoCo: the replicas are out of step: {_describe(mine[0], _step(mine))} "
-                                   f"here, {_describe(row[0], _step(row))} on group rank {peer}; {_OUT_OF_STEP}")
-        for peer, row in enumerate(rows):
-            if row[1]:
-                raise ValueError(f"cgx.DiLoCo: at the sync of inner step {agreement.step}, inner_optimizer on group "
-                                 f"rank {peer} updates {row[1]} tensor(s) that are not parameters of the model: "
-                                 f"add param groups of this model's parameters only")
-        if any(row[2 + _STEP_PIECES:] != mine[2 + _STEP_PIECES:] for row in rows):
-            self._name_difference(agreement)
-
-    def _name_difference(self, agreement: _Agreement) -> None:
-        """Raises ValueError naming a parameter trained on one replica and not on another
-        (every rank gets here: the digests differ)."""
-        everyone: list[Any] = [None] * self._group.size()
-        dist.all_gather_object(everyone, agreement.trained, group=self._group)
-        mine = dict(agreement.trained)
-        differences = (
-            f"{name!r} is trained here, not on group rank {peer}" if name not in theirs
-            else f"{name!r} is trained on group rank {peer}, not here" if name not in mine
-            else f"{name!r} has shape {list(mine[name])} here, {list(theirs[name])} on group rank {peer}"
-            for peer, theirs in enumerate(map(dict, everyone))
-            for name in [*mine, *theirs] if mine.get(name) != theirs.get(name))
-        raise ValueError(f"cgx.DiLoCo: the replicas' inner optimizers train different parameters at the sync of "
-                         f"inner step {agreement.step}: {next(differences)}; every replica must add the same "
-                         f"param groups and (un)freeze the same parameters before the same inner step")
+            self._follow(sync.agreement.trained)
 
     # ---- what is synced follows what the optimizer trains
 
@@ -428,7 +533,7 @@ class DiLoCo:
         if not new:
             return
         params = dict(self._model.named_parameters())
-        self._broadcast_from_rank_0([params[n] for n in new])
+        self._replicas.broadcast_from_rank_0([params[n] for n in new])
         for names in _layers({n: params[n] for n in new}).values():
             fragment = self._fragment_for(names[0])
             for name in names:
@@ -451,36 +556,19 @@ class DiLoCo:
         return min(range(len(load)), key=lambda index: (load[index], index))
 
     def _change_members(self, fragment: _Fragment) -> None:
-        """Applies the fragment's pending changes at its sync's start: a member that
-        leaves takes its global weight (so equal on every replica) and drops its momentum
-        and residual; a parameter that joins brings its global weight."""
-        leaving = [m for m in fragment.members if m.name in self._leaving]
+        """Applies the fragment's pending joins and leaves at its sync's start."""
+        leaving = {m.name for m in fragment.members if m.name in self._leaving}
         joining = [m for index, m in self._joining.values() if index == fragment.index]
         if not leaving and not joining:
             return
-        for m in leaving:
-            _restore(m)
-            self.residuals.pop(m.name, None)
-            self._leaving.discard(m.name)
+        self._leaving -= leaving
         for m in joining:
             del self._joining[m.name]
-        fragment.set_members([m for m in fragment.members if m not in leaving] + joining, self._outer_options)
+        fragment.change_members(leaving, joining, self._schedule.outer_options, self._replicas.residuals)
 
     def _member(self, name: str, param: torch.Tensor) -> _Member:
         owner = self._model.get_submodule(name.rpartition(".")[0])
         return _member(name, param, self._policy.setting_for(name, owner, param))
-
-    def _broadcast_from_rank_0(self, params: list[torch.Tensor]) -> None:
-        """The parameters take group rank 0's values (one broadcast per dtype)."""
-        with torch.no_grad():
-            for dtype in dict.fromkeys(_local(p).dtype for p in params):
-                tensors = [_local(p) for p in params if _local(p).dtype == dtype]
-                flat = torch.cat([t.reshape(-1) for t in tensors])
-                dist.broadcast(flat, group_src=0, group=self._group)
-                offset = 0
-                for t in tensors:
-                    t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
-                    offset += t.numel()
 
     # ---- lifetime
 
@@ -492,10 +580,11 @@ class DiLoCo:
             return
         self._closed = True
         self._hook.remove()
-        agreement = self._agree(_CLOSE, [], self._rows(_CLOSE, [], 0, torch.device("cpu")))
+        replicas = self._replicas
+        agreement = replicas.agree(_CLOSE, self.step, [], replicas.rows(_CLOSE, self.step, [], 0, torch.device("cpu")))
         for sync in list(self._in_flight):
             self._finish(sync, follow=False)
-        self._check(agreement)
+        replicas.check(agreement)
 
     def __enter__(self) -> DiLoCo:
         return self
@@ -511,14 +600,13 @@ class DiLoCo:
     # ---- stats and checkpoints
 
     def stats(self) -> dict[str, Any]:
-        """This rank's totals: step, outer_syncs (fragment syncs applied), bytes_sent
-        (payload this rank put into syncs, counted as each completes: compressed, or
-        float32 where CGX_COMPRESSION_AUTO sent it exactly) against bytes_uncompressed
-        (float32),
-        peak_bytes (the largest single sync), waits (syncs not yet complete when their
-        result was due, and every sync without overlap: the inner loop waited on the link)
-        and wait_seconds."""
-        return {"step": self.step, **self._stats, "in_flight": len(self._in_flight)}
+        """This rank's totals (docs/stats.md): step, outer_syncs (fragment syncs applied),
+        payload_bytes (what this rank put into syncs, counted as each completes:
+        compressed, or float32 where CGX_COMPRESSION_AUTO sent it exactly) against
+        uncompressed_payload_bytes (float32), peak_payload_bytes (the largest single sync),
+        waits (syncs not yet complete when their result was due, and every sync without
+        overlap: the inner loop waited on the link), wait_seconds and in_flight."""
+        return Stats({"step": self.step, **self._replicas.stats, "in_flight": len(self._in_flight)}, _RENAMED)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: global weights, outer momentum, residuals, step, stats, which
@@ -527,27 +615,24 @@ class DiLoCo:
         after a resume). Checkpoint it with the model and the inner optimizer; every rank
         saves its own (residuals differ between ranks)."""
         for sync in self._in_flight:
-            self._complete(sync)
+            sync.fragment.complete(sync, self._replicas)
         members = [m for f in self._fragments for m in f.members] + [m for _, m in self._joining.values()]
         return {
-            "rank": dist.get_rank(self._group),
-            "world_size": self._group.size(),
+            **place(self._replicas.group),
             "fragments": [f.names for f in self._fragments],
             "joining": {name: index for name, (index, _) in self._joining.items()},
             "leaving": sorted(self._leaving),
             "step": self.step,
             "global_weights": {m.name: m.global_weight.clone() for m in members},
-            "outer_momentum": {m.name: f.outer.state[m.global_weight]["momentum_buffer"].clone()
-                               for f in self._fragments for m in f.members
-                               if f.outer.state[m.global_weight].get("momentum_buffer") is not None},
-            "residuals": {n: r.clone() for n, r in self.residuals.items()},
+            "outer_momentum": {name: buffer for f in self._fragments for name, buffer in f.outer_momentum().items()},
+            "residuals": self._replicas.residuals.cloned(),
             "in_flight": [{"fragment": s.fragment.index, "due": s.due,
                            "outer_gradient": None if s.outer_gradient is None else s.outer_gradient.clone(),
                            "residual": None if s.residual is None else s.residual.clone(),
                            "step": s.agreement.step, "trained": s.agreement.trained,
                            "agreement": s.agreement.rows.clone()}
                           for s in self._in_flight],
-            "stats": dict(self._stats),
+            "stats": dict(self._replicas.stats),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -558,7 +643,39 @@ class DiLoCo:
         what differs otherwise. Residuals load only on the rank and group size that saved
         them, syncs in flight only at that group size: to resume at another size, load with
         ``state["residuals"] = {}`` and no sync in flight."""
+        self._check_state(state)
+        params = dict(self._model.named_parameters())
+        for sync in self._in_flight:  # the replaced run's syncs: completed, not applied
+            self._replicas.wait(sync.agreement)
+            if sync.work is not None:
+                sync.work.wait()
+
+        def member(name: str) -> _Member:
+            m = self._member(name, params[name])
+            m.global_weight.copy_(state["global_weights"][name])
+            return m
+
+        with torch.no_grad():
+            for fragment, names in zip(self._fragments, state["fragments"]):
+                fragment.set_members([member(n) for n in names], self._schedule.outer_options,
+                                     momentum=state["outer_momentum"])
+            self._joining = {name: (index, member(name)) for name, index in state["joining"].items()}
+        self._leaving = set(state["leaving"])
+        self._replicas.residuals = Residuals({n: r.clone() for n, r in state["residuals"].items()})
+        self.step = int(state["step"])
+        self._replicas.stats = {_RENAMED.get(k, k): v for k, v in state["stats"].items()}  # older names too
+        self._in_flight = [
+            _Sync(self._fragments[s["fragment"]], s["due"],
+                  _Agreement(_SYNC, s["step"], s["trained"], s["agreement"].clone(), None),
+                  None if s["outer_gradient"] is None else s["outer_gradient"].clone(),
+                  None if s["residual"] is None else s["residual"].clone(), None)
+            for s in state["in_flight"]
+        ]
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        """ValueError naming what in `state` does not fit this DiLoCo, its model or place."""
         what = "cgx.DiLoCo.load_state_dict"
+        group = self._replicas.group
         missing = [k for k in _STATE_KEYS if k not in (state if isinstance(state, dict) else {})]
         if missing:
             raise ValueError(f"{what}: missing {missing} (expected the dict of DiLoCo.state_dict())")
@@ -566,10 +683,10 @@ class DiLoCo:
             raise ValueError(f"{what}: the state has {len(state['fragments'])} fragments, this DiLoCo "
                              f"{len(self._fragments)}")
         if state["residuals"] or any(s["residual"] is not None for s in state["in_flight"]):
-            check_same_place(state, dist.get_rank(self._group), self._group.size(), what)
-        if state["in_flight"] and state["world_size"] != self._group.size():
+            check_same_place(state, group, what)
+        if state["in_flight"] and state["world_size"] != group.size():
             raise ValueError(f"{what}: the state has syncs in flight of a group of {state['world_size']} ranks, "
-                             f"loaded in one of {self._group.size()}")
+                             f"loaded in one of {group.size()}")
         params = dict(self._model.named_parameters())
         synced = [n for names in state["fragments"] for n in names] + list(state["joining"])
         for name in synced:
@@ -584,36 +701,6 @@ class DiLoCo:
                                      f"(a checkpoint of another model or shard)")
         if set(state["global_weights"]) != set(synced):
             raise ValueError(f"{what}: global_weights lacks {sorted(set(synced) - set(state['global_weights']))}")
-        for sync in self._in_flight:  # the replaced run's syncs: completed, not applied
-            self._wait(sync.agreement)
-            if sync.work is not None:
-                sync.work.wait()
-
-        def member(name: str) -> _Member:
-            m = self._member(name, params[name])
-            m.global_weight.copy_(state["global_weights"][name])
-            return m
-
-        with torch.no_grad():
-            for fragment, names in zip(self._fragments, state["fragments"]):
-                fragment.outer = None  # the state's momentum, not this run's
-                fragment.set_members([member(n) for n in names], self._outer_options)
-                for m in fragment.members:
-                    if m.name in state["outer_momentum"]:
-                        fragment.outer.state[m.global_weight] = {
-                            "momentum_buffer": state["outer_momentum"][m.name].clone()}
-            self._joining = {name: (index, member(name)) for name, index in state["joining"].items()}
-        self._leaving = set(state["leaving"])
-        self.residuals = {n: r.clone() for n, r in state["residuals"].items()}
-        self.step = int(state["step"])
-        self._stats = dict(state["stats"])
-        self._in_flight = [
-            _Sync(self._fragments[s["fragment"]], s["due"],
-                  _Agreement(_SYNC, s["step"], s["trained"], s["agreement"].clone(), None),
-                  None if s["outer_gradient"] is None else s["outer_gradient"].clone(),
-                  None if s["residual"] is None else s["residual"].clone(), None)
-            for s in state["in_flight"]
-        ]
 
 
 _STATE_KEYS = ("rank", "world_size", "fragments", "joining", "leaving", "step", "global_weights", "outer_momentum",
@@ -715,22 +802,12 @@ def _split(sizes: list[int], fragments: int, pattern: str) -> list[int]:
     return choice
 
 
-def _check_arguments(model, optimizer, sync_every, fragments, bits, bucket_size, policy, outer_lr,
-                     outer_momentum, nesterov, overlap, mix, fragment_pattern) -> None:
+def _check_model_and_policy(model, optimizer, bits, bucket_size, policy) -> None:
     what = "cgx.DiLoCo"
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{what}: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{what}: inner_optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    for name, value, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1), ("overlap", overlap, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{what}: {name} must be an integer >= {low}, got {value!r}")
-    if fragments > sync_every:
-        raise ValueError(f"{what}: fragments={fragments} is more than sync_every={sync_every} "
-                         f"(fragments sync at distinct steps within sync_every)")
-    if overlap >= sync_every:
-        raise ValueError(f"{what}: overlap={overlap} must be less than sync_every={sync_every} "
-                         f"(a fragment's sync must be applied before its next one starts)")
     if policy is not None:
         if not isinstance(policy, CompressionPolicy):
             raise TypeError(f"{what}: policy must be a cgx.CompressionPolicy, got {type(policy).__name__}")
@@ -739,13 +816,3 @@ def _check_arguments(model, optimizer, sync_every, fragments, bits, bucket_size,
     check_bits(bits, what)
     if bucket_size is not None:
         check_bucket_size(bucket_size, what)
-    if not isinstance(outer_lr, (int, float)) or not outer_lr > 0:
-        raise ValueError(f"{what}: outer_lr must be > 0, got {outer_lr!r}")
-    if not isinstance(outer_momentum, (int, float)) or not 0 <= outer_momentum < 1:
-        raise ValueError(f"{what}: outer_momentum must be in [0, 1), got {outer_momentum!r}")
-    if nesterov and outer_momentum == 0:
-        raise ValueError(f"{what}: nesterov needs outer_momentum > 0")
-    if not isinstance(mix, (int, float)) or not 0 <= mix <= 1:
-        raise ValueError(f"{what}: mix must be in [0, 1], got {mix!r}")
-    if fragment_pattern not in _PATTERNS:
-        raise ValueError(f"{what}: fragment_pattern must be one of {_PATTERNS}, got {fragment_pattern!r}")

@@ -44,9 +44,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from cgx.agreement import first_difference
-from cgx.backend import get_backend
+from cgx.backend import get_backend, resolve_group
+from cgx.config import is_int
 from cgx.fsdp2_access import AllGather, ReduceScatter, UnitParameters, Unsupported, unit_parameters, unsupported
-from cgx.layers import RAW_BITS, CompressionPolicy, Segment, _is_int, append_segment, check_bits
+from cgx.layers import RAW_BITS, CompressionPolicy, LayerSetting, Segment, all_raw, append_segment, check_bits
+from cgx.residuals import Residuals, check_same_place, place
 
 __all__ = ["qsdp", "QSDP"]
 
@@ -55,10 +57,10 @@ _KINDS = ("allgather", "reduce_scatter")
 
 
 class _Unit:
-    """One FSDP2 unit: its name, parameters' shard sizes and plans, error feedback."""
+    """One FSDP2 unit: its name, group, parameters' shard sizes and plans."""
 
     def __init__(self, index: int, name: str, module: FSDPModule, parameters: UnitParameters,
-                 settings: dict, names: dict, weight_bits: int, grad_bits: int) -> None:
+                 settings: dict[int, LayerSetting], weight_bits: int, grad_bits: int) -> None:
         self.index = index
         self.name = name
         self.module = module
@@ -67,13 +69,12 @@ class _Unit:
         grads: list[Segment] = []
         offset = 0
         for param, numel in parameters.shards:
-            setting = settings[names[id(param)]]
+            setting = settings[id(param)]
             for plan, bits in ((weights, weight_bits), (grads, grad_bits)):
                 append_segment(plan, offset, numel, setting.with_bits(bits))
             offset += numel
         self.shard_numel = offset
         self.plans = {"allgather": weights, "reduce_scatter": grads}
-        self.residual: torch.Tensor | None = None
 
     def exact_reason(self, kind: str, tensor: torch.Tensor, numel: int, group: dist.ProcessGroup) -> str | None:
         """Why a call of this unit cannot take its plan (None: it can)."""
@@ -87,13 +88,14 @@ class _Unit:
         if numel != self.shard_numel:
             return (f"the {kind} buffer holds {numel} elements per rank, the unit's parameter "
                     f"shards {self.shard_numel} (a tensor subclass with its own all-gather inputs?)")
-        if all(bits == RAW_BITS for _, _, bits, *_ in self.plans[kind]):
+        if all_raw(self.plans[kind]):
             return "no parameter of the unit is compressed by the policy"
         return None
 
 
 class QSDP:
-    """What :func:`qsdp` installed: per-rank error feedback, the seed of stochastic weight
+    """What :func:`qsdp` installed: per-rank error feedback (``residuals``: unit name ->
+    float32 residual of the unit's unsharded gradient), the seed of stochastic weight
     rounding, and the traffic of its calls (:meth:`stats`)."""
 
     def __init__(self, units: list[_Unit], weight_rounding: str, error_feedback: bool, seed: int,
@@ -104,6 +106,7 @@ class QSDP:
         self.seed = seed
         self.unsupported = unsupported  # why nothing was installed (cgx.fsdp2_access)
         self.exact_units: dict[str, dict[str, str]] = {kind: {} for kind in _KINDS}
+        self.residuals = Residuals()
         self._exact = {kind: {"calls": 0, "bytes": 0} for kind in _KINDS}
 
     def weight_seed(self, unit: _Unit, shard: torch.Tensor) -> int:
@@ -120,8 +123,8 @@ class QSDP:
         self._exact[kind]["bytes"] += nbytes
 
     def stats(self) -> dict[str, Any]:
-        """This rank's traffic per collective: compressed calls, bytes_sent and
-        uncompressed_bytes (from the backend, over the groups the units use), calls kept
+        """This rank's traffic per collective (docs/stats.md): compressed calls, bytes_sent
+        and uncompressed_bytes (the backend's, over the groups the units use), calls kept
         exact and their bytes, which units stayed exact and why, and ``unsupported``: why
         cgx installed nothing on this torch (None where it did)."""
         groups = {id(u.group): u.group for u in self.units}.values()
@@ -138,16 +141,16 @@ class QSDP:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's error-feedback residuals, with what they depend on: the rank and
-        world size, and each unit's gradient layout (they differ between ranks: every rank
-        saves and loads its own)."""
-        return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
+        """This rank's error-feedback residuals, with what they depend on: the rank and size
+        of the units' group, and each unit's gradient layout (they differ between ranks:
+        every rank saves and loads its own)."""
+        return {**place(self._group()),
                 "layouts": {u.name: [list(s) for s in u.plans["reduce_scatter"]] for u in self.units},
-                "residuals": {u.name: u.residual.clone() for u in self.units if u.residual is not None}}
+                "residuals": self.residuals.cloned()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads this rank's state_dict(); ValueError naming what differs for a state saved
-        on another rank, at another world size, or for units sharded otherwise."""
+        on another rank, in a group of another size, or for units sharded otherwise."""
         what = "cgx.QSDP.load_state_dict"
         missing = [k for k in ("rank", "world_size", "layouts", "residuals") if k not in state]
         if missing:
@@ -156,19 +159,9 @@ class QSDP:
         unknown = set(state["residuals"]) - set(by_name)
         if unknown:
             raise ValueError(f"{what}: no unit named {sorted(unknown)} in this model")
-        if state["residuals"]:
-            if state["world_size"] != dist.get_world_size():
-                raise ValueError(
-                    f"{what}: the state was saved at world size {state['world_size']}, loaded at "
-                    f"{dist.get_world_size()}; its residuals belong to the gradient shards of that "
-                    f"world. To resume at another size, load it with state['residuals'] = {{}} "
-                    f"(error feedback restarts from zero)")
-            if state["rank"] != dist.get_rank():
-                raise ValueError(
-                    f"{what}: this is rank {state['rank']}'s state, loaded on rank {dist.get_rank()}; "
-                    f"residuals are per rank, so every rank must save and load its own state_dict()")
         for name, residual in state["residuals"].items():
             unit = by_name[name]
+            check_same_place(state, unit.group, what)
             saved = [tuple(s) for s in state["layouts"].get(name, ())]
             if saved != unit.plans["reduce_scatter"]:
                 raise ValueError(
@@ -179,9 +172,12 @@ class QSDP:
             if residual.numel() != expected:
                 raise ValueError(f"{what}: the residual of unit {name!r} has "
                                  f"{residual.numel()} elements, the unit's gradients {expected}")
-        for unit in self.units:
-            saved = state["residuals"].get(unit.name)
-            unit.residual = None if saved is None else saved.to(torch.float32).clone()
+        self.residuals = Residuals({n: r.to(torch.float32).clone() for n, r in state["residuals"].items()})
+
+    def _group(self) -> dist.ProcessGroup:
+        """The group the units shard over (residuals are per rank of it); the default
+        group where no unit was installed."""
+        return self.units[0].group if self.units else resolve_group(None, "cgx.QSDP")
 
 
 def _describe(plan: list[Segment]) -> str:
@@ -203,6 +199,14 @@ class _Comm:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
+def _returned(work, async_op: bool):
+    """What FSDP2 expects back from a comm: the Work when async, else None once done."""
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 class _AllGather(_Comm, AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False):
@@ -215,10 +219,7 @@ class _AllGather(_Comm, AllGather):
         work = get_backend(group).allgather_layout(
             output_tensor, input_tensor, unit.plans["allgather"],
             stochastic=stochastic, seed=handle.weight_seed(unit, input_tensor) if stochastic else 0)
-        if async_op:
-            return work
-        work.wait()
-        return None
+        return _returned(work, async_op)
 
 
 class _ReduceScatter(_Comm, ReduceScatter):
@@ -234,18 +235,16 @@ class _ReduceScatter(_Comm, ReduceScatter):
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         residual = None
         if handle.error_feedback:
-            if unit.residual is None:
-                unit.residual = torch.zeros(input_tensor.numel(), dtype=torch.float32, device=input_tensor.device)
-            residual = unit.residual
+            residual = handle.residuals.get(unit.name)
+            if residual is None:
+                residual = handle.residuals[unit.name] = torch.zeros(
+                    input_tensor.numel(), dtype=torch.float32, device=input_tensor.device)
         name = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PREMUL_SUM: "premul_sum"}[kind]
         factor = float(op.factor) if kind == dist.ReduceOp.PREMUL_SUM else 1.0
         work = get_backend(group).reduce_scatter_layout(
             output_tensor, input_tensor, unit.plans["reduce_scatter"], op=name, factor=factor,
             residual=residual)
-        if async_op:
-            return work
-        work.wait()
-        return None
+        return _returned(work, async_op)
 
 
 def qsdp(
@@ -283,15 +282,8 @@ def qsdp(
     (``cgx.fsdp2_access.CHECKED_TORCH``) it installs nothing: FSDP2's traffic stays exact,
     a warning says why, and so does ``stats()["unsupported"]``.
     """
-    check_bits(weight_bits, "cgx.qsdp weight_bits")
-    check_bits(grad_bits, "cgx.qsdp grad_bits")
-    if weight_rounding not in _ROUNDINGS:
-        raise ValueError(f"cgx.qsdp: weight_rounding must be one of {_ROUNDINGS}, got {weight_rounding!r}")
-    if not _is_int(seed) or not 0 <= seed < 2**63:
-        raise ValueError(f"cgx.qsdp: seed must be an integer in 0..2**63-1, got {seed!r}")
-    if policy is not None and not isinstance(policy, CompressionPolicy):
-        raise TypeError(f"cgx.qsdp: policy must be a cgx.CompressionPolicy, got {type(policy).__name__}")
-    fsdp_units = [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+    _check_arguments(weight_bits, grad_bits, weight_rounding, seed, policy)
+    fsdp_units = [(name or "<root>", m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
     if not fsdp_units:
         raise ValueError(
             f"cgx.qsdp: {type(module).__name__} has no FSDP2 unit: call "
@@ -309,27 +301,12 @@ def qsdp(
         warnings.warn(f"cgx.qsdp: {reason}", RuntimeWarning, stacklevel=2)
         handle = QSDP([], weight_rounding, error_feedback, seed, unsupported=reason)
         for kind in _KINDS:
-            handle.exact_units[kind] = {name or "<root>": reason for name, _ in fsdp_units}
+            handle.exact_units[kind] = {name: reason for name, _ in fsdp_units}
         return handle
-    owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
-    names = {}
-    for name, param in module.named_parameters():
-        names[id(param)] = name
-        if name not in settings:  # frozen parameters are gathered too
-            settings[name] = policy.setting_for(name, owners[id(param)], param)
-    units = []
-    for index, (name, unit_module) in enumerate(fsdp_units):
-        parameters = parameters_of[name]
-        if parameters is None:
-            continue  # a unit that manages no parameter moves nothing
-        unit = _Unit(index, name or "<root>", unit_module, parameters, settings, names, weight_bits, grad_bits)
-        try:
-            get_backend(unit.group)
-        except ValueError as e:
-            raise ValueError(f"cgx.qsdp: FSDP2 unit {unit.name!r} shards over a group that is not cgx's: {e}") from None
-        units.append(unit)
+    units = _units(module, fsdp_units, parameters_of, _every_parameters_setting(module, policy, settings),
+                   weight_bits, grad_bits)
     _agree(units, {"weight_bits": weight_bits, "grad_bits": grad_bits, "weight_rounding": weight_rounding,
-                    "error_feedback": bool(error_feedback), "seed": seed})
+                   "error_feedback": bool(error_feedback), "seed": seed})
     handle = QSDP(units, weight_rounding, error_feedback, seed)
     for unit in units:
         if weight_bits != RAW_BITS:
@@ -337,6 +314,45 @@ def qsdp(
         if grad_bits != RAW_BITS:
             unit.module.set_custom_reduce_scatter(_ReduceScatter(handle, unit))
     return handle
+
+
+def _check_arguments(weight_bits: int, grad_bits: int, weight_rounding: str, seed: int,
+                     policy: CompressionPolicy | None) -> None:
+    check_bits(weight_bits, "cgx.qsdp weight_bits")
+    check_bits(grad_bits, "cgx.qsdp grad_bits")
+    if weight_rounding not in _ROUNDINGS:
+        raise ValueError(f"cgx.qsdp: weight_rounding must be one of {_ROUNDINGS}, got {weight_rounding!r}")
+    if not is_int(seed) or not 0 <= seed < 2**63:
+        raise ValueError(f"cgx.qsdp: seed must be an integer in 0..2**63-1, got {seed!r}")
+    if policy is not None and not isinstance(policy, CompressionPolicy):
+        raise TypeError(f"cgx.qsdp: policy must be a cgx.CompressionPolicy, got {type(policy).__name__}")
+
+
+def _every_parameters_setting(module: torch.nn.Module, policy: CompressionPolicy,
+                              trained: dict[str, LayerSetting]) -> dict[int, LayerSetting]:
+    """id(parameter) -> its setting, for every parameter of `module`: `trained` (the
+    policy resolved on the trainable ones) and the frozen ones, which are gathered too."""
+    owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
+    return {id(param): trained.get(name) or policy.setting_for(name, owners[id(param)], param)
+            for name, param in module.named_parameters()}
+
+
+def _units(module: torch.nn.Module, fsdp_units: list, parameters_of: dict, settings: dict[int, LayerSetting],
+           weight_bits: int, grad_bits: int) -> list[_Unit]:
+    """The units that manage parameters, each on a cgx group (ValueError naming the unit
+    otherwise)."""
+    units = []
+    for index, (name, unit_module) in enumerate(fsdp_units):
+        parameters = parameters_of[name]
+        if parameters is None:
+            continue  # a unit that manages no parameter moves nothing
+        unit = _Unit(index, name, unit_module, parameters, settings, weight_bits, grad_bits)
+        try:
+            get_backend(unit.group)
+        except ValueError as e:
+            raise ValueError(f"cgx.qsdp: FSDP2 unit {unit.name!r} shards over a group that is not cgx's: {e}") from None
+        units.append(unit)
+    return units
 
 
 def _agree(units: list[_Unit], arguments: dict[str, object]) -> None:

@@ -50,10 +50,13 @@ import torch
 import torch.distributed as dist
 
 from cgx import _C
-from cgx.backend import get_backend
 from cgx.adaptive import AdaptiveBits
+from cgx.backend import get_backend, resolve_group
+from cgx.config import check_int
+from cgx.counters import Stats, warn_renamed
 from cgx.layers import (RAW_BITS, SCHEMES, CompressionPolicy, LayerSetting, bucket_plan, check_bits,
                         check_bucket_size, check_setting, layout_bytes)
+from cgx.residuals import Residuals, check_same_place, place
 
 __all__ = ["CGXState", "cgx_hook"]
 
@@ -61,9 +64,15 @@ __all__ = ["CGXState", "cgx_hook"]
 # otherwise (error_feedback=True or False).
 FEEDBACK_MAX_BITS = 2
 
+# stats() and state_dict() keys renamed when the front-ends took one vocabulary (old -> new).
+_RENAMED = {"bytes_sent": "payload_bytes", "bytes_uncompressed": "uncompressed_payload_bytes"}
+
 
 class CGXState:
     """State of :func:`cgx_hook`: the policy, error-feedback residuals, warm-up, stats.
+
+    The state holds what the hook needs from one call to the next and what a checkpoint
+    saves; the hook does the work (as torch's ``PowerSGDState`` and ``powerSGD_hook``).
 
     Args:
         process_group: a "cgx" group, or None for the default group (which need not
@@ -112,9 +121,9 @@ class CGXState:
         "step",
         "residuals",
         "layer_settings",
-        # stats
-        "bytes_sent",
-        "bytes_uncompressed",
+        # stats (docs/stats.md)
+        "payload_bytes",
+        "uncompressed_payload_bytes",
         "layer_errors",
     )
 
@@ -138,30 +147,28 @@ class CGXState:
                 f"{type(model).__name__} (torch_cgx's layer_min_size goes by keyword: "
                 f"CGXState(group, layer_min_size={model!r}))"
             )
-        if not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"cgx.CGXState: warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-        if not isinstance(stats_every, int) or stats_every < 0:
-            raise ValueError(f"cgx.CGXState: stats_every must be an integer >= 0, got {stats_every!r}")
+        check_int(warmup_steps, "warmup_steps", "cgx.CGXState")
+        check_int(stats_every, "stats_every", "cgx.CGXState")
         torch_cgx_form = layer_min_size is not None or compression_params is not None
         if policy is not None and torch_cgx_form:
             raise ValueError(
                 "cgx.CGXState: give either policy or torch_cgx's layer_min_size / "
                 "compression_params, not both"
             )
+        if error_feedback is not None and not isinstance(error_feedback, bool):
+            raise TypeError(f"cgx.CGXState: error_feedback must be True, False or None, got {error_feedback!r}")
         self.process_group = process_group
         self.policy = policy
         self._torch_cgx = _torch_cgx_args(layer_min_size, compression_params) if torch_cgx_form else None
-        if error_feedback is not None and not isinstance(error_feedback, bool):
-            raise TypeError(f"cgx.CGXState: error_feedback must be True, False or None, got {error_feedback!r}")
         self.error_feedback = error_feedback
         self.two_level = bool(two_level)
         self.warmup_steps = warmup_steps
         self.stats_every = stats_every
         self.adaptive = adaptive
         self.step = 0
-        self.residuals: dict[str, torch.Tensor] = {}
-        self.bytes_sent = 0
-        self.bytes_uncompressed = 0
+        self.residuals = Residuals()
+        self.payload_bytes = 0
+        self.uncompressed_payload_bytes = 0
         self.layer_errors: dict[str, float] = {}
         self.layer_settings: dict[str, LayerSetting] = {}
         self._model: torch.nn.Module | None = None
@@ -174,21 +181,24 @@ class CGXState:
         if model is not None:
             self.attach(model)
 
+    # ---- the group, the policy and the model
+
+    def group(self) -> dist.ProcessGroup:
+        """The process group the hook reduces on (the default group when None)."""
+        return resolve_group(self.process_group, "cgx.CGXState",
+                             "before the first backward (the state itself may be made before)")
+
     def _resolve_policy(self) -> None:
         """The policy from the group's settings (and torch_cgx's arguments, if given)."""
         settings = get_backend(self.group()).settings
         if self._torch_cgx is None:
-            self.policy = CompressionPolicy(bits=settings.bits, bucket_size=settings.bucket_size,
-                                            scheme=settings.scheme.name, minimal_size=settings.minimal_size)
+            self.policy = CompressionPolicy.from_settings(settings)
             return
         layer_min_size, params = self._torch_cgx
-        self.policy = CompressionPolicy(
-            bits=params.get("bits", settings.bits),
-            bucket_size=params.get("bucket_size", settings.bucket_size),
-            scheme=settings.scheme.name,
+        self.policy = CompressionPolicy.from_settings(
+            settings, bits=params.get("bits"), bucket_size=params.get("bucket_size"),
             # torch_cgx compresses numel >= layer_min_size; the policy keeps numel <= minimal_size raw.
-            minimal_size=max(layer_min_size - 1, settings.minimal_size),
-        )
+            minimal_size=max(layer_min_size - 1, settings.minimal_size))
 
     def attach(self, model: torch.nn.Module) -> None:
         """Resolves the policy on `model`, the module DDP wraps (after unpickling, or to
@@ -227,86 +237,76 @@ class CGXState:
             id(p): (n, self.layer_settings[n]) for n, p in self._params.items()
         }
 
-    def _count_step(self, bucket: dist.GradBucket, group: dist.ProcessGroup) -> None:
-        """Ends the step before a bucket whose parameters were already reduced in it: DDP
-        did not say which bucket was its last (static_graph's first iteration on some
-        torch versions calls every bucket index 0, none last)."""
-        ids = [id(p) for p in bucket.parameters()]
-        if not self._reduced.isdisjoint(ids):
-            self._end_step(group)
-        self._reduced.update(ids)
-
-    def _end_step(self, group: dist.ProcessGroup) -> None:
-        self._reduced.clear()
-        self.step += 1
-        if self.adaptive and self.step >= self.warmup_steps and self.step % self.adaptive.interval == 0:
-            _replan(self, group)
-
-    def _count_sparse(self, buffer: torch.Tensor) -> None:
-        # Gloo reduces a sparse gradient by gathering every rank's indices and values.
-        sent = buffer._indices().nbytes + buffer._values().nbytes
-        self.bytes_sent += sent
-        self.bytes_uncompressed += sent
+    def feeds_back(self, setting: LayerSetting) -> bool:
+        """Whether a layer compressed with `setting` keeps an error-feedback residual."""
+        if self.error_feedback is None:
+            return setting.bits <= FEEDBACK_MAX_BITS
+        return self.error_feedback
 
     # ---- stats and checkpoints
 
-    def compression_stats(self) -> dict[str, Any]:
-        """Bytes this rank put into allreduces (payload) against uncompressed, and the last
-        sampled relative quantization error of each compressed layer."""
-        return {
+    def stats(self) -> dict[str, Any]:
+        """This rank's totals (docs/stats.md): step, payload_bytes (what it handed to the
+        allreduces: compressed, or float32 where sent exactly) against
+        uncompressed_payload_bytes (the buckets in their dtype), compression_ratio, and
+        layer_errors: each compressed layer's last sampled relative quantization error."""
+        return Stats({
             "step": self.step,
-            "bytes_sent": self.bytes_sent,
-            "bytes_uncompressed": self.bytes_uncompressed,
-            "compression_ratio": self.bytes_uncompressed / max(1, self.bytes_sent),
+            "payload_bytes": self.payload_bytes,
+            "uncompressed_payload_bytes": self.uncompressed_payload_bytes,
+            "compression_ratio": self.uncompressed_payload_bytes / max(1, self.payload_bytes),
             "layer_errors": dict(self.layer_errors),
-        }
+        }, _RENAMED)
+
+    def compression_stats(self) -> dict[str, Any]:
+        """Deprecated name of :meth:`stats`."""
+        warn_renamed("CGXState.compression_stats()", "CGXState.stats()")
+        return self.stats()
+
+    @property
+    def bytes_sent(self) -> int:
+        """Deprecated name of ``payload_bytes``."""
+        warn_renamed("CGXState.bytes_sent", "CGXState.payload_bytes")
+        return self.payload_bytes
+
+    @property
+    def bytes_uncompressed(self) -> int:
+        """Deprecated name of ``uncompressed_payload_bytes``."""
+        warn_renamed("CGXState.bytes_uncompressed", "CGXState.uncompressed_payload_bytes")
+        return self.uncompressed_payload_bytes
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: residuals (and adaptive statistics) differ between ranks, so
         every rank saves and loads its own."""
-        placed = dist.is_initialized()
         return {
-            "rank": dist.get_rank(self.group()) if placed else None,
-            "world_size": self.group().size() if placed else None,
+            **(place(self.group()) if dist.is_initialized() else {"rank": None, "world_size": None}),
             "step": self.step,
-            "residuals": {n: r.clone() for n, r in self.residuals.items()},
+            "residuals": self.residuals.cloned(),
             "layer_settings": {n: (s.bits, s.bucket_size, s.scheme) for n, s in self.layer_settings.items()},
             "adaptive_accumulated": (
                 {n: g.clone() for n, g in self.adaptive.accumulated.items()} if self.adaptive else {}
             ),
-            "bytes_sent": self.bytes_sent,
-            "bytes_uncompressed": self.bytes_uncompressed,
+            "payload_bytes": self.payload_bytes,
+            "uncompressed_payload_bytes": self.uncompressed_payload_bytes,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Loads this rank's state_dict(); ValueError naming the key for anything else. Before
-        the model is known (a state made without one, not yet called), what depends on it is
-        checked on the hook's first call."""
-        _check_state_dict(state)
+        """Loads this rank's state_dict() (also one saved before the stats' names changed);
+        ValueError naming the key for anything else. Before the model is known (a state
+        made without one, not yet called), what depends on it is checked on the hook's
+        first call."""
+        state = _check_state_dict(state)
         if self._settings_by_param:
             _check_fits(state["layer_settings"], state["residuals"], self._params, "cgx.CGXState.load_state_dict")
         if state["residuals"] and dist.is_initialized():
-            check_same_place(state, dist.get_rank(self.group()), self.group().size(),
-                             "cgx.CGXState.load_state_dict")
+            check_same_place(state, self.group(), "cgx.CGXState.load_state_dict")
         if self.adaptive:
             self.adaptive.accumulated = {n: g.clone() for n, g in state["adaptive_accumulated"].items()}
         self.step = int(state["step"])
-        self.residuals = {n: r.clone() for n, r in state["residuals"].items()}
-        self.bytes_sent = int(state["bytes_sent"])
-        self.bytes_uncompressed = int(state["bytes_uncompressed"])
+        self.residuals = Residuals({n: r.clone() for n, r in state["residuals"].items()})
+        self.payload_bytes = int(state["payload_bytes"])
+        self.uncompressed_payload_bytes = int(state["uncompressed_payload_bytes"])
         self.set_layer_settings({n: LayerSetting(*s) for n, s in state["layer_settings"].items()})
-
-    def group(self) -> dist.ProcessGroup:
-        """The process group the hook reduces on (the default group when None)."""
-        if self.process_group is not None:
-            return self.process_group
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "cgx.CGXState: the default process group does not exist yet: call "
-                "torch.distributed.init_process_group before the first backward (the state "
-                "itself may be made before)"
-            )
-        return dist.group.WORLD
 
     def __getstate__(self) -> dict[str, Any]:
         # The process group and the wiring to the model do not survive pickling.
@@ -321,114 +321,33 @@ class CGXState:
         self.two_level = True  # a state pickled before two-level feedback existed
         self._torch_cgx = None
         for slot, value in state.items():
+            slot = _RENAMED.get(slot, slot)  # a state pickled before the stats' names changed
             if slot in self.__slots__:  # older pickles hold slots since removed
                 setattr(self, slot, value)
-
-    # ---- per bucket
-
-    def _prepare(self, buffer: torch.Tensor, compressed: list, group_settings, decides: bool) -> None:
-        """Samples the layers' quantization error; feeds adaptive selection on the rank
-        that decides (`decides`); for one-level feedback, adds each compressed layer's
-        residual to its gradient and keeps the new one."""
-        sample = self.stats_every > 0 and self.step % self.stats_every == 0
-        adaptive = self.adaptive if decides else None
-        local_feedback = not self.two_level and any(self.feeds_back(s) for *_, s in compressed)
-        if not (local_feedback or sample or adaptive):
-            return
-        # The group's rounding settings, so that Q(g) here is what goes on the wire.
-        skip = group_settings.skip_incomplete_buckets
-        stochastic = group_settings.stochastic_rounding
-        for name, offset, numel, setting in compressed:
-            view = buffer.narrow(0, offset, numel)
-            grad = view.float()
-            if grad.data_ptr() == view.data_ptr():
-                grad = grad.clone()  # keep the unquantized values apart from the buffer
-            if adaptive:
-                adaptive.accumulate(name, grad)
-            local = not self.two_level and self.feeds_back(setting)
-            if not (local or sample):
-                continue
-            residual = self.residuals.get(name) if self.feeds_back(setting) else None
-            if residual is not None and residual.numel() == numel:
-                grad += residual  # what will be quantized (two-level: the collective adds it)
-                if local:
-                    view.copy_(grad)
-            # One-level: the buffer as it goes on the wire (float16 rounds what it holds).
-            decoded = _C.decompress(
-                _C.compress(view if local else grad, setting.bits, setting.bucket_size,
-                            stochastic=stochastic, seed=self.step, skip_incomplete_buckets=skip,
-                            scheme=setting.scheme),
-                numel, setting.bits, setting.bucket_size, skip_incomplete_buckets=skip, scheme=setting.scheme,
-            )
-            if local:
-                # A bucket that overflowed decodes to NaN: carry nothing of it forward.
-                self.residuals[name] = torch.nan_to_num(grad - decoded, nan=0.0, posinf=0.0, neginf=0.0)
-            if sample:
-                norm = float(grad.norm())
-                self.layer_errors[name] = float((decoded - grad).norm()) / norm if norm > 0 else 0.0
-
-    def feeds_back(self, setting: LayerSetting) -> bool:
-        """Whether a layer compressed with `setting` keeps an error-feedback residual."""
-        if self.error_feedback is None:
-            return setting.bits <= FEEDBACK_MAX_BITS
-        return self.error_feedback
-
-    def _fed_back(self, compressed: list) -> list:
-        """The compressed layers that keep a residual; a layer whose setting is no longer
-        fed back (an adaptive plan moved it) forgets its stale one."""
-        fed = []
-        for entry in compressed:
-            name, _, _, setting = entry
-            if self.feeds_back(setting):
-                fed.append(entry)
-            else:
-                self.residuals.pop(name, None)
-        return fed
-
-    def _bucket_residual(self, buffer: torch.Tensor, compressed: list) -> torch.Tensor:
-        """The bucket's two-level residual: each compressed layer's, zero elsewhere."""
-        residual = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
-        for name, offset, numel, _ in compressed:
-            kept = self.residuals.get(name)
-            if kept is not None and kept.numel() == numel:
-                residual.narrow(0, offset, numel).copy_(kept.reshape(-1))
-        return residual
-
-    def _keep_residuals(self, residual: torch.Tensor, compressed: list) -> None:
-        """After the call: what each layer's quantizations dropped on this rank (copies:
-        views would keep, and pickle, the whole bucket)."""
-        for name, offset, numel, _ in compressed:
-            self.residuals[name] = residual.narrow(0, offset, numel).clone()
-
-    def _count(self, buffer: torch.Tensor, layout: list, skip_incomplete: bool, exactly: bool) -> None:
-        """A completed bucket's payload; `exactly`: CGX_COMPRESSION_AUTO sent it raw."""
-        self.bytes_uncompressed += buffer.numel() * buffer.element_size()
-        if exactly or all(bits == RAW_BITS for _, _, bits, *_ in layout):
-            self.bytes_sent += buffer.numel() * 4  # float32 values
-            return
-        self.bytes_sent += layout_bytes(layout, skip_incomplete)
+        self.residuals = Residuals(self.residuals)
 
 
 _STATE_KEYS = ("rank", "world_size", "step", "residuals", "layer_settings", "adaptive_accumulated",
-               "bytes_sent", "bytes_uncompressed")
+               "payload_bytes", "uncompressed_payload_bytes")
 
 
 _UNPICKLED = ("process_group", "_model", "_params", "_settings_by_param", "_reduced")
 
 
-def _check_state_dict(state: Any) -> None:
-    """What CGXState.load_state_dict accepts: a dict of state_dict()'s form, with valid
-    settings and float residuals (whether they fit the model: _check_fits)."""
+def _check_state_dict(state: Any) -> dict[str, Any]:
+    """What CGXState.load_state_dict accepts: a dict of state_dict()'s form (older names
+    taken as the new), with valid settings and float residuals (whether they fit the
+    model: _check_fits). Returns it under the current names."""
     what = "cgx.CGXState.load_state_dict"
     if not isinstance(state, dict):
         raise TypeError(f"{what}: expected the dict of CGXState.state_dict(), got {type(state).__name__}")
+    older = {k: new for k, new in _RENAMED.items() if k in state and new not in state}
+    state = {older.get(k, k): v for k, v in state.items()}
     missing = [k for k in _STATE_KEYS if k not in state]
     if missing:
         raise ValueError(f"{what}: missing {missing} (expected the dict of CGXState.state_dict())")
-    for key in ("step", "bytes_sent", "bytes_uncompressed"):
-        value = state[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{what}: {key!r} must be an integer >= 0, got {value!r}")
+    for key in ("step", "payload_bytes", "uncompressed_payload_bytes"):
+        check_int(state[key], repr(key), what)
     for name, setting in state["layer_settings"].items():
         # (bits, bucket_size) from before schemes existed is maxmin.
         if not (isinstance(setting, (tuple, list)) and len(setting) in (2, 3)):
@@ -442,25 +361,7 @@ def _check_state_dict(state: Any) -> None:
         for name, tensor in state[key].items():
             if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
                 raise ValueError(f"{what}: {key}[{name!r}] must be a float tensor, got {tensor!r}")
-
-
-def check_same_place(state: dict[str, Any], rank: int, world_size: int, what: str) -> None:
-    """Residuals are what this rank's quantizations dropped in a group of that size: they
-    load on the same rank of a group of the same size only (`state` has the saving rank's
-    "rank" and "world_size")."""
-    if state["world_size"] is not None and state["world_size"] != world_size:
-        raise ValueError(
-            f"{what}: the state was saved in a group of {state['world_size']} ranks, loaded in "
-            f"one of {world_size}; its error-feedback residuals belong to that group's ranks. "
-            f"To resume at another size, load it with state['residuals'] = {{}} (feedback "
-            f"restarts from zero; the rest carries over)"
-        )
-    if state["rank"] is not None and state["rank"] != rank:
-        raise ValueError(
-            f"{what}: this is rank {state['rank']}'s state, loaded on rank {rank}; "
-            f"error-feedback residuals are per rank, so every rank must save and load its own "
-            f"state_dict()"
-        )
+    return state
 
 
 def _check_fits(layer_settings: dict, residuals: dict[str, torch.Tensor],
@@ -524,9 +425,11 @@ def _torch_cgx_args(layer_min_size: int | None,
         check_bucket_size(params["bucket_size"], "cgx.CGXState compression_params")
     if layer_min_size is None:
         layer_min_size = 1024
-    if not isinstance(layer_min_size, int) or layer_min_size < 0:
-        raise ValueError(f"cgx.CGXState: layer_min_size must be an integer >= 0, got {layer_min_size!r}")
+    check_int(layer_min_size, "layer_min_size", "cgx.CGXState")
     return layer_min_size, params
+
+
+# ---- the hook: the work, on the state
 
 
 def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -535,47 +438,130 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     group = state.group()
     state._bind(bucket)
     backend = get_backend(group)
-    settings = backend.settings
-    if state.error_feedback is not False and not state.two_level and settings.stochastic_rounding:
+    if state.error_feedback is not False and not state.two_level and backend.settings.stochastic_rounding:
         raise ValueError(
             "cgx_hook: one-level error feedback (two_level=False) estimates the residual "
             "with round-to-nearest, but the group rounds stochastically "
             "(CGX_COMPRESSION_STOCHASTIC_ROUNDING): create the CGXState with two_level=True "
             "or error_feedback=False"
         )
-    state._count_step(bucket, group)
+    # DDP does not always say which bucket is a step's last (static_graph's first
+    # iteration on some torch versions calls every bucket index 0, none last): a bucket
+    # whose parameters were already reduced in this step starts the next one.
+    ids = [id(p) for p in bucket.parameters()]
+    if not state._reduced.isdisjoint(ids) and _close_step(state):
+        _replan(state, group)
+    state._reduced.update(ids)
     buffer = bucket.buffer()
     buffer.div_(group.size())  # divide first, as torch's hooks do (no fp16 overflow)
     if buffer.is_sparse:  # nn.Embedding(sparse=True): reduced exactly, as without a hook
-        state._count_sparse(buffer)
+        sent = buffer._indices().nbytes + buffer._values().nbytes  # Gloo gathers both
+        state.payload_bytes += sent
+        state.uncompressed_payload_bytes += sent
         future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
     else:
-        residual, compressed, fed = None, [], []
-        if state.step < state.warmup_steps:
-            layout = [(0, buffer.numel(), RAW_BITS, 1, "maxmin")]
-        else:
-            layout, compressed = bucket_plan(bucket, state._settings_by_param)
-            fed = state._fed_back(compressed)
-            state._prepare(buffer, compressed, settings, decides=group.rank() == 0)
-            if state.two_level and fed:
-                residual = state._bucket_residual(buffer, fed)
-        work = backend.allreduce_layout(buffer, layout, residual=residual)
-
-        def settle(done, work=work, residual=residual, fed=fed):
-            result = done.value()  # a failed call raises here and keeps the old residuals
-            if residual is not None:
-                state._keep_residuals(residual, fed)
-            state._count(buffer, layout, settings.skip_incomplete_buckets, _C.sent_exactly(work))
-            return result
-        future = work.get_future().then(settle)
-    if bucket.is_last():
-        state._end_step(group)
+        future = _reduce_dense(state, bucket, group, backend)
+    if bucket.is_last() and _close_step(state):
+        _replan(state, group)
     return future.then(lambda f: f.value()[0])
+
+
+def _reduce_dense(state: CGXState, bucket: dist.GradBucket, group: dist.ProcessGroup,
+                  backend: _C.ProcessGroupCGX) -> torch.futures.Future:
+    """One allreduce_layout of the (divided) bucket with its plan, the residuals of the
+    layers fed back laid into the call; the future keeps the new residuals and counts
+    the payload once the call completed."""
+    settings = backend.settings
+    buffer = bucket.buffer()
+    residual, compressed, fed = None, [], []
+    if state.step < state.warmup_steps:
+        layout = [(0, buffer.numel(), RAW_BITS, 1, "maxmin")]
+    else:
+        layout, compressed = bucket_plan(bucket, state._settings_by_param)
+        fed = _layers_with_feedback(state, compressed)
+        _inspect_and_feed_back_locally(state, buffer, compressed, settings, decides=group.rank() == 0)
+        if state.two_level and fed:
+            residual = state.residuals.gather(buffer.numel(), fed, buffer.device)
+    work = backend.allreduce_layout(buffer, layout, residual=residual)
+
+    def settle(done):
+        result = done.value()  # a failed call raises here and keeps the old residuals
+        if residual is not None:
+            state.residuals.keep(residual, fed)
+        state.uncompressed_payload_bytes += buffer.numel() * buffer.element_size()
+        state.payload_bytes += layout_bytes(layout, settings.skip_incomplete_buckets, _C.sent_exactly(work))
+        return result
+    return work.get_future().then(settle)
+
+
+def _close_step(state: CGXState) -> bool:
+    """Counts the step that ended; True where the adaptive plan is due after it (the
+    caller then re-plans, a collective)."""
+    state._reduced.clear()
+    state.step += 1
+    adaptive = state.adaptive
+    return bool(adaptive) and state.step >= state.warmup_steps and state.step % adaptive.interval == 0
+
+
+def _layers_with_feedback(state: CGXState, compressed: list) -> list:
+    """The compressed layers that keep a residual; a layer whose setting is no longer
+    fed back (an adaptive plan moved it) forgets its stale one."""
+    fed = []
+    for entry in compressed:
+        name, _, _, setting = entry
+        if state.feeds_back(setting):
+            fed.append(entry)
+        else:
+            state.residuals.pop(name, None)
+    return fed
+
+
+def _inspect_and_feed_back_locally(state: CGXState, buffer: torch.Tensor, compressed: list, group_settings,
+                                   decides: bool) -> None:
+    """Samples the layers' quantization error; feeds adaptive selection on the rank that
+    decides (`decides`); for one-level feedback, adds each compressed layer's residual to
+    its gradient and keeps the new one."""
+    sample = state.stats_every > 0 and state.step % state.stats_every == 0
+    adaptive = state.adaptive if decides else None
+    local_feedback = not state.two_level and any(state.feeds_back(s) for *_, s in compressed)
+    if not (local_feedback or sample or adaptive):
+        return
+    # The group's rounding settings, so that Q(g) here is what goes on the wire.
+    skip = group_settings.skip_incomplete_buckets
+    stochastic = group_settings.stochastic_rounding
+    for name, offset, numel, setting in compressed:
+        view = buffer.narrow(0, offset, numel)
+        grad = view.float()
+        if grad.data_ptr() == view.data_ptr():
+            grad = grad.clone()  # keep the unquantized values apart from the buffer
+        if adaptive:
+            adaptive.accumulate(name, grad)
+        local = not state.two_level and state.feeds_back(setting)
+        if not (local or sample):
+            continue
+        residual = state.residuals.get(name) if state.feeds_back(setting) else None
+        if residual is not None and residual.numel() == numel:
+            grad += residual  # what will be quantized (two-level: the collective adds it)
+            if local:
+                view.copy_(grad)
+        # One-level: the buffer as it goes on the wire (float16 rounds what it holds).
+        decoded = _C.decompress(
+            _C.compress(view if local else grad, setting.bits, setting.bucket_size,
+                        stochastic=stochastic, seed=state.step, skip_incomplete_buckets=skip,
+                        scheme=setting.scheme),
+            numel, setting.bits, setting.bucket_size, skip_incomplete_buckets=skip, scheme=setting.scheme,
+        )
+        if local:
+            # A bucket that overflowed decodes to NaN: carry nothing of it forward.
+            state.residuals[name] = torch.nan_to_num(grad - decoded, nan=0.0, posinf=0.0, neginf=0.0)
+        if sample:
+            norm = float(grad.norm())
+            state.layer_errors[name] = float((decoded - grad).norm()) / norm if norm > 0 else 0.0
 
 
 def _replan(state: CGXState, group: dist.ProcessGroup) -> None:
     """Rank 0 chooses the layers' settings from its accumulated gradients; every rank
-    applies the same plan from the next step."""
+    applies the same plan from the next step (one broadcast)."""
     # One int tensor, not a pickled object (nothing from a peer is unpickled): a first row
     # saying whether rank 0 could choose (a failure is raised on every rank after the
     # broadcast, never on rank 0 alone while the others wait in it), then (bits,

@@ -32,26 +32,22 @@ import torch
 
 from cgx import _C
 from cgx._C import MAX_BITS, MAX_BUCKET_SIZE, RAW_BITS, SCHEMES
-from cgx.config import _int_range
+from cgx.config import check_int, int_range, is_int
 
-__all__ = ["LayerRule", "LayerSetting", "CompressionPolicy", "Segment"]
+__all__ = ["LayerRule", "LayerSetting", "CompressionPolicy", "Segment", "all_raw", "layout_bytes"]
 
 Segment = tuple[int, int, int, int, str]  # (offset, numel, bits, bucket_size, scheme)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # True is no bit count
-
-
 def check_bits(bits: int, what: str, allow_raw: bool = True) -> None:
-    if not (_is_int(bits) and (1 <= bits <= MAX_BITS or (allow_raw and bits == RAW_BITS))):
+    if not (is_int(bits) and (1 <= bits <= MAX_BITS or (allow_raw and bits == RAW_BITS))):
         allowed = f"1..{MAX_BITS}" + (f", or {RAW_BITS} for uncompressed" if allow_raw else "")
         raise ValueError(f"{what}: bits must be in {allowed}, got {bits!r}")
 
 
 def check_bucket_size(bucket_size: int, what: str) -> None:
-    if not (_is_int(bucket_size) and 1 <= bucket_size <= MAX_BUCKET_SIZE):
-        raise ValueError(f"{what}: bucket_size must be in {_int_range(1, MAX_BUCKET_SIZE)}, "
+    if not (is_int(bucket_size) and 1 <= bucket_size <= MAX_BUCKET_SIZE):
+        raise ValueError(f"{what}: bucket_size must be in {int_range(1, MAX_BUCKET_SIZE)}, "
                          f"got {bucket_size!r}")
 
 
@@ -171,8 +167,7 @@ class CompressionPolicy:
         check_bits(bits, "cgx.CompressionPolicy")
         check_bucket_size(bucket_size, "cgx.CompressionPolicy")
         check_scheme(scheme, "cgx.CompressionPolicy")
-        if not isinstance(minimal_size, int) or minimal_size < 0:
-            raise ValueError(f"cgx.CompressionPolicy: minimal_size must be >= 0, got {minimal_size!r}")
+        check_int(minimal_size, "minimal_size", "cgx.CompressionPolicy")
         self.bits = bits
         self.bucket_size = bucket_size
         self.scheme = scheme
@@ -182,6 +177,17 @@ class CompressionPolicy:
                 raise TypeError(f"cgx.CompressionPolicy: rules must be LayerRule, got {rule!r}")
         self.minimal_size = minimal_size
         self.compress_1d = compress_1d
+
+    @classmethod
+    def from_settings(cls, settings, *, bits: int | None = None, bucket_size: int | None = None,
+                      minimal_size: int | None = None) -> "CompressionPolicy":
+        """The policy a group's settings (``cgx.get_backend(group).settings``: the CGX_*
+        variables or its ``pg_options``) give, with the arguments given here instead of
+        theirs."""
+        return cls(bits=settings.bits if bits is None else bits,
+                   bucket_size=settings.bucket_size if bucket_size is None else bucket_size,
+                   scheme=settings.scheme.name,
+                   minimal_size=settings.minimal_size if minimal_size is None else minimal_size)
 
     def setting_for(self, name: str, module: torch.nn.Module, param: torch.Tensor) -> LayerSetting:
         for rule in self.rules:
@@ -272,9 +278,17 @@ def bucket_plan(
     return segments, compressed
 
 
-def layout_bytes(layout: list[Segment], skip_incomplete_buckets: bool) -> int:
-    """The payload of a float32 buffer sent with `layout`: raw segments as float32, the
-    others in their compressed size."""
+def all_raw(layout: list[Segment]) -> bool:
+    """Whether a plan sends every value exactly (nothing in it is quantized)."""
+    return all(bits == RAW_BITS for _, _, bits, *_ in layout)
+
+
+def layout_bytes(layout: list[Segment], skip_incomplete_buckets: bool, sent_exactly: bool = False) -> int:
+    """The payload of a buffer sent with `layout`: raw segments as float32, the others in
+    their compressed size; all of it as float32 where `sent_exactly` (CGX_COMPRESSION_AUTO
+    sent the call the exact way, ``cgx._C.sent_exactly(work)``)."""
+    if sent_exactly:
+        return 4 * sum(numel for _, numel, *_ in layout)
     return sum(4 * numel if bits == RAW_BITS else _C.compressed_size(
         numel, bits, bucket_size, skip_incomplete_buckets=skip_incomplete_buckets, scheme=(scheme or ["maxmin"])[0])
         for _, numel, bits, bucket_size, *scheme in layout)  # a 4-tuple is maxmin, as in the backend

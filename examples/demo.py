@@ -105,8 +105,8 @@ def run(rank: int, world_size: int, bits: int, device_type: str, store_path: str
               f"replicas identical: {identical}")
         print(f"DiLoCo, 24 steps, 2 fragments every 8 steps: loss {diloco_losses[0]:.3f} -> "
               f"{diloco_losses[-1]:.3f}; {diloco_stats['outer_syncs']} syncs sent "
-              f"{diloco_stats['bytes_sent'] / 2**20:.2f} MiB vs {fp32_ddp / 2**20:.2f} MiB for float32 DDP "
-              f"({fp32_ddp / diloco_stats['bytes_sent']:.0f}x); global weights identical: {outer_identical}")
+              f"{diloco_stats['payload_bytes'] / 2**20:.2f} MiB vs {fp32_ddp / 2**20:.2f} MiB for float32 DDP "
+              f"({fp32_ddp / diloco_stats['payload_bytes']:.0f}x); global weights identical: {outer_identical}")
     dist.barrier()
     dist.destroy_process_group()
 

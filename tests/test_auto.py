@@ -249,7 +249,7 @@ def _hook_counts_what_was_sent(rank, world):
     sent = []
     for step in range(4):
         train(ddp, model, rank, 1, start=step)
-        sent.append(state.compression_stats()["bytes_sent"])
+        sent.append(state.stats()["payload_bytes"])
     numel = sum(p.numel() for p in model.parameters())
     (entry,) = cgx.stats()["auto"]
     return sent, numel, entry["compressed_calls"], entry["exact_calls"]

@@ -90,7 +90,13 @@ def test_exact_diloco_equals_a_hand_written_reference(world):
     for mismatched, stats in values(run_ranks(_exact_against_reference, world, timeout_s=120)):
         assert mismatched == []
         assert stats["outer_syncs"] == 2
-        assert stats["bytes_sent"] == stats["bytes_uncompressed"]
+        assert stats["payload_bytes"] == stats["uncompressed_payload_bytes"]
+        # The names from before the one vocabulary (docs/stats.md) still read, warning.
+        assert "peak_bytes" not in stats
+        with pytest.warns(DeprecationWarning, match="peak_payload_bytes"):
+            assert stats["peak_bytes"] == stats["peak_payload_bytes"] > 0
+        with pytest.warns(DeprecationWarning, match="uncompressed_payload_bytes"):
+            assert stats.get("bytes_uncompressed") == stats["uncompressed_payload_bytes"]
 
 
 # ---- compressed syncs: the quantizer's bound, bit-identical global weights
@@ -199,8 +205,8 @@ def test_each_fragment_syncs_once_per_interval_at_its_offset(overlap, pattern):
                                        for p in range(4))
     # Peak bytes of one sync: at most 1/P of a whole-model sync plus one layer, in the bytes
     # that travel (every fragment started 3 times in 24 steps: 3 whole-model syncs' worth).
-    whole = stats["bytes_sent"] / 3
-    assert whole / 4 < stats["peak_bytes"] <= whole / 4 + layer_bytes, (stats, layer_bytes)
+    whole = stats["payload_bytes"] / 3
+    assert whole / 4 < stats["peak_payload_bytes"] <= whole / 4 + layer_bytes, (stats, layer_bytes)
 
 
 def _waits(rank, world, overlap):
@@ -260,7 +266,7 @@ def _counts_what_auto_sent(rank, world):
     for step in range(8):
         _train_step(model, inner, rank, step)
         if step % 2 == 1:
-            sent.append(diloco.stats()["bytes_sent"])
+            sent.append(diloco.stats()["payload_bytes"])
     (fragment,) = diloco._fragments
     (entry,) = cgx.stats()["auto"]
     return sent, layout_bytes(fragment.layout, False), fragment.numel, entry["exact_calls"]
@@ -298,7 +304,7 @@ def test_per_host_form_ddp_inside_hosts_diloco_across():
         assert torch.equal(results[0][0][name], results[1][0][name])  # one host, one replica
         assert torch.equal(results[2][0][name], results[3][0][name])
     assert any(not torch.equal(results[0][0][n], results[2][0][n]) for n in results[0][0])
-    assert results[0][2]["outer_syncs"] == 2 and results[0][2]["bytes_sent"] < results[0][2]["bytes_uncompressed"]
+    assert results[0][2]["outer_syncs"] == 2 and results[0][2]["payload_bytes"] < results[0][2]["uncompressed_payload_bytes"]
 
 
 def _fsdp_inner(rank, world):
@@ -333,7 +339,7 @@ def test_fsdp2_inner_outer_step_on_local_shards():
     model = _model(0)
     shards, full, stats = results[0]
     assert sum(shards.values()) < sum(p.numel() for p in model.parameters())  # shards, not whole weights
-    assert stats["bytes_uncompressed"] == 4 * sum(shards.values()) * 2  # each shard synced twice
+    assert stats["uncompressed_payload_bytes"] == 4 * sum(shards.values()) * 2  # each shard synced twice
     for rank in range(4):
         assert results[rank][1].keys() == set(shards)
         for name, tensor in full.items():  # each fragment right after its sync: equal on every rank

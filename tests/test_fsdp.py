@@ -615,14 +615,14 @@ def test_qsdp_error_feedback_residuals_checkpoint(tmp_path):
             assert residual.numel() == sizes[name] and float(residual.abs().max()) > 0, name
         assert "has 3 elements" in refused["short residual"]
         assert "every rank must save and load its own" in refused["other rank"]
-        assert "saved at world size 4, loaded at 2" in refused["other world size"]
+        assert "saved in a group of 4 ranks, loaded in one of 2" in refused["other world size"]
         assert "unit 'blocks.0' lays out its gradient shard otherwise" in refused["other layout"]
         assert "no unit named ['blocks.7']" in refused["no unit"]
         assert "missing ['rank', 'world_size', 'layouts']" in refused["not a state"]
     # The same files at 4 ranks (2 and 4 ranks pad the shards to one total size: only the
     # world size tells them apart) are refused, naming it.
     for message in values(run_ranks(_load_at_another_world_size, 4, args=(str(tmp_path),), timeout_s=240)):
-        assert "saved at world size 2, loaded at 4" in message, message
+        assert "saved in a group of 2 ranks, loaded in one of 4" in message, message
 
 
 def _load_at_another_world_size(rank, world, directory):

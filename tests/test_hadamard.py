@@ -307,7 +307,7 @@ def _train(rank, world, two_level):
         losses.append(loss.item())
     saved = state.state_dict()
     return (torch.cat([p.detach().flatten() for p in model.parameters()]), losses,
-            saved["layer_settings"], state.compression_stats()["bytes_sent"])
+            saved["layer_settings"], state.stats()["payload_bytes"])
 
 
 @pytest.mark.parametrize("two_level", [True, False])

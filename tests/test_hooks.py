@@ -93,6 +93,40 @@ def _hook_at_32_bits_equals_plain_ddp(rank, world):
     return torch.equal(flat_params(plain), flat_params(hooked))
 
 
+def test_old_stats_names_still_read_with_a_deprecation_warning():
+    import cgx
+
+    model = torch.nn.Linear(64, 64)
+    state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=4))
+    state.payload_bytes, state.uncompressed_payload_bytes = 10, 40
+    with pytest.warns(DeprecationWarning, match=r"CGXState.stats\(\)"):
+        old = state.compression_stats()
+    assert old == state.stats()
+    assert set(old) == {"step", "payload_bytes", "uncompressed_payload_bytes", "compression_ratio", "layer_errors"}
+    with pytest.warns(DeprecationWarning, match="'payload_bytes'"):
+        assert old["bytes_sent"] == 10
+    with pytest.warns(DeprecationWarning, match="'uncompressed_payload_bytes'"):
+        assert old.get("bytes_uncompressed") == 40
+    with pytest.warns(DeprecationWarning, match="CGXState.payload_bytes"):
+        assert state.bytes_sent == 10
+    with pytest.warns(DeprecationWarning, match="CGXState.uncompressed_payload_bytes"):
+        assert state.bytes_uncompressed == 40
+    with pytest.raises(KeyError):
+        old["bytes_sent_twice"]
+    assert old.get("bytes_sent_twice", "none") == "none"
+    # A checkpoint and a pickle from before the names changed still load.
+    saved = state.state_dict()
+    saved["bytes_sent"], saved["bytes_uncompressed"] = saved.pop("payload_bytes"), saved.pop("uncompressed_payload_bytes")
+    resumed = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=4))
+    resumed.load_state_dict(saved)
+    pickled = state.__getstate__()
+    pickled["bytes_sent"], pickled["bytes_uncompressed"] = pickled.pop("payload_bytes"), pickled.pop("uncompressed_payload_bytes")
+    revived = cgx.CGXState.__new__(cgx.CGXState)
+    revived.__setstate__(pickled)
+    for loaded in (resumed, revived):
+        assert (loaded.payload_bytes, loaded.uncompressed_payload_bytes) == (10, 40)
+
+
 def test_hook_at_32_bits_is_identical_to_plain_ddp():
     assert all(values(run_ranks(_hook_at_32_bits_equals_plain_ddp, 2)))
 
@@ -123,7 +157,7 @@ def _one_step_error(rank, world, bits):
         else:
             bound = 1e-6 * float(exact.abs().max()) + 1e-9  # raw: float summation order only
         out[name] = (error, bound, setting.compressed)
-    return out, state.compression_stats()
+    return out, state.stats()
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -319,9 +353,9 @@ def _variants(rank, world, variant):
     state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=4), warmup_steps=2)
     ddp.register_comm_hook(state, cgx.cgx_hook)
     opt, same_warm = train(ddp, model, rank, 2, dtype=dtype, check_every_step=True)
-    warm = state.compression_stats()
+    warm = state.stats()
     _, same = train(ddp, model, rank, 3, start=2, dtype=dtype, opt=opt, check_every_step=True)
-    end = state.compression_stats()
+    end = state.stats()
     numel = sum(p.numel() for p in model.parameters())
     return same_warm and same, state.step, warm, end, numel, model.hidden.weight.element_size()
 
@@ -331,9 +365,9 @@ def test_dtypes_static_graph_unused_parameters(variant):
     for same, step, warm, end, numel, element_size in values(run_ranks(_variants, 2, args=(variant,))):
         assert same and step == 5
         # 2 warm-up steps raw: float32 on the wire, whatever the dtype; then compressed.
-        assert warm["bytes_sent"] == 2 * 4 * numel and warm["bytes_uncompressed"] == 2 * element_size * numel
-        compressed_ratio = (end["bytes_uncompressed"] - warm["bytes_uncompressed"]) / (
-            end["bytes_sent"] - warm["bytes_sent"])
+        assert warm["payload_bytes"] == 2 * 4 * numel and warm["uncompressed_payload_bytes"] == 2 * element_size * numel
+        compressed_ratio = (end["uncompressed_payload_bytes"] - warm["uncompressed_payload_bytes"]) / (
+            end["payload_bytes"] - warm["payload_bytes"])
         assert compressed_ratio > 1.5, compressed_ratio
 
 
@@ -687,7 +721,7 @@ def _replayed_static_graph(rank, world):
             results.append(cgx.cgx_hook(state, ReplayedBucket(members, 0 if first else i,
                                                               not first and i == 2)).wait())
             steps.append(state.step)
-        ratios.append(state.compression_stats()["compression_ratio"])
+        ratios.append(state.stats()["compression_ratio"])
     everyone = [None] * world
     dist.all_gather_object(everyone, [r.tolist() for r in results])
     names = {n for n, _ in model.named_parameters()}

@@ -151,7 +151,7 @@ def _hook_shapes(rank, world):
             "replicas identical": _gather_equal(_flat(model), gloo),
             "raw layers equal Gloo's": raw_exact and raw_exact_after,
             "resumed equals straight": torch.equal(_flat(model), _flat(resumed)),
-            "compressed": resumed_state.compression_stats()["compression_ratio"] > 2,
+            "compressed": resumed_state.stats()["compression_ratio"] > 2,
             "steps": (state.step, resumed_state.step),
         }
     return out

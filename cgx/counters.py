@@ -1,0 +1,41 @@
+"""What the ``stats()`` of the four front-ends return, and the names they used before.
+
+``cgx.stats(group)``, ``CGXState.stats()``, ``QSDP.stats()`` and ``DiLoCo.stats()``
+share one vocabulary, each key with one meaning wherever it appears (docs/stats.md):
+``bytes_sent`` and ``uncompressed_bytes`` count what the collectives put on the wire
+(the backend's counters), ``payload_bytes`` and ``uncompressed_payload_bytes`` what a
+front-end handed to them. Names from before (``bytes_uncompressed``, ``peak_bytes``,
+``compression_stats()``, ...) still work for one release, with a DeprecationWarning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+__all__ = ["Stats", "warn_renamed"]
+
+
+def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
+    """The DeprecationWarning of a name kept for one release (`stacklevel` 3: the caller
+    of the function that calls this)."""
+    warnings.warn(f"cgx: {old} is deprecated, use {new} (the old name goes in the next release; "
+                  f"docs/stats.md)", DeprecationWarning, stacklevel=stacklevel)
+
+
+class Stats(dict):
+    """A ``stats()`` result: a plain dict of the current keys, where a key renamed since
+    (`renamed`: old -> new) still reads, warning, as its new key's value."""
+
+    def __init__(self, values: Mapping[str, Any], renamed: Mapping[str, str]) -> None:
+        super().__init__(values)
+        self.renamed = dict(renamed)
+
+    def __missing__(self, key: str) -> Any:
+        if key not in self.renamed:
+            raise KeyError(key)
+        warn_renamed(f"stats()[{key!r}]", f"stats()[{self.renamed[key]!r}]")
+        return self[self.renamed[key]]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self or key in self.renamed else default
