@@ -8,6 +8,7 @@
 #include <optional>
 #include <variant>
 
+#include "backend/argument_checks.h"
 #include "backend/process_group_cgx.h"
 #include "collectives/call_signature.h"
 #include "collectives/path_choice.h"
@@ -66,10 +67,6 @@ void check_tensor(const at::Tensor& t, const char* name, const at::Device& devic
               t.device(), " but cgx was built without CUDA (a CPU torch, or no nvcc)");
 }
 
-bool is_codec_dtype(at::ScalarType dtype) {
-  return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
-}
-
 #ifdef CGX_WITH_CUDA
 cgx::compression::cuda::DType cuda_dtype(at::ScalarType dtype) {
   if (dtype == at::kHalf) return cgx::compression::cuda::DType::Float16;
@@ -116,7 +113,7 @@ at::Tensor compress(const at::Tensor& input, const py::object& bits, int64_t buc
                     const std::string& scheme) {
   const at::Device device = input.device();
   check_tensor(input, "input", device);
-  TORCH_CHECK_TYPE(is_codec_dtype(input.scalar_type()),
+  TORCH_CHECK_TYPE(cgx::backend::is_compressible_dtype(input.scalar_type()),
                    "cgx.compress: expected float32, float16 or bfloat16, got ",
                    input.scalar_type());
   const auto p = quantizer(bits, bucket_size, skip_incomplete, stochastic, scheme);
@@ -162,7 +159,7 @@ at::Tensor decompress(const at::Tensor& buffer, int64_t numel, const py::object&
   check_tensor(dst, "out", device);
   // On the GPU values are written in any of the codec's dtypes; on the CPU in float32.
   TORCH_CHECK_VALUE((device.is_cpu() ? dst.scalar_type() == at::kFloat
-                                     : is_codec_dtype(dst.scalar_type())) &&
+                                     : cgx::backend::is_compressible_dtype(dst.scalar_type())) &&
                         dst.is_contiguous() && dst.numel() == numel,
                     "cgx.decompress: out must be a contiguous ",
                     device.is_cpu() ? "float32" : "float32, float16 or bfloat16", " tensor of ",
@@ -245,7 +242,7 @@ PYBIND11_MODULE(_C, m) {
   // Filled field by field from a cgx.Config (cgx/backend.py to_settings): no defaults.
   py::class_<Settings> settings(m, "Settings");
   settings.def(py::init<>());
-#define CGX_BIND_SETTING(type, name) settings.def_readwrite(#name, &Settings::name);
+#define CGX_BIND_SETTING(type, name, is_signed) settings.def_readwrite(#name, &Settings::name);
   CGX_SETTINGS_FIELDS(CGX_BIND_SETTING)
 #undef CGX_BIND_SETTING
 

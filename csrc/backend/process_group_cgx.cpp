@@ -1,7 +1,6 @@
 #include "backend/process_group_cgx.h"
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -10,7 +9,7 @@
 #include <optional>
 #include <utility>
 
-#include "backend/c10d_transport.h"
+#include "backend/argument_checks.h"
 #include "backend/cgx_work.h"
 #include "backend/connect.h"
 #include "collectives/call_signature.h"
@@ -26,42 +25,6 @@ namespace {
 // calls made inside the caller's `with cgx.exact():` block.
 thread_local bool exact_on_this_thread = false;
 
-// The quantizer the group's settings give a compressed call without a layout of its own.
-compression::QuantizerParams quantizer_of(const Settings& s) {
-  compression::QuantizerParams params;
-  params.bits = s.bits;
-  params.bucket_size = s.bucket_size;
-  params.skip_incomplete_buckets = s.skip_incomplete_buckets;
-  params.stochastic = s.stochastic_rounding;
-  params.scheme = s.scheme;
-  return params;
-}
-
-void validate(const Settings& o) {
-  // cgx/config.py validates first, naming the variable; this guards direct C++ callers
-  // against the same limits (settings.h).
-  TORCH_CHECK_VALUE((o.bits >= 1 && o.bits <= kMaxBits) || o.bits == kRawBits,
-                    "cgx: bits must be in 1..", kMaxBits, " or ", kRawBits,
-                    " (no compression), got ", o.bits);
-  TORCH_CHECK_VALUE(o.bucket_size >= 1 && o.bucket_size <= kMaxBucketSize,
-                    "cgx: bucket_size must be in 1..", kMaxBucketSize, ", got ", o.bucket_size);
-  if (o.bits != kRawBits) {  // what the scheme allows (compression off needs nothing of it)
-    try {
-      compression::validate(quantizer_of(o));
-    } catch (const std::invalid_argument& e) {
-      TORCH_CHECK_VALUE(false, "cgx: ", e.what());
-    }
-  }
-  TORCH_CHECK_VALUE(o.minimal_size >= 0 && o.minimal_size <= kMaxMinimalSize,
-                    "cgx: minimal_size must be in 0..", kMaxMinimalSize, ", got ", o.minimal_size);
-  TORCH_CHECK_VALUE(o.shm_ring_bytes >= kMinShmRingBytes && o.shm_ring_bytes <= kMaxShmRingBytes,
-                    "cgx: shm_ring_bytes must be in ", kMinShmRingBytes, "..", kMaxShmRingBytes,
-                    ", got ", o.shm_ring_bytes);
-  TORCH_CHECK_VALUE(o.piece_values >= 0 && o.piece_values <= kMaxPieceValues,
-                    "cgx: piece_values must be in 0..", kMaxPieceValues, ", got ", o.piece_values);
-  TORCH_CHECK_VALUE(!o.hostname.empty(), "cgx: hostname must not be empty");
-}
-
 const char* op_name(c10d::ReduceOp::RedOpType op) {
   return op == c10d::ReduceOp::AVG ? "AVG" : "SUM";
 }
@@ -72,20 +35,6 @@ transport::Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
   const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(
       transport::Clock::time_point::max() - now);
   return timeout < room ? now + timeout : transport::Clock::time_point::max();
-}
-
-void check_tag(int tag) {
-  TORCH_CHECK_VALUE(tag >= 0 && tag < kFirstCgxTag, "cgx: send/recv tags must be in 0..",
-                    kFirstCgxTag - 1, " (higher tags are cgx's own), got ", tag);
-}
-
-c10::intrusive_ptr<c10d::Backend> checked_exact(c10::intrusive_ptr<c10d::Backend> exact, int rank,
-                                                int size) {
-  TORCH_CHECK(exact, "cgx: the exact (Gloo) backend is missing");
-  TORCH_CHECK(exact->getRank() == rank && exact->getSize() == size,
-              "cgx: the exact backend has rank ", exact->getRank(), " of ", exact->getSize(),
-              ", expected ", rank, " of ", size);
-  return exact;
 }
 
 std::unique_ptr<compression::Executor> make_host_executor(const Settings& settings) {
@@ -108,6 +57,7 @@ ProcessGroupCGX::ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, i
                                  c10::intrusive_ptr<c10d::Backend> worker_exact, Settings settings)
     : c10d::Backend(rank, size),
       settings_((validate(settings), std::move(settings))),
+      settings_digest_(signed_settings_digest(settings_)),
       timeout_(timeout),
       exact_(checked_exact(std::move(exact), rank, size)),
       exact_cuda_(exact_cuda ? checked_exact(std::move(exact_cuda), rank, size) : exact_),
@@ -160,8 +110,7 @@ bool ProcessGroupCGX::compressible(const std::vector<at::Tensor>& tensors,
   if (settings_.bits == kRawBits || exact_on_this_thread || tensors.empty() ||
       !(op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG))
     return false;
-  const auto dtype = tensors[0].scalar_type();
-  if (!(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16)) return false;
+  if (!is_compressible_dtype(tensors[0].scalar_type())) return false;
   int64_t numel = 0;
   for (const auto& t : tensors) {
     // torch.distributed hands a complex tensor over as its view_as_real: float values,
@@ -170,6 +119,27 @@ bool ProcessGroupCGX::compressible(const std::vector<at::Tensor>& tensors,
     numel += t.numel();
   }
   return numel > settings_.minimal_size;
+}
+
+bool ProcessGroupCGX::travels_raw(const at::Tensor& tensor) const {
+  return tensor.numel() <= settings_.minimal_size;
+}
+
+ProcessGroupCGX::Route ProcessGroupCGX::route_of(const std::vector<at::Tensor>& tensors,
+                                                 const c10d::ReduceOp& op,
+                                                 const compression::LayoutCodec* plan) const {
+  // A caller's plan is followed whatever the group's bits, the sizes or cgx.exact() say.
+  if (!plan && !compressible(tensors, op)) return Route::kExact;
+  // Auto times CPU calls only: a GPU call completes on streams that its timings do not
+  // follow. And only calls that quantize something: an all-raw plan stays on the
+  // compressed route, whose agreement it needs (ranks do not agree on a plan's being all
+  // raw before their signatures meet). Without a plan, the group's codec quantizes the
+  // tensors above minimal_size (per_tensor_codec).
+  const bool quantizes =
+      plan ? !plan->all_raw()
+           : std::any_of(tensors.begin(), tensors.end(), [&](const at::Tensor& t) { return !travels_raw(t); });
+  if (settings_.compression_auto && !tensors[0].is_cuda() && quantizes) return Route::kAuto;
+  return Route::kCompressed;
 }
 
 void ProcessGroupCGX::check_usable() const {
@@ -198,7 +168,7 @@ compression::LayoutCodec ProcessGroupCGX::per_tensor_codec(
     compression::Segment segment;
     segment.offset = offset;
     segment.numel = t.numel();
-    segment.raw = t.numel() <= settings_.minimal_size;
+    segment.raw = travels_raw(t);
     segment.params = quantizer_of(settings_);
     segments.push_back(segment);
     offset += t.numel();
@@ -214,92 +184,28 @@ c10d::Backend& ProcessGroupCGX::exact_for(const std::vector<at::Tensor>& tensors
   return tensors.empty() ? *exact_ : exact_for(tensors[0]);
 }
 
-namespace {
-// A tensor a collective writes into must not have elements that share memory (an
-// expanded, stride-0 view): refused on the caller's thread before the call is numbered,
-// so the group stays usable (Gloo itself crashes on such a tensor).
-void check_writable(const std::vector<at::Tensor>& tensors, const char* what) {
-  for (const auto& t : tensors)
-    TORCH_CHECK_VALUE(t.layout() != at::kStrided || at::has_internal_overlap(t) != at::MemOverlap::Yes,
-                      "cgx ", what, ": a tensor of shape ", t.sizes(), " and strides ", t.strides(),
-                      " has elements that share memory (an expanded or stride-0 view) and cannot "
-                      "receive a result: pass a tensor of its own (.clone() or .contiguous())");
-}
-
-void check_writable(const std::vector<std::vector<at::Tensor>>& lists, const char* what) {
-  for (const auto& tensors : lists) check_writable(tensors, what);
-}
-
-// Sparse (COO) tensors are reduced exactly by the wrapped backend, where `sparse_ok`.
-void check_tensors(const std::vector<at::Tensor>& tensors, const char* what, bool sparse_ok) {
-  for (const auto& t : tensors) {
-    TORCH_CHECK(t.layout() == at::kStrided || (sparse_ok && t.layout() == at::kSparse), "cgx ",
-                what, ": expected strided", sparse_ok ? " or sparse COO" : "",
-                " tensors, got layout ", t.layout());
-    TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "cgx ", what,
-                ": expected CPU or CUDA tensors, got ", t.device());
-  }
-  check_writable(tensors, what);
-}
-
-// The CUDA kernels implement the maxmin scheme only: a GPU call whose layout needs another
-// is refused here, on the caller's thread and before it is numbered, so the group stays
-// usable (not by the kernels' own check, on the worker, once the call has begun).
-void check_cuda_scheme(const at::Tensor& tensor, const compression::LayoutCodec* codec,
-                       compression::Scheme group_scheme, const char* what) {
-  if (!tensor.is_cuda()) return;
-  bool maxmin = group_scheme == compression::Scheme::kMaxMin;
-  if (codec) {
-    const auto& segments = codec->segments();
-    maxmin = std::all_of(segments.begin(), segments.end(), [](const compression::Segment& s) {
-      return s.raw || s.params.scheme == compression::Scheme::kMaxMin;
-    });
-  }
-  TORCH_CHECK_VALUE(maxmin, "cgx ", what,
-                    ": the hadamard scheme is not implemented for CUDA tensors yet; use scheme "
-                    "'maxmin' for layers on a GPU");
-}
-}  // namespace
-
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
   check_tensors(tensors, "allreduce", /*sparse_ok=*/true);
-  if (tensors.size() == 1 && compressible(tensors, opts.reduceOp))
-    return compressed_allreduce(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, nullptr);
-  return exact_allreduce(tensors, opts.reduceOp, /*coalesced=*/false);
+  // Lists of several tensors are compressed through allreduce_coalesced only.
+  const Route route = tensors.size() == 1 ? route_of(tensors, opts.reduceOp, nullptr) : Route::kExact;
+  if (route == Route::kExact) return exact_allreduce(tensors, opts.reduceOp, /*coalesced=*/false);
+  return compressed_allreduce(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, route, nullptr);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   check_tensors(tensors, "allreduce_coalesced", /*sparse_ok=*/true);
-  for (const auto& t : tensors) {
-    TORCH_CHECK(t.device() == tensors[0].device(),
-                "cgx allreduce_coalesced: the tensors must be on one device, got ",
-                tensors[0].device(), " and ", t.device());
-    TORCH_CHECK_TYPE(t.scalar_type() == tensors[0].scalar_type(),
-                     "cgx allreduce_coalesced: the tensors must have one dtype, got ",
-                     tensors[0].scalar_type(), " and ", t.scalar_type());
-  }
-  // The whole call takes one path: were its small tensors split off to Gloo, ranks whose
+  check_one_device_and_dtype(tensors, "allreduce_coalesced");
+  // The whole call takes one route: were its small tensors split off to Gloo, ranks whose
   // lists differ would leave Gloo calls pending that a later call pairs with.
-  if (!compressible(tensors, opts.reduceOp))
-    return exact_allreduce(tensors, opts.reduceOp, /*coalesced=*/true);
-  return compressed_allreduce(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE_COALESCED,
+  const Route route = route_of(tensors, opts.reduceOp, nullptr);
+  if (route == Route::kExact) return exact_allreduce(tensors, opts.reduceOp, /*coalesced=*/true);
+  return compressed_allreduce(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE_COALESCED, route,
                               std::make_shared<compression::LayoutCodec>(per_tensor_codec(tensors)));
 }
 
 namespace {
-// An error-feedback buffer must match the values it feeds back into.
-void check_residual(const std::optional<at::Tensor>& residual, const at::Tensor& input,
-                    const char* what) {
-  if (!residual) return;
-  TORCH_CHECK_VALUE(residual->layout() == at::kStrided && residual->scalar_type() == at::kFloat &&
-                        residual->is_contiguous() &&
-                        residual->numel() == input.numel() && residual->device() == input.device(),
-                    "cgx ", what, ": residual must be a contiguous float32 tensor of ",
-                    input.numel(), " elements on ", input.device());
-}
-
 // Adds the residual to the float32 values about to be reduced and clears it for the
 // collective to fill (Phase::residual); null without one.
 float* fold_residual(at::Tensor& flat, const std::optional<at::Tensor>& residual) {
@@ -333,53 +239,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
     std::optional<at::Tensor> residual) {
   std::vector<at::Tensor> tensors{tensor};
   check_tensors(tensors, "allreduce_layout", /*sparse_ok=*/false);
-  const auto dtype = tensor.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-                   "cgx allreduce_layout: expected float32, float16 or bfloat16, got ", dtype);
+  check_compressible_dtype(tensor.scalar_type(), "allreduce_layout");
   check_residual(residual, tensor, "allreduce_layout");
-  std::shared_ptr<const compression::LayoutCodec> codec;
-  try {
-    codec = std::make_shared<compression::LayoutCodec>(std::move(layout), tensor.numel());
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, "cgx allreduce_layout: ", e.what());
-  }
+  auto codec = checked_layout(std::move(layout), tensor.numel(), "allreduce_layout");
   const auto op = average ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
-  // An all-raw plan too: whether a plan is all raw is not something ranks agree on first.
-  return compressed_allreduce(tensors, op, c10d::OpType::ALLREDUCE, std::move(codec),
+  const Route route = route_of(tensors, op, codec.get());
+  return compressed_allreduce(tensors, op, c10d::OpType::ALLREDUCE, route, std::move(codec),
                               std::move(residual));
 }
-
-namespace {
-// The checks both sharded collectives make on the caller's thread: dense contiguous
-// float tensors of one dtype on one device, `full` holding `size` shards of `shard`, and
-// a layout that covers one shard.
-std::shared_ptr<const compression::LayoutCodec> checked_shard_call(
-    const char* what, const at::Tensor& full, const at::Tensor& shard, int size,
-    std::vector<compression::Segment> layout) {
-  check_tensors({full, shard}, what, /*sparse_ok=*/false);
-  const auto dtype = full.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, "cgx ",
-                   what, ": expected float32, float16 or bfloat16, got ", dtype);
-  TORCH_CHECK_TYPE(shard.scalar_type() == dtype, "cgx ", what,
-                   ": input and output must have one dtype, got ", shard.scalar_type(), " and ",
-                   dtype);
-  TORCH_CHECK(full.device() == shard.device(), "cgx ", what,
-              ": input and output must be on one device, got ", shard.device(), " and ",
-              full.device());
-  TORCH_CHECK_VALUE(full.is_contiguous() && shard.is_contiguous(), "cgx ", what,
-                    ": input and output must be contiguous");
-  TORCH_CHECK_VALUE(full.numel() == shard.numel() * size, "cgx ", what, ": the full tensor has ",
-                    full.numel(), " elements, expected ", size, " shards of ", shard.numel());
-  std::shared_ptr<const compression::LayoutCodec> codec;
-  try {
-    codec = std::make_shared<compression::LayoutCodec>(std::move(layout), shard.numel());
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, "cgx ", what, ": ", e.what());
-  }
-  check_cuda_scheme(full, codec.get(), compression::Scheme::kMaxMin, what);
-  return codec;
-}
-}  // namespace
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_layout(
     at::Tensor output, at::Tensor input, std::vector<compression::Segment> shard_layout,
@@ -412,10 +279,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_layout(
     c10d::ReduceOp::RedOpType op, double factor, std::optional<at::Tensor> residual) {
   auto codec = checked_shard_call("reduce_scatter_layout", input, output, getSize(),
                                   std::move(shard_layout));
-  TORCH_CHECK_VALUE(op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG ||
-                        op == c10d::ReduceOp::PREMUL_SUM,
-                    "cgx reduce_scatter_layout: the op must be SUM, AVG or PREMUL_SUM, got ",
-                    static_cast<int>(op));
+  check_reduce_scatter_op(op);
   check_residual(residual, input, "reduce_scatter_layout");
   const char* op_text = op == c10d::ReduceOp::SUM ? "rs:SUM" : op == c10d::ReduceOp::AVG ? "rs:AVG" : "rs:PRE";
   auto body = [this, output, input, codec, op, factor, residual, op_text](uint64_t sequence, const Lane& lane,
@@ -448,10 +312,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::
                                                                 bool coalesced) {
   c10d::Backend& exact = exact_for(tensors);
   const bool gloo_average = op == c10d::ReduceOp::AVG && exact.getBackendName() != "nccl";
-  if (gloo_average)  // refused before the call is numbered: this rank stays in step
-    for (const auto& t : tensors)
-      TORCH_CHECK(at::isFloatingType(t.scalar_type()),
-                  "cgx allreduce: ReduceOp.AVG needs floating-point tensors, got ", t.scalar_type());
+  if (gloo_average) check_averageable(tensors);  // before the call is numbered
   begin_call();
   auto run = [&](std::vector<at::Tensor>& reduced, const c10d::ReduceOp& reduce_op) {
     if (coalesced) {
@@ -501,20 +362,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
-    std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
+    std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type, Route route,
     std::shared_ptr<const compression::LayoutCodec> codec, std::optional<at::Tensor> residual) {
   check_cuda_scheme(tensors[0], codec.get(), settings_.scheme, "allreduce");
-  // CGX_COMPRESSION_AUTO: a CPU call that compresses something goes whichever way is
-  // faster, chosen on the worker once the call is agreed. (GPU calls complete on streams,
-  // which these timings do not follow.)
-  const bool choose_path =
-      settings_.compression_auto && !tensors[0].is_cuda() && !(codec && codec->all_raw());
   std::vector<at::Tensor> used = tensors;
   if (residual) used.push_back(*residual);
   return enqueue_compressed(used, tensors, op_type,
-                            [this, tensors, op, codec, residual, choose_path](uint64_t sequence, const Lane& lane,
-                                                                              CGXWork& work) mutable {
-                              run_compressed(tensors, op, sequence, codec.get(), lane, residual, choose_path, work);
+                            [this, tensors, op, route, codec, residual](uint64_t sequence, const Lane& lane,
+                                                                        CGXWork& work) mutable {
+                              run_compressed(tensors, op, route, sequence, codec.get(), lane, residual, work);
                             });
 }
 
@@ -573,14 +429,9 @@ collectives::CallSignature ProcessGroupCGX::signature_of(uint64_t sequence,
   std::vector<std::vector<int64_t>> shapes;
   shapes.reserve(tensors.size());
   for (const auto& t : tensors) shapes.emplace_back(t.sizes().begin(), t.sizes().end());
-  const int32_t flags = static_cast<int32_t>(settings_.inner_reduction) |
-                        (static_cast<int32_t>(settings_.cross_reduction) << 2) |
-                        (settings_.skip_incomplete_buckets << 4) |
-                        (settings_.stochastic_rounding << 5) | (settings_.intra_broadcast << 6) |
-                        (settings_.intra_compress << 7) | (settings_.compression_auto << 8);
   return collectives::CallSignature(sequence, shapes, numel, codec,
                                     c10::toString(tensors[0].scalar_type()), op, settings_.bits,
-                                    settings_.bucket_size, flags, scale);
+                                    settings_.bucket_size, settings_digest_, scale);
 }
 
 uint64_t ProcessGroupCGX::call_seed(uint64_t sequence) const {
@@ -588,10 +439,9 @@ uint64_t ProcessGroupCGX::call_seed(uint64_t sequence) const {
 }
 
 void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
-                                     c10d::ReduceOp::RedOpType op, uint64_t sequence,
+                                     c10d::ReduceOp::RedOpType op, Route route, uint64_t sequence,
                                      const compression::LayoutCodec* codec, const Lane& lane,
-                                     const std::optional<at::Tensor>& residual, bool choose_path,
-                                     CGXWork& work) {
+                                     const std::optional<at::Tensor>& residual, CGXWork& work) {
   // Communication, not a differentiable op: write through detached views.
   at::NoGradGuard no_grad;
   // One contiguous float32 buffer holding every tensor; in place when the single tensor
@@ -627,6 +477,8 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   options.run_cross = [this](std::function<void()> job) { cross_worker_.enqueue(std::move(job)); };
   collectives::CallSignature signature = signature_of(sequence, tensors, flat.numel(), *codec, op_name(op));
   const int size_class = collectives::size_class(flat.numel());
+  // Auto's way is chosen once the signatures have met: it needs every rank's timings.
+  const bool choose_path = route == Route::kAuto;
   if (choose_path) paths_.sign(size_class, signature);
   // Counted in the callers' dtypes (2 bytes a value for float16 / bfloat16).
   agree_and_run(options, call_seed(sequence), lane, signature, flat, residual, &Stats::allreduce,

@@ -3,9 +3,11 @@
 // Compressed path: allreduce / allreduce_coalesced of float32, float16 and bfloat16 CPU
 // or CUDA tensors with SUM or AVG and more than `minimal_size` elements in all, when
 // bits < 32; allreduce_layout; and allgather_layout / reduce_scatter_layout (cgx.qsdp's
-// FSDP2 traffic). The path of a call is chosen from what every rank must
-// agree on (dtype, op, total size), never from how a rank's list is split, so ranks given
-// different calls all reach the call signature check before any data moves.
+// FSDP2 traffic). An allreduce's route (route_of: exact, compressed, or compressed with
+// auto's choice) is chosen once, at its entry, from what every rank must agree on (dtype,
+// op, total size), never from how a rank's list is split, so ranks given different calls
+// all reach the call signature check before any data moves. Argument checks:
+// argument_checks.h.
 // It runs on the group's worker thread (csrc/collectives over csrc/transport): flat on
 // one host or with one rank per host, hierarchical otherwise. With CGX_COMPRESSION_AUTO a
 // CPU call's way (compressed, or every value raw) is chosen there once the call is
@@ -166,8 +168,20 @@ class ProcessGroupCGX final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
  private:
-  // Whether a call on `tensors` takes the compressed path.
+  // How an allreduce goes, decided once, at its entry, from what every rank must agree on.
+  enum class Route {
+    kExact,       // the wrapped backend, from the caller's thread
+    kCompressed,  // the worker, as the codec says
+    kAuto,        // the worker; CGX_COMPRESSION_AUTO picks compressed or exact once agreed
+  };
+  // The route of an allreduce of `tensors` with `op`; `plan`: the caller's layout
+  // (allreduce_layout), or null where the group's settings decide.
+  Route route_of(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op,
+                 const compression::LayoutCodec* plan) const;
+  // Whether the group's settings compress an allreduce of `tensors` (route_of, no plan).
   bool compressible(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) const;
+  // Whether the group's codec sends `tensor` raw in a coalesced call (minimal_size).
+  bool travels_raw(const at::Tensor& tensor) const;
   // The exact backend for tensors on the device of `tensor`.
   c10d::Backend& exact_for(const at::Tensor& tensor) const;
   c10d::Backend& exact_for(const std::vector<at::Tensor>& tensors) const;  // exact_ if none
@@ -192,20 +206,21 @@ class ProcessGroupCGX final : public c10d::Backend {
                                                     std::vector<at::Tensor> outputs,
                                                     c10d::OpType op_type, CompressedBody body);
   // Queues a compressed allreduce of `tensors` (reduced in place, the work's result).
-  // `codec` null: the group's uniform settings.
+  // `route`: kCompressed or kAuto (route_of). `codec` null: the group's uniform settings.
   // `residual`: allreduce_layout's.
   c10::intrusive_ptr<c10d::Work> compressed_allreduce(
-      std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type,
+      std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type, Route route,
       std::shared_ptr<const compression::LayoutCodec> codec,
       std::optional<at::Tensor> residual = std::nullopt);
   // The exact way of an agreed call (CGX_COMPRESSION_AUTO): `flat`'s float32 values summed
   // unquantized, on the worker.
   collectives::Traffic exact_sum(at::Tensor& flat, collectives::AllreduceOptions& options);
-  // `choose_path`: CGX_COMPRESSION_AUTO picks the way once the call is agreed: compressed,
-  // or exact_sum (collectives/path_choice.h).
-  void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op,
+  // The worker's part of compressed_allreduce. With route kAuto, CGX_COMPRESSION_AUTO
+  // picks the way once the call is agreed: compressed, or exact_sum
+  // (collectives/path_choice.h).
+  void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op, Route route,
                       uint64_t sequence, const compression::LayoutCodec* codec, const Lane& lane,
-                      const std::optional<at::Tensor>& residual, bool choose_path, CGXWork& work);
+                      const std::optional<at::Tensor>& residual, CGXWork& work);
   // What every rank must agree on before a compressed call moves data; `op`: the
   // collective and its reduction, as the mismatch message names them; `scale`: what the
   // sum is multiplied by.
@@ -232,6 +247,7 @@ class ProcessGroupCGX final : public c10d::Backend {
   collectives::ReductionAlgorithm flat_algorithm() const;
 
   const Settings settings_;
+  const uint64_t settings_digest_;  // signed_settings_digest(settings_), in every signature
   const std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Backend> exact_;
   c10::intrusive_ptr<c10d::Backend> exact_cuda_;  // exact_ when there is no NCCL

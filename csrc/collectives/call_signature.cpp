@@ -1,6 +1,7 @@
 #include "collectives/call_signature.h"
 
 #include <cstring>
+#include <iomanip>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -51,7 +52,16 @@ std::pair<std::string, std::string> first_difference(const CallSignature& a,
   if (a.bits != b.bits) return {str(a.bits) + " bits", str(b.bits) + " bits"};
   if (a.bucket_size != b.bucket_size)
     return {"bucket size " + str(a.bucket_size), "bucket size " + str(b.bucket_size)};
-  if (a.flags != b.flags) return {"settings " + str(a.flags), "settings " + str(b.flags)};
+  // A digest cannot say which setting differs; the group's creation check names it
+  // (cgx.backend compares every CGX_* variable), so only direct C++ callers meet this.
+  if (a.settings != b.settings) {
+    auto digest = [](uint64_t v) {
+      std::ostringstream s;
+      s << "settings digest 0x" << std::hex << std::setw(16) << std::setfill('0') << v;
+      return s.str();
+    };
+    return {digest(a.settings), digest(b.settings)};
+  }
   return {};
 }
 
@@ -62,8 +72,8 @@ std::pair<std::string, std::string> first_difference(const CallSignature& a,
 CallSignature::CallSignature(uint64_t sequence, const std::vector<std::vector<int64_t>>& shapes,
                              int64_t numel, const compression::LayoutCodec& codec,
                              const std::string& dtype, const std::string& op, int32_t bits,
-                             int64_t bucket_size, int32_t flags, double scale)
-    : sequence(sequence), numel(numel), bucket_size(bucket_size), bits(bits), flags(flags),
+                             int64_t bucket_size, uint64_t settings, double scale)
+    : sequence(sequence), numel(numel), bucket_size(bucket_size), settings(settings), bits(bits),
       scale(scale) {
   Hash shape_hash;
   std::string shape_words;

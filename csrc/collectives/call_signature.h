@@ -17,10 +17,12 @@ struct CallSignature {
   CallSignature() = default;  // to receive a peer's into
   // A call of the group numbered `sequence`: `shapes` are its tensors' sizes, `numel`
   // the values it moves, `codec` its compression layout, `dtype` and `op` names for the
-  // message; `bits`, `bucket_size` and `flags` the group settings that must agree.
+  // message; `bits` and `bucket_size` group settings that must agree, named in the
+  // message; `settings` a digest of every group setting that must agree (the backend's
+  // signed_settings_digest), those two included.
   CallSignature(uint64_t sequence, const std::vector<std::vector<int64_t>>& shapes, int64_t numel,
                 const compression::LayoutCodec& codec, const std::string& dtype,
-                const std::string& op, int32_t bits, int64_t bucket_size, int32_t flags,
+                const std::string& op, int32_t bits, int64_t bucket_size, uint64_t settings,
                 double scale = 1.0);
 
   uint64_t sequence = 0;   // per-group count of calls, exact ones included
@@ -28,9 +30,9 @@ struct CallSignature {
   int64_t bucket_size = 0;
   uint64_t shapes = 0;     // hash of the tensors' count and shapes
   uint64_t plan = 0;       // hash of the compression layout (segments, bits, bucket sizes)
+  uint64_t settings = 0;   // digest of the settings that must agree (algorithm, rounding, ...)
   int32_t bits = 0;
-  int32_t flags = 0;       // settings that must agree (algorithm, rounding, ...)
-  char dtype[16] = {};     // name, for the message
+  char dtype[12] = {};     // name, for the message (the codec's dtypes: "BFloat16" the longest)
   char op[8] = {};
   double scale = 1.0;      // what the reduced sum is multiplied by (PREMUL_SUM's factor)
   // For the message, cut to fit (set_text): the tensors' shapes, "[100, 4], [10]", and

@@ -39,8 +39,8 @@ CGX_TEST(call_signatures_that_differ_raise_the_same_message_on_every_rank) {
     const compression::LayoutCodec codec = mixed_layout();
     const compression::LayoutCodec other_plan = layout({quantized(codec.total(), 4, 512)});
     auto signature = [&](uint64_t sequence, const compression::LayoutCodec& plan, int32_t bits,
-                         std::vector<int64_t> shape, double scale) {
-      return CallSignature(sequence, {shape}, codec.total(), plan, "Float", "SUM", bits, 512, 0, scale);
+                         std::vector<int64_t> shape, double scale, uint64_t settings = 0x5e7) {
+      return CallSignature(sequence, {shape}, codec.total(), plan, "Float", "SUM", bits, 512, settings, scale);
     };
     const std::vector<int64_t> shape{codec.total()};
     CHECK_EQ(mismatch(transport, rank, size, signature(7, codec, 4, shape, 1.0), scratch), std::string());
@@ -61,6 +61,8 @@ CGX_TEST(call_signatures_that_differ_raise_the_same_message_on_every_rank) {
          "rank 0 has tensors of shapes [" + std::to_string(codec.total()) + "], rank 2 has tensors of shapes [1, ",
          false},
         {signature(8, codec, 4, shape, 0.5), "rank 0 has scale 1, rank 2 has scale 0.5", false},
+        {signature(8, codec, 4, shape, 1.0, 0xab),
+         "rank 0 has settings digest 0x00000000000005e7, rank 2 has settings digest 0x00000000000000ab", false},
     };
     for (const Case& c : cases) {
       bool out_of_step = !c.out_of_step;
