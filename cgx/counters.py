@@ -10,6 +10,7 @@ front-end handed to them. Names from before (``bytes_uncompressed``, ``peak_byte
 
 from __future__ import annotations
 
+import collections
 import warnings
 from typing import Any, Mapping
 
@@ -25,7 +26,10 @@ def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
 
 class Stats(dict):
     """A ``stats()`` result: a plain dict of the current keys, where a key renamed since
-    (`renamed`: old -> new) still reads, warning, as its new key's value."""
+    (`renamed`: old -> new) still reads, warning, as its new key's value (indexing,
+    ``get``, ``in``; iteration, ``keys()`` and copies list the current keys only). It
+    pickles as an OrderedDict of the current keys, so a checkpoint holding it loads with
+    ``torch.load(..., weights_only=True)``."""
 
     def __init__(self, values: Mapping[str, Any], renamed: Mapping[str, str]) -> None:
         super().__init__(values)
@@ -34,8 +38,24 @@ class Stats(dict):
     def __missing__(self, key: str) -> Any:
         if key not in self.renamed:
             raise KeyError(key)
-        warn_renamed(f"stats()[{key!r}]", f"stats()[{self.renamed[key]!r}]")
-        return self[self.renamed[key]]
+        return self._renamed_value(key, stacklevel=4)  # the caller of s[key]
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self or key in self.renamed else default
+        if key in self.renamed and not super().__contains__(key):
+            return self._renamed_value(key, stacklevel=4)  # the caller of get()
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        if super().__contains__(key):
+            return True
+        if key in self.renamed:
+            warn_renamed(f"stats()[{key!r}]", f"stats()[{self.renamed[key]!r}]", stacklevel=3)
+            return True
+        return False
+
+    def __reduce__(self):
+        return (collections.OrderedDict, (), None, None, iter(self.items()))
+
+    def _renamed_value(self, key: str, stacklevel: int) -> Any:
+        warn_renamed(f"stats()[{key!r}]", f"stats()[{self.renamed[key]!r}]", stacklevel=stacklevel)
+        return self[self.renamed[key]]

@@ -371,6 +371,13 @@ class _Fragment:
         replicas.stats["outer_syncs"] += 1
 
 
+def _schedule_field(name: str) -> property:
+    """DiLoCo's attribute for the hyper-parameter `name` of its _Schedule."""
+    def set_field(self, value: Any) -> None:
+        self._schedule = dataclasses.replace(self._schedule, **{name: value})
+    return property(lambda self: getattr(self._schedule, name), set_field)
+
+
 class DiLoCo:
     """Streaming DiLoCo on the inner optimizer of `model`.
 
@@ -442,16 +449,20 @@ class DiLoCo:
                     m.global_weight.copy_(_local(m.param))
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
 
-    # The hyper-parameters, as attributes.
-    sync_every = property(lambda self: self._schedule.sync_every)
-    overlap = property(lambda self: self._schedule.overlap)
-    mix = property(lambda self: self._schedule.mix)
-    error_feedback = property(lambda self: self._schedule.error_feedback)
+    # The hyper-parameters, as attributes (a value set is checked as the constructor's).
+    sync_every = _schedule_field("sync_every")
+    overlap = _schedule_field("overlap")
+    mix = _schedule_field("mix")
+    error_feedback = _schedule_field("error_feedback")
 
     @property
     def residuals(self) -> Residuals:
         """This rank's error-feedback residuals, by parameter name."""
         return self._replicas.residuals
+
+    @residuals.setter
+    def residuals(self, residuals: dict[str, torch.Tensor]) -> None:
+        self._replicas.residuals = Residuals(residuals)
 
     def _initial_fragments(self) -> list[_Fragment]:
         """The fragments of the parameters the inner optimizer trains, whole layers each."""

@@ -141,16 +141,17 @@ class QSDP:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's error-feedback residuals, with what they depend on: the rank and size
-        of the units' group, and each unit's gradient layout (they differ between ranks:
-        every rank saves and loads its own)."""
-        return {**place(self._group()),
+        """This rank's error-feedback residuals, with what they depend on: the rank (global:
+        the units may shard over groups of several sizes, and HSDP's replicas hold the same
+        rank of their shard groups) and the world size, and each unit's gradient layout
+        (they differ between ranks: every rank saves and loads its own)."""
+        return {**place(resolve_group(None, "cgx.QSDP.state_dict")),
                 "layouts": {u.name: [list(s) for s in u.plans["reduce_scatter"]] for u in self.units},
                 "residuals": self.residuals.cloned()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads this rank's state_dict(); ValueError naming what differs for a state saved
-        on another rank, in a group of another size, or for units sharded otherwise."""
+        on another rank, at another world size, or for units sharded otherwise."""
         what = "cgx.QSDP.load_state_dict"
         missing = [k for k in ("rank", "world_size", "layouts", "residuals") if k not in state]
         if missing:
@@ -159,9 +160,10 @@ class QSDP:
         unknown = set(state["residuals"]) - set(by_name)
         if unknown:
             raise ValueError(f"{what}: no unit named {sorted(unknown)} in this model")
+        if state["residuals"]:
+            check_same_place(state, resolve_group(None, what), what)
         for name, residual in state["residuals"].items():
             unit = by_name[name]
-            check_same_place(state, unit.group, what)
             saved = [tuple(s) for s in state["layouts"].get(name, ())]
             if saved != unit.plans["reduce_scatter"]:
                 raise ValueError(
@@ -173,11 +175,6 @@ class QSDP:
                 raise ValueError(f"{what}: the residual of unit {name!r} has "
                                  f"{residual.numel()} elements, the unit's gradients {expected}")
         self.residuals = Residuals({n: r.to(torch.float32).clone() for n, r in state["residuals"].items()})
-
-    def _group(self) -> dist.ProcessGroup:
-        """The group the units shard over (residuals are per rank of it); the default
-        group where no unit was installed."""
-        return self.units[0].group if self.units else resolve_group(None, "cgx.QSDP")
 
 
 def _describe(plan: list[Segment]) -> str:

@@ -51,14 +51,17 @@ class Residuals(dict):
 
 
 def place(group: dist.ProcessGroup) -> dict[str, Any]:
-    """Where this rank's residuals belong: its rank in `group` and the group's size, as a
-    state_dict records them."""
-    return {"rank": dist.get_rank(group), "world_size": group.size()}
+    """Where this rank's residuals belong, as a state_dict records it: its rank in `group`
+    (the group its residuals were made in) and the group's size, and its global rank (two
+    processes can hold one rank of two groups of the same size: DDP or FSDP2 inside each
+    host of a per-host DiLoCo, HSDP's replicas)."""
+    return {"rank": dist.get_rank(group), "world_size": group.size(), "global_rank": dist.get_rank()}
 
 
 def check_same_place(state: dict[str, Any], group: dist.ProcessGroup, what: str) -> None:
     """ValueError naming the difference unless `state` (with the saving rank's "rank" and
-    "world_size", None where unknown) was saved on this rank of a group of this size."""
+    "world_size", and "global_rank" where it has one; None where unknown) was saved on this
+    rank of a group of this size, by the process of this global rank."""
     here = place(group)
     if state["world_size"] is not None and state["world_size"] != here["world_size"]:
         raise ValueError(
@@ -67,9 +70,11 @@ def check_same_place(state: dict[str, Any], group: dist.ProcessGroup, what: str)
             f"To resume at another size, load it with state['residuals'] = {{}} (feedback "
             f"restarts from zero; the rest carries over)"
         )
-    if state["rank"] is not None and state["rank"] != here["rank"]:
+    saved = (state["rank"], state.get("global_rank"))
+    if (saved[0] is not None and saved[0] != here["rank"]) or (saved[1] is not None and saved[1] != here["global_rank"]):
         raise ValueError(
-            f"{what}: this is rank {state['rank']}'s state, loaded on rank {here['rank']}; "
-            f"error-feedback residuals are per rank, so every rank must save and load its own "
-            f"state_dict()"
+            f"{what}: this is the state of rank {saved[0]} of its group"
+            f"{'' if saved[1] is None else f' (global rank {saved[1]})'}, loaded on rank {here['rank']} "
+            f"(global rank {here['global_rank']}); error-feedback residuals are per rank, so every rank "
+            f"must save and load its own state_dict()"
         )

@@ -538,6 +538,42 @@ def test_hsdp_two_by_two_compresses_both_and_keeps_replicas_identical():
             assert torch.equal(a[name], b[name]), (shard, name)
 
 
+def _checkpoints_across_meshes(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import cgx
+
+    init_cgx(rank, world)
+    model = _model(0)
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:  # shard groups of 2 ranks, each rank of them twice
+        fully_shard(block, mesh=hsdp)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))  # and one of all 4
+    handle = cgx.qsdp(model, weight_bits=8, grad_bits=4, error_feedback=True)
+    _train(model, rank, 1)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, handle.state_dict())
+    outcome = {}
+    for saver, state in enumerate(everyone):
+        try:
+            handle.load_state_dict(state)
+            outcome[saver] = "loaded"
+        except ValueError as e:
+            outcome[saver] = str(e)
+    return outcome
+
+
+def test_qsdp_checkpoint_loads_on_its_own_rank_only_whatever_groups_the_units_shard_over():
+    # Under HSDP two replicas hold the same rank of their shard groups, with different
+    # residuals: a state names its global rank, and only that rank loads it.
+    for rank, outcome in enumerate(values(run_ranks(_checkpoints_across_meshes, 4, timeout_s=240))):
+        assert outcome[rank] == "loaded", outcome
+        for saver in set(outcome) - {rank}:
+            assert f"(global rank {saver})" in outcome[saver] and "must save and load its own" in outcome[saver]
+
+
 def _bad_qsdp(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -114,6 +114,15 @@ def test_old_stats_names_still_read_with_a_deprecation_warning():
     with pytest.raises(KeyError):
         old["bytes_sent_twice"]
     assert old.get("bytes_sent_twice", "none") == "none"
+    with pytest.warns(DeprecationWarning) as caught:
+        assert "bytes_sent" in old and old.get("bytes_sent") == 10
+    assert {w.filename for w in caught} == {__file__}  # attributed to the caller: shown by default in __main__
+    assert "bytes_sent_twice" not in old
+    # A checkpoint holding stats() loads with torch.load's default weights_only=True.
+    buffer = io.BytesIO()
+    torch.save({"stats": state.stats()}, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer)["stats"] == state.stats()
     # A checkpoint and a pickle from before the names changed still load.
     saved = state.state_dict()
     saved["bytes_sent"], saved["bytes_uncompressed"] = saved.pop("payload_bytes"), saved.pop("uncompressed_payload_bytes")
@@ -125,6 +134,35 @@ def test_old_stats_names_still_read_with_a_deprecation_warning():
     revived.__setstate__(pickled)
     for loaded in (resumed, revived):
         assert (loaded.payload_bytes, loaded.uncompressed_payload_bytes) == (10, 40)
+
+
+def _subgroup_checkpoints(rank, world):
+    import cgx
+
+    init_cgx(rank, world)
+    pairs = [dist.new_group([0, 1], backend="cgx"), dist.new_group([2, 3], backend="cgx")]
+    model = torch.nn.Linear(64, 64)
+    state = cgx.CGXState(pairs[rank // 2], model, cgx.CompressionPolicy(bits=2))
+    state.residuals["weight"] = torch.full((64 * 64,), float(rank))
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, state.state_dict())
+    outcome = {}
+    for saver, saved in enumerate(everyone):
+        try:
+            state.load_state_dict(saved)
+            outcome[saver] = "loaded"
+        except ValueError as e:
+            outcome[saver] = str(e)
+    return outcome
+
+
+def test_checkpoint_of_the_same_rank_of_another_group_is_refused():
+    # Ranks 0 and 2 are each rank 0 of a pair (DDP inside each host of a per-host
+    # DiLoCo): their residuals differ, so neither loads the other's.
+    for rank, outcome in enumerate(values(run_ranks(_subgroup_checkpoints, 4))):
+        assert outcome[rank] == "loaded", outcome
+        for saver in set(outcome) - {rank}:
+            assert f"(global rank {saver})" in outcome[saver], outcome[saver]
 
 
 def test_hook_at_32_bits_is_identical_to_plain_ddp():
