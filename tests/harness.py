@@ -250,3 +250,20 @@ def values(results: list[Any]) -> list[Any]:
         if isinstance(r, RankError):
             raise AssertionError(f"rank {rank} raised {r.type}: {r.message}\n{r.traceback}")
     return results
+
+
+def load_everyones_state(state_dict, load_state_dict) -> dict[int, str]:
+    """In a rank: gathers every rank's ``state_dict()`` and tries to load each here;
+    saver's rank -> "loaded", or the ValueError's message."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, state_dict())
+    outcome = {}
+    for saver, state in enumerate(everyone):
+        try:
+            load_state_dict(state)
+            outcome[saver] = "loaded"
+        except ValueError as e:
+            outcome[saver] = str(e)
+    return outcome

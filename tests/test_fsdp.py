@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import init_cgx, run_ranks, values
+from harness import init_cgx, load_everyones_state, run_ranks, values
 
 # One shard's plan: raw runs, 4- and 8-bit layers, a layer shorter than its bucket.
 SHARD = 1000
@@ -539,7 +539,6 @@ def test_hsdp_two_by_two_compresses_both_and_keeps_replicas_identical():
 
 
 def _checkpoints_across_meshes(rank, world):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -553,16 +552,7 @@ def _checkpoints_across_meshes(rank, world):
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))  # and one of all 4
     handle = cgx.qsdp(model, weight_bits=8, grad_bits=4, error_feedback=True)
     _train(model, rank, 1)
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, handle.state_dict())
-    outcome = {}
-    for saver, state in enumerate(everyone):
-        try:
-            handle.load_state_dict(state)
-            outcome[saver] = "loaded"
-        except ValueError as e:
-            outcome[saver] = str(e)
-    return outcome
+    return load_everyones_state(handle.state_dict, handle.load_state_dict)
 
 
 def test_qsdp_checkpoint_loads_on_its_own_rank_only_whatever_groups_the_units_shard_over():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bounds import allreduce_error_bound
-from harness import init_cgx, run_ranks, values
+from harness import init_cgx, load_everyones_state, run_ranks, values
 
 
 class AllreduceInBackward(torch.autograd.Function):
@@ -144,16 +144,7 @@ def _subgroup_checkpoints(rank, world):
     model = torch.nn.Linear(64, 64)
     state = cgx.CGXState(pairs[rank // 2], model, cgx.CompressionPolicy(bits=2))
     state.residuals["weight"] = torch.full((64 * 64,), float(rank))
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, state.state_dict())
-    outcome = {}
-    for saver, saved in enumerate(everyone):
-        try:
-            state.load_state_dict(saved)
-            outcome[saver] = "loaded"
-        except ValueError as e:
-            outcome[saver] = str(e)
-    return outcome
+    return load_everyones_state(state.state_dict, state.load_state_dict)
 
 
 def test_checkpoint_of_the_same_rank_of_another_group_is_refused():
