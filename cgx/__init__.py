@@ -22,7 +22,8 @@ from cgx.adaptive import AdaptiveBits
 from cgx.hooks import CGXState, cgx_hook
 from cgx.fsdp import QSDP, qsdp
 from cgx.diloco import DiLoCo
-from cgx.errors import CallMismatchError, CollectiveTimeoutError, PeerError
+from cgx import elastic  # noqa: F401  (cgx.elastic.Membership)
+from cgx.errors import CallMismatchError, CollectiveTimeoutError, MembershipError, PeerError
 from cgx.layers import CompressionPolicy, LayerRule, LayerSetting
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "PeerError",
     "CollectiveTimeoutError",
     "CallMismatchError",
+    "MembershipError",
     "CompressionPolicy",
     "LayerRule",
     "LayerSetting",

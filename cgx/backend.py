@@ -4,6 +4,7 @@ behind a group, and lets a caller ask for exact calls on a compressing group."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import socket
 from typing import Any, Iterator
@@ -50,8 +51,14 @@ def create_backend(dist_options, backend_options=None) -> _C.ProcessGroupCGX:
         raise TypeError(
             f"cgx: pg_options must be a cgx.Config, got {type(backend_options).__name__}"
         )
-    store = dist_options.store
-    rank, size, timeout = dist_options.group_rank, dist_options.group_size, dist_options.timeout
+    return new_backend(dist_options.store, dist_options.group_rank, dist_options.group_size, dist_options.timeout,
+                       backend_options)
+
+
+def new_backend(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+                config: Config | None = None) -> _C.ProcessGroupCGX:
+    """A ProcessGroupCGX of `size` ranks on `store`, as :func:`create_backend` makes a
+    group's (`config`: its settings; None: the CGX_* variables)."""
     # Every rank counts the groups it created on this store prefix, so the n-th one gets
     # fresh keys even where an earlier one (destroyed, re-initialized) left keys behind.
     incarnation = store.add(f"cgx/incarnation/{rank}", 1)
@@ -59,7 +66,7 @@ def create_backend(dist_options, backend_options=None) -> _C.ProcessGroupCGX:
     # A bad CGX_* value on one rank is told to every rank (they would otherwise wait for
     # its settings until the timeout).
     try:
-        config = backend_options if backend_options is not None else from_env()
+        config = config if config is not None else from_env()
         problem = None
     except ValueError as e:
         config, problem = None, str(e)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-__all__ = ["PeerError", "CollectiveTimeoutError", "CallMismatchError"]
+__all__ = ["PeerError", "CollectiveTimeoutError", "CallMismatchError", "MembershipError"]
 
 
 class PeerError(dist.DistNetworkError):
@@ -32,3 +32,8 @@ class CollectiveTimeoutError(dist.DistBackendError):
 class CallMismatchError(dist.DistBackendError):
     """Ranks were given different calls (sizes, dtypes, plans, settings); the message
     names the first field that differs and the ranks on each side."""
+
+
+class MembershipError(dist.DistError):
+    """An elastic run could not form a round: fewer than its minimum of replicas within
+    the wait, or its rendezvous could not be reached (cgx.elastic)."""

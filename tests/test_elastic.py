@@ -1,0 +1,123 @@
+"""The membership layer of elastic runs (cgx.elastic): rounds of replicas from torch's own
+dynamic rendezvous (the c10d store backend), each round with a cgx backend of its own.
+Real processes; a replica that dies is a process that exits mid-run."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+from harness import run_ranks, values
+
+# Short heartbeats so that a dead member is dropped within seconds (3 missed beats).
+_FAST = {"heartbeat": datetime.timedelta(seconds=1), "last_call": datetime.timedelta(seconds=1),
+         "group_timeout": datetime.timedelta(seconds=10)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _membership(replica: int, port: int, run_id: str, **kwargs):
+    import cgx
+
+    return cgx.elastic.Membership(f"127.0.0.1:{port}", run_id, is_host=replica == 0,
+                                  **{**_FAST, **kwargs})
+
+
+def _sum_of_ranks(round_) -> float:
+    """An allreduce on the round's backend: the sum of 1 + rank over its members."""
+    t = torch.full((8,), float(round_.rank + 1))
+    round_.backend.allreduce([t]).wait()
+    return float(t[0])
+
+
+def _survive_a_death(replica, replicas, port):
+    membership = _membership(replica, port, "death", min_replicas=2)
+    first = membership.next_round()
+    sums = [(first.size, _sum_of_ranks(first))]
+    if replica == replicas - 1:
+        os._exit(0)  # dies between two collectives, without leaving the rendezvous
+    time.sleep(0.5)
+    failed = None
+    try:
+        _sum_of_ranks(first)
+    except Exception as e:  # noqa: BLE001  (which error the dead peer gives depends on the path)
+        failed = type(e).__name__
+    started = time.monotonic()
+    second = membership.next_round()
+    reformed_s = time.monotonic() - started
+    sums.append((second.size, _sum_of_ranks(second)))
+    membership.close()
+    return sums, failed, reformed_s, membership.rounds
+
+
+def test_survivors_form_a_new_round_without_the_dead_replica():
+    port = _free_port()
+    results = run_ranks(_survive_a_death, 3, args=(port,), expect_exit={2}, timeout_s=120)
+    for sums, failed, reformed_s, rounds in values(results[:2]):
+        assert sums == [(3, 6.0), (2, 3.0)], sums  # 1+2+3 in the first round, 1+2 in the second
+        assert failed is not None  # the round's next collective fails on every survivor
+        assert reformed_s < 10, reformed_s  # 3 missed 1 s heartbeats and a 1 s last call
+        assert rounds == 2
+
+
+def _admit_a_joiner(replica, replicas, port):
+    membership = _membership(replica, port, "join", min_replicas=2)
+    if replica == 2:
+        time.sleep(3)  # starts after the others formed their round
+        joined = membership.next_round()
+        result = [(joined.size, _sum_of_ranks(joined))]
+    else:
+        first = membership.next_round()
+        result = [(first.size, _sum_of_ranks(first))]
+        deadline = time.monotonic() + 30
+        while membership.joiners_waiting() == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        admitted = membership.next_round()
+        result.append((admitted.size, _sum_of_ranks(admitted)))
+    membership.close()
+    return result
+
+
+def test_members_admit_a_replica_that_starts_later():
+    port = _free_port()
+    results = values(run_ranks(_admit_a_joiner, 3, args=(port,), timeout_s=120))
+    assert results[0] == results[1] == [(2, 3.0), (3, 6.0)], results
+    assert results[2] == [(3, 6.0)], results
+
+
+def _alone(replica, replicas, port):
+    import cgx
+
+    membership = _membership(replica, port, "alone", min_replicas=2, join_timeout=datetime.timedelta(seconds=2))
+    started = time.monotonic()
+    with pytest.raises(cgx.MembershipError, match="no round formed") as caught:
+        membership.next_round()
+    waited = time.monotonic() - started
+    membership.close()
+    return waited, str(caught.value)
+
+
+def test_below_min_replicas_the_wait_ends_in_a_membership_error():
+    waited, message = values(run_ranks(_alone, 1, args=(_free_port(),), timeout_s=60))[0]
+    assert 2 <= waited < 10, (waited, message)
+
+
+def test_bad_arguments_are_refused_by_name():
+    import cgx
+
+    for kwargs, match in (({"min_replicas": 0}, "min_replicas"), ({"min_replicas": 3, "max_replicas": 2}, "max_replicas"),
+                          ({"heartbeat": datetime.timedelta(milliseconds=10)}, "heartbeat"),
+                          ({"config": {"bits": 4}}, "config")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            cgx.elastic.Membership("127.0.0.1:1", "bad", **kwargs)
+    with pytest.raises(ValueError, match="run_id"):
+        cgx.elastic.Membership("127.0.0.1:1", "")
