@@ -20,7 +20,7 @@ Example (one replica of a run; every replica runs the same)::
     round_ = membership.next_round()            # waits for at least 2 replicas
     work = round_.backend.allreduce([tensor])   # a cgx backend of round_.size members
     ...
-    membership.close()
+    membership.close()                          # leaves; membership.end_run() ends the run for all
 
 This is the membership layer of elastic Streaming DiLoCo; DiLoCo does not use it yet.
 What happens when the rendezvous host itself dies: the c10d store lives in the process
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from cgx import _C
@@ -130,27 +130,44 @@ class Membership:
         Raises :class:`cgx.MembershipError` where no round forms within `join_timeout`
         (fewer than `min_replicas` present) or the rendezvous cannot be reached."""
         self._leave_round()
+        if self._handler is None:
+            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: this replica left the run (close())")
         try:
             with _unshared_bootstrap_store():
                 info = self._handler.next_rendezvous()
+        except RendezvousClosedError as e:
+            raise MembershipError(f"cgx.elastic: run {self.run_id!r} has ended: a replica called end_run() "
+                                  f"(the rendezvous is closed)") from e
         except RendezvousError as e:
-            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: no round formed: {e}") from e
+            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: no round formed: "
+                                  f"{type(e).__name__}: {e}") from e
         self.round = Round(info.rank, info.world_size, self._backend_of(info), info.store)
         self.rounds += 1
         return self.round
 
     def joiners_waiting(self) -> int:
         """How many replicas wait to join (admitted by the members' next :meth:`next_round`)."""
+        if self._handler is None:
+            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: this replica left the run (close())")
         try:
             return self._handler.num_nodes_waiting()
         except RendezvousError as e:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the rendezvous cannot be read: {e}") from e
 
     def close(self) -> None:
-        """Leaves the run: the round's backend is shut down and the rendezvous stops this
-        replica's heartbeats (the others' next round forms without it)."""
+        """Leaves the run, which goes on: the round's backend is shut down and this
+        replica's heartbeats stop, so the others' next round forms without it (after 3
+        missed heartbeats). A second call does nothing. (torch's ``shutdown()`` would
+        close the rendezvous for every replica: that is :meth:`end_run`.)"""
         self._leave_round()
-        self._handler.shutdown()
+        self._handler = None  # its heartbeat timer holds it weakly: no beat after this
+
+    def end_run(self) -> None:
+        """Ends the run for every replica: the rendezvous is closed (no round forms any
+        more; the others' next :meth:`next_round` raises), then this replica leaves."""
+        if self._handler is not None:
+            self._handler.set_closed()
+        self.close()
 
     def __enter__(self) -> Membership:
         return self

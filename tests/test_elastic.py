@@ -39,12 +39,16 @@ def _sum_of_ranks(round_) -> float:
     return float(t[0])
 
 
-def _survive_a_death(replica, replicas, port):
-    membership = _membership(replica, port, "death", min_replicas=2)
+def _survive_a_death(replica, replicas, port, leave):
+    membership = _membership(replica, port, f"death-{leave}", min_replicas=2)
     first = membership.next_round()
     sums = [(first.size, _sum_of_ranks(first))]
     if replica == replicas - 1:
-        os._exit(0)  # dies between two collectives, without leaving the rendezvous
+        if leave == "exits":
+            os._exit(0)  # dies between two collectives, without leaving the rendezvous
+        membership.close()  # leaves cleanly and stays alive: the run must go on without it
+        time.sleep(6)  # alive while the others form their next round
+        return "left"
     time.sleep(0.5)
     failed = None
     try:
@@ -59,9 +63,10 @@ def _survive_a_death(replica, replicas, port):
     return sums, failed, reformed_s, membership.rounds
 
 
-def test_survivors_form_a_new_round_without_the_dead_replica():
+@pytest.mark.parametrize("leave", ["exits", "closes"])
+def test_survivors_form_a_new_round_without_a_replica_that_died_or_left(leave):
     port = _free_port()
-    results = run_ranks(_survive_a_death, 3, args=(port,), expect_exit={2}, timeout_s=120)
+    results = run_ranks(_survive_a_death, 3, args=(port, leave), expect_exit={2}, timeout_s=120)
     for sums, failed, reformed_s, rounds in values(results[:2]):
         assert sums == [(3, 6.0), (2, 3.0)], sums  # 1+2+3 in the first round, 1+2 in the second
         assert failed is not None  # the round's next collective fails on every survivor
@@ -70,6 +75,8 @@ def test_survivors_form_a_new_round_without_the_dead_replica():
 
 
 def _admit_a_joiner(replica, replicas, port):
+    import cgx
+
     membership = _membership(replica, port, "join", min_replicas=2)
     if replica == 2:
         time.sleep(3)  # starts after the others formed their round
@@ -83,15 +90,28 @@ def _admit_a_joiner(replica, replicas, port):
             time.sleep(0.2)
         admitted = membership.next_round()
         result.append((admitted.size, _sum_of_ranks(admitted)))
-    membership.close()
+    # The run ends when one replica says so: the others' next round refuses.
+    store = membership.round.store
+    if replica == 0:
+        membership.end_run()
+        store.set("ended", "1")
+    else:
+        store.wait(["ended"])
+        try:
+            membership.next_round()
+        except cgx.MembershipError as e:
+            result.append(str(e))
+        membership.close()
     return result
 
 
-def test_members_admit_a_replica_that_starts_later():
+def test_members_admit_a_replica_that_starts_later_and_one_ends_the_run():
     port = _free_port()
     results = values(run_ranks(_admit_a_joiner, 3, args=(port,), timeout_s=120))
-    assert results[0] == results[1] == [(2, 3.0), (3, 6.0)], results
-    assert results[2] == [(3, 6.0)], results
+    assert results[0] == [(2, 3.0), (3, 6.0)], results
+    assert results[1][:2] == [(2, 3.0), (3, 6.0)] and results[2][:1] == [(3, 6.0)], results
+    for ended in (results[1][2], results[2][1]):
+        assert "has ended: a replica called end_run()" in ended, ended
 
 
 def _alone(replica, replicas, port):
