@@ -33,7 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
+import hmac
+import json
 import os
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +83,13 @@ class Membership:
         group_timeout: each round's backend's timeout (a collective with a dead or
             silent member raises within it).
         config: the rounds' backend settings (default: the ``CGX_*`` variables).
+        secret: the run's secret, which every replica must hold to join (read it from a
+            file or an environment variable, never a command-line argument, where other
+            users of the machine could read it). Checked at every round before its
+            backend exists: a replica without it is refused (:class:`cgx.MembershipError`
+            on it) and the members go on without it. It does not encrypt anything: the
+            rounds' traffic (Gloo's TCP) and the rendezvous store are plain; tunnel them
+            between sites.
     """
 
     def __init__(
@@ -95,8 +106,12 @@ class Membership:
         heartbeat: datetime.timedelta = datetime.timedelta(seconds=5),
         group_timeout: datetime.timedelta = datetime.timedelta(minutes=5),
         config: Config | None = None,
+        secret: bytes | None = None,
     ) -> None:
         what = "cgx.elastic.Membership"
+        if secret is not None and not (isinstance(secret, bytes) and secret):
+            raise TypeError(f"{what}: secret must be non-empty bytes or None, got {type(secret).__name__}")
+        self._secret = secret
         check_int(min_replicas, "min_replicas", what, low=1)
         check_int(max_replicas, "max_replicas", what, low=min_replicas)
         if not isinstance(run_id, str) or not run_id:
@@ -130,20 +145,72 @@ class Membership:
         Raises :class:`cgx.MembershipError` where no round forms within `join_timeout`
         (fewer than `min_replicas` present) or the rendezvous cannot be reached."""
         self._leave_round()
+        while True:
+            info = self._rendezvous()
+            if self._admitted_everyone(info):
+                break
+            # A replica without the run's secret was refused: it leaves (its heartbeats
+            # stop), and the members form the round again without it.
+        self.round = Round(info.rank, info.world_size, self._backend_of(info), info.store)
+        self.rounds += 1
+        return self.round
+
+    def _rendezvous(self):
         if self._handler is None:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: this replica left the run (close())")
         try:
             with _unshared_bootstrap_store():
-                info = self._handler.next_rendezvous()
+                return self._handler.next_rendezvous()
         except RendezvousClosedError as e:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r} has ended: a replica called end_run() "
                                   f"(the rendezvous is closed)") from e
         except RendezvousError as e:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: no round formed: "
                                   f"{type(e).__name__}: {e}") from e
-        self.round = Round(info.rank, info.world_size, self._backend_of(info), info.store)
-        self.rounds += 1
-        return self.round
+
+    def _admitted_everyone(self, info) -> bool:
+        """The run's secret, checked before the round's backend exists (so before a byte
+        of a collective moves). Each member adds a random nonce; the round's challenge is
+        the hash of all of them (no member chooses it); each member proves it holds the
+        secret with an HMAC of the challenge and its rank. The members of earlier rounds
+        judge: a newcomer whose proof fails is refused (MembershipError on it; it leaves,
+        and they form the round again without it: True means go on). In a round of
+        newcomers only (the run's start), any failed proof fails every member."""
+        store = dist.PrefixStore("cgx-admission/", info.store)
+        ranks = range(info.world_size)
+        store.set(f"nonce/{info.rank}", secrets.token_hex(16))
+        challenge = hashlib.sha256("/".join(store.get(f"nonce/{r}").decode() for r in ranks).encode()).hexdigest()
+        store.set(f"proof/{info.rank}", json.dumps([self._proof(challenge, info.rank), self.rounds > 0]))
+        claims = [json.loads(store.get(f"proof/{r}")) for r in ranks]
+        valid = [hmac.compare_digest(proof, self._proof(challenge, r)) for r, (proof, _) in enumerate(claims)]
+        established = [r for r, (_, member) in enumerate(claims) if member]
+        if self.rounds > 0:  # an established member's verdict
+            refused = [r for r in ranks if not valid[r]]
+            store.set(f"verdict/{info.rank}", json.dumps(refused))
+            return not refused
+        if established:  # a newcomer waits for the members' verdict on it
+            refused_by = [r for r in established
+                          if info.rank in json.loads(store.get(f"verdict/{r}"))]
+            if refused_by:
+                self.close()
+                raise MembershipError(
+                    f"cgx.elastic: run {self.run_id!r} refused this replica: it does not hold the run's secret "
+                    f"(Membership(secret=...)), so it cannot join (nothing was sent to the run)")
+            return True
+        if not all(valid):
+            self.close()
+            raise MembershipError(
+                f"cgx.elastic: run {self.run_id!r}: the replicas starting it do not hold the same secret "
+                f"(ranks {[r for r in ranks if not valid[r]]} of this round differ from this one): every replica "
+                f"must be given the run's secret (or none)")
+        return True
+
+    def _proof(self, challenge: str, rank: int) -> str:
+        """This replica's proof for `rank` of a round with `challenge` ("" without a secret)."""
+        if self._secret is None:
+            return ""
+        message = f"cgx-elastic/{self.run_id}/{challenge}/{rank}".encode()
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
     def joiners_waiting(self) -> int:
         """How many replicas wait to join (admitted by the members' next :meth:`next_round`)."""

@@ -141,3 +141,43 @@ def test_bad_arguments_are_refused_by_name():
             cgx.elastic.Membership("127.0.0.1:1", "bad", **kwargs)
     with pytest.raises(ValueError, match="run_id"):
         cgx.elastic.Membership("127.0.0.1:1", "")
+
+
+def _refuse_a_replica_without_the_secret(replica, replicas, port):
+    import cgx
+
+    secret = b"the run's secret" if replica < 2 else b"another secret"
+    membership = _membership(replica, port, "secret", min_replicas=2, secret=secret)
+    if replica == 2:
+        time.sleep(3)  # joins the running run
+        with pytest.raises(cgx.MembershipError, match="refused this replica: it does not hold the run's secret"):
+            membership.next_round()
+        return membership.round, membership.rounds
+    first = membership.next_round()
+    sums = [(first.size, _sum_of_ranks(first))]
+    deadline = time.monotonic() + 30
+    while membership.joiners_waiting() == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    again = membership.next_round()  # the joiner is refused; the round forms without it
+    sums.append((again.size, _sum_of_ranks(again)))
+    membership.close()
+    return sums
+
+
+def test_a_replica_without_the_runs_secret_is_refused_and_the_run_goes_on():
+    results = values(run_ranks(_refuse_a_replica_without_the_secret, 3, args=(_free_port(),), timeout_s=120))
+    assert results[0] == results[1] == [(2, 3.0), (2, 3.0)], results
+    assert results[2] == (None, 0)  # refused before any round's backend existed
+
+
+def _start_with_different_secrets(replica, replicas, port):
+    import cgx
+
+    membership = _membership(replica, port, "start", min_replicas=2, secret=b"k" if replica == 0 else None)
+    with pytest.raises(cgx.MembershipError, match="do not hold the same secret"):
+        membership.next_round()
+    return membership.round
+
+
+def test_replicas_starting_a_run_with_different_secrets_all_fail():
+    assert values(run_ranks(_start_with_different_secrets, 2, args=(_free_port(),), timeout_s=60)) == [None, None]
