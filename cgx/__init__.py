@@ -20,7 +20,6 @@ from cgx.backend import create_backend, exact, get_backend, stats
 from cgx.config import Config, from_env
 from cgx.adaptive import AdaptiveBits
 from cgx.hooks import CGXState, cgx_hook
-from cgx.fsdp import QSDP, qsdp
 from cgx.diloco import DiLoCo
 from cgx import elastic  # noqa: F401  (cgx.elastic.Membership)
 from cgx.errors import CallMismatchError, CollectiveTimeoutError, MembershipError, PeerError
@@ -61,3 +60,14 @@ mpi.adopt_mpi_launch()
 torch.distributed.Backend.register_backend(
     "cgx", create_backend, extended_api=True, devices=["cpu", "cuda"]
 )
+
+
+def __getattr__(name: str):
+    # qsdp's module imports torch.distributed.fsdp and DTensor (about 0.5 s, a third of
+    # `import cgx`): loaded on first use, so that a DDP or DiLoCo process (a replica that
+    # joins a run, say) starts without it.
+    if name in ("qsdp", "QSDP"):
+        from cgx import fsdp
+
+        return getattr(fsdp, name)
+    raise AttributeError(f"module 'cgx' has no attribute {name!r}")

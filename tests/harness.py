@@ -55,7 +55,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 # Imported once by the server every rank is forked from.
-PRELOADED = ["torch", "torch.distributed", "torch.nn.parallel", "cgx", "pytest", "harness"]
+PRELOADED = ["torch", "torch.distributed", "torch.nn.parallel", "cgx", "cgx.fsdp", "pytest", "harness"]
 # Read when the interpreter starts or torch loads, so a forked rank keeps the server's.
 READ_AT_IMPORT = ("PYTHONHASHSEED", "PYTHONWARNINGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                   "OPENBLAS_NUM_THREADS", "TORCH_LOGS", "TORCH_SHOW_CPP_STACKTRACES")
