@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -17,13 +18,19 @@ import torch.distributed as dist
 __all__ = ["first_difference"]
 
 
-def first_difference(group: dist.ProcessGroup, fields: dict[str, object]) -> str | None:
+def first_difference(group: dist.ProcessGroup | None, fields: dict[str, object],
+                     all_gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None) -> str | None:
     """None where every rank of `group` gave the same `fields` (same names, same order);
     else the first difference, as ``"name A here, B on group rank r"`` (or ``"name differ
-    (against group rank r)"`` for digested values)."""
+    (against group rank r)"`` for digested values). `all_gather` (every rank's copy of a
+    tensor, in rank order) replaces the group's where the ranks have no ProcessGroup (an
+    elastic run's round)."""
     mine = torch.tensor([_encode(v) for v in fields.values()], dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(group.size())]
-    dist.all_gather(everyone, mine, group=group)
+    if all_gather is None:
+        everyone = [torch.empty_like(mine) for _ in range(group.size())]
+        dist.all_gather(everyone, mine, group=group)
+    else:
+        everyone = all_gather(mine)
     for peer, theirs in enumerate(everyone):
         differs = (mine != theirs).nonzero()
         if differs.numel():

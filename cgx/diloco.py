@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ from cgx.agreement import first_difference
 from cgx.backend import exact, get_backend, resolve_group
 from cgx.config import check_int
 from cgx.counters import Stats
+from cgx.elastic import Membership, Round
 from cgx.errors import CallMismatchError, CollectiveTimeoutError, PeerError
 from cgx.layers import (RAW, CompressionPolicy, LayerSetting, Segment, all_raw, append_segment, check_bits,
                         check_bucket_size, layout_bytes)
@@ -151,20 +153,58 @@ class _Sync:
 
 
 class _Replicas:
-    """The replicas as one rank sees them: the group they sync over, this rank's
-    residuals and traffic, and the agreement every sync carries."""
+    """The replicas as one rank sees them: the cgx backend they sync over (a group's, or
+    an elastic run's round's), this rank's residuals and traffic, and the agreement every
+    sync carries. Every collective goes to the backend itself, so that a round, which
+    has no torch ProcessGroup, works as a group does."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.backend = get_backend(group)  # ValueError for a group that is not cgx's
+    def __init__(self, backend: _C.ProcessGroupCGX, rank: int, size: int,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.group = group  # None in an elastic run's round
+        self.backend = backend
+        self.rank, self.size = rank, size
         self.skip_incomplete = self.backend.settings.skip_incomplete_buckets
         self.residuals = Residuals()
         self.stats = {"outer_syncs": 0, "payload_bytes": 0, "uncompressed_payload_bytes": 0,
                       "peak_payload_bytes": 0, "waits": 0, "wait_seconds": 0.0}
 
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
+    @classmethod
+    def of_group(cls, group: dist.ProcessGroup) -> _Replicas:
+        return cls(get_backend(group), dist.get_rank(group), group.size(), group)  # ValueError: not cgx's
+
+    @classmethod
+    def of_round(cls, round_: Round) -> _Replicas:
+        return cls(round_.backend, round_.rank, round_.size)
+
+    def place(self) -> dict[str, Any]:
+        """Where this rank's residuals belong (a checkpoint's "rank", "world_size" and
+        "global_rank"; a round has no global rank)."""
+        if self.group is not None:
+            return place(self.group)
+        return {"rank": self.rank, "world_size": self.size, "global_rank": None}
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (one shape on all), in rank order."""
+        everyone = [[torch.empty_like(tensor) for _ in range(self.size)]]
+        self.backend.allgather(everyone, [tensor]).wait()
+        return everyone[0]
+
+    def all_gather_object(self, value: Any) -> list[Any]:
+        """Every rank's picklable `value`, in rank order (sent as bytes, padded to the
+        longest)."""
+        mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        lengths = [int(n) for n in self.all_gather(torch.tensor([mine.numel()], dtype=torch.int64))]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8)
+        padded[:mine.numel()] = mine
+        return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(self.all_gather(padded), lengths)]
+
+    def exact_average(self, flat: torch.Tensor):
+        """The average of `flat` over the replicas the exact way (Gloo's sum, then the
+        division): exact DiLoCo. Returns the Work."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.AVG
+        with exact():
+            return self.backend.allreduce([flat], options)
 
     def count(self, payload_bytes: int, uncompressed_payload_bytes: int) -> None:
         self.stats["payload_bytes"] += payload_bytes
@@ -177,7 +217,7 @@ class _Replicas:
             for dtype in dict.fromkeys(_local(p).dtype for p in params):
                 tensors = [_local(p) for p in params if _local(p).dtype == dtype]
                 flat = torch.cat([t.reshape(-1) for t in tensors])
-                dist.broadcast(flat, group_src=0, group=self.group)
+                self.backend.broadcast(flat, 0).wait()
                 offset = 0
                 for t in tensors:
                     t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
@@ -187,7 +227,7 @@ class _Replicas:
 
     def rows(self, kind: int, step: int, trained: list[tuple[str, tuple[int, ...]]], strangers: int,
              device: torch.device) -> torch.Tensor:
-        rows = torch.zeros(self.group.size(), _ROW, device=device)
+        rows = torch.zeros(self.size, _ROW, device=device)
         digest = int.from_bytes(hashlib.blake2b(repr(trained).encode(), digest_size=8).digest(), "little")
         rows[self.rank] = torch.tensor(
             [kind, min(strangers, 0xFFFF), *_pieces(step, _STEP_PIECES), *_pieces(digest, _DIGEST_PIECES)],
@@ -217,7 +257,7 @@ class _Replicas:
         except (CollectiveTimeoutError, PeerError) as e:  # the same kind of error, saying where it happened
             raise type(e)(f"cgx.DiLoCo: {at} failed: {e}; a replica died, or waits in another collective of the "
                           f"group because it is out of step: {_OUT_OF_STEP}") from e
-        agreement.rows.mul_(self.group.size()).round_()
+        agreement.rows.mul_(self.size).round_()
         agreement.work = None
 
     def check(self, agreement: _Agreement) -> None:
@@ -241,8 +281,7 @@ class _Replicas:
     def _name_difference(self, agreement: _Agreement) -> None:
         """Raises ValueError naming a parameter trained on one replica and not on another
         (every rank gets here: the digests differ)."""
-        everyone: list[Any] = [None] * self.group.size()
-        dist.all_gather_object(everyone, agreement.trained, group=self.group)
+        everyone = self.all_gather_object(agreement.trained)
         mine = dict(agreement.trained)
         differences = (
             f"{name!r} is trained here, not on group rank {peer}" if name not in theirs
@@ -331,8 +370,7 @@ class _Fragment:
             residual = replicas.residuals.gather(flat.numel(), self.compressed, flat.device)
         if exact_sync:
             agreement = replicas.agree(_SYNC, step, trained, rows)
-            with exact():  # Gloo's sum, then the division: exact DiLoCo
-                work = dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=replicas.group, async_op=True)
+            work = replicas.exact_average(flat)
         else:
             layout = list(self.layout)
             append_segment(layout, self.numel, rows.numel(), RAW)
@@ -405,6 +443,10 @@ class DiLoCo:
         error_feedback: keep what quantization dropped per parameter and add it to the
             next outer gradient.
         group: the "cgx" group the replicas sync over (default: the default group).
+        membership: instead of `group`, an elastic run's :class:`cgx.elastic.Membership`:
+            the replicas are the members of its current round (a round is formed here if
+            none is). Replicas that die, leave or join are not handled yet (issue 41):
+            a failed sync raises as on a group.
     """
 
     def __init__(
@@ -425,11 +467,21 @@ class DiLoCo:
         error_feedback: bool = True,
         group: dist.ProcessGroup | None = None,
         fragment_pattern: str = "strided",
+        membership: Membership | None = None,
     ) -> None:
         _check_model_and_policy(model, inner_optimizer, bits, bucket_size, policy)
         self._schedule = _Schedule(sync_every, fragments, fragment_pattern, outer_lr, outer_momentum, nesterov,
                                    overlap, mix, error_feedback)
-        self._replicas = _Replicas(resolve_group(group, "cgx.DiLoCo"))
+        self._membership = membership
+        if membership is None:
+            self._replicas = _Replicas.of_group(resolve_group(group, "cgx.DiLoCo"))
+        else:
+            if not isinstance(membership, Membership):
+                raise TypeError(f"cgx.DiLoCo: membership must be a cgx.elastic.Membership, got "
+                                f"{type(membership).__name__}")
+            if group is not None:
+                raise ValueError("cgx.DiLoCo: give either group or membership, not both")
+            self._replicas = _Replicas.of_round(membership.round or membership.next_round())
         self._model = model
         self._optimizer = inner_optimizer
         self._policy = policy or CompressionPolicy.from_settings(self._replicas.backend.settings, bits=bits,
@@ -482,7 +534,7 @@ class DiLoCo:
 
     def _agree_on_construction(self) -> None:
         """ValueError on every rank where the replicas built DiLoCo otherwise."""
-        difference = first_difference(self._replicas.group, {
+        difference = first_difference(None, all_gather=self._replicas.all_gather, fields={
             **dataclasses.asdict(self._schedule),
             "fragments and layouts": [(f.names, f.layout) for f in self._fragments],
             "parameters": [(n, tuple(p.shape), p.dtype) for n, p in self._model.named_parameters()],
@@ -629,7 +681,7 @@ class DiLoCo:
             sync.fragment.complete(sync, self._replicas)
         members = [m for f in self._fragments for m in f.members] + [m for _, m in self._joining.values()]
         return {
-            **place(self._replicas.group),
+            **self._replicas.place(),
             "fragments": [f.names for f in self._fragments],
             "joining": {name: index for name, (index, _) in self._joining.items()},
             "leaving": sorted(self._leaving),
@@ -686,7 +738,7 @@ class DiLoCo:
     def _check_state(self, state: dict[str, Any]) -> None:
         """ValueError naming what in `state` does not fit this DiLoCo, its model or place."""
         what = "cgx.DiLoCo.load_state_dict"
-        group = self._replicas.group
+        replicas = self._replicas
         missing = [k for k in _STATE_KEYS if k not in (state if isinstance(state, dict) else {})]
         if missing:
             raise ValueError(f"{what}: missing {missing} (expected the dict of DiLoCo.state_dict())")
@@ -694,10 +746,10 @@ class DiLoCo:
             raise ValueError(f"{what}: the state has {len(state['fragments'])} fragments, this DiLoCo "
                              f"{len(self._fragments)}")
         if state["residuals"] or any(s["residual"] is not None for s in state["in_flight"]):
-            check_same_place(state, group, what)
-        if state["in_flight"] and state["world_size"] != group.size():
+            check_same_place(state, replicas.place(), what)
+        if state["in_flight"] and state["world_size"] != replicas.size:
             raise ValueError(f"{what}: the state has syncs in flight of a group of {state['world_size']} ranks, "
-                             f"loaded in one of {group.size()}")
+                             f"loaded in one of {replicas.size}")
         params = dict(self._model.named_parameters())
         synced = [n for names in state["fragments"] for n in names] + list(state["joining"])
         for name in synced:

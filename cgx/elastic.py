@@ -20,9 +20,11 @@ Example (one replica of a run; every replica runs the same)::
     round_ = membership.next_round()            # waits for at least 2 replicas
     work = round_.backend.allreduce([tensor])   # a cgx backend of round_.size members
     ...
-    membership.close()                          # leaves; membership.end_run() ends the run for all
+    membership.close()                          # leaves (end_run() first ends the run for all)
 
-This is the membership layer of elastic Streaming DiLoCo; DiLoCo does not use it yet.
+This is the membership layer of elastic Streaming DiLoCo: ``cgx.DiLoCo(...,
+membership=membership)`` syncs over the current round; re-forming the round when a sync
+fails, and bringing joiners the run's state, are not built yet.
 What happens when the rendezvous host itself dies: the c10d store lives in the process
 that hosts it, so the run cannot form a new round (the current round's collectives go on,
 the next :meth:`next_round` fails); etcd, which replicates its state, does not have this
@@ -198,6 +200,10 @@ class Membership:
                     f"(Membership(secret=...)), so it cannot join (nothing was sent to the run)")
             return True
         if not all(valid):
+            # Every member fails; each waits until all have read the proofs, so that the
+            # one serving the store does not take it away from a slower one.
+            store.set(f"failed/{info.rank}", "1")
+            store.wait([f"failed/{r}" for r in ranks])
             self.close()
             raise MembershipError(
                 f"cgx.elastic: run {self.run_id!r}: the replicas starting it do not hold the same secret "
@@ -231,10 +237,11 @@ class Membership:
 
     def end_run(self) -> None:
         """Ends the run for every replica: the rendezvous is closed (no round forms any
-        more; the others' next :meth:`next_round` raises), then this replica leaves."""
+        more; the others' next :meth:`next_round` raises, saying so). This replica stays
+        until :meth:`close`; the replica that serves the c10d store should close last,
+        as the store goes with it."""
         if self._handler is not None:
             self._handler.set_closed()
-        self.close()
 
     def __enter__(self) -> Membership:
         return self

@@ -161,7 +161,7 @@ class QSDP:
         if unknown:
             raise ValueError(f"{what}: no unit named {sorted(unknown)} in this model")
         if state["residuals"]:
-            check_same_place(state, resolve_group(None, what), what)
+            check_same_place(state, place(resolve_group(None, what)), what)
         for name, residual in state["residuals"].items():
             unit = by_name[name]
             saved = [tuple(s) for s in state["layouts"].get(name, ())]

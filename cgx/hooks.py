@@ -299,7 +299,7 @@ class CGXState:
         if self._settings_by_param:
             _check_fits(state["layer_settings"], state["residuals"], self._params, "cgx.CGXState.load_state_dict")
         if state["residuals"] and dist.is_initialized():
-            check_same_place(state, self.group(), "cgx.CGXState.load_state_dict")
+            check_same_place(state, place(self.group()), "cgx.CGXState.load_state_dict")
         if self.adaptive:
             self.adaptive.accumulated = {n: g.clone() for n, g in state["adaptive_accumulated"].items()}
         self.step = int(state["step"])

@@ -58,11 +58,11 @@ def place(group: dist.ProcessGroup) -> dict[str, Any]:
     return {"rank": dist.get_rank(group), "world_size": group.size(), "global_rank": dist.get_rank()}
 
 
-def check_same_place(state: dict[str, Any], group: dist.ProcessGroup, what: str) -> None:
+def check_same_place(state: dict[str, Any], here: dict[str, Any], what: str) -> None:
     """ValueError naming the difference unless `state` (with the saving rank's "rank" and
     "world_size", and "global_rank" where it has one; None where unknown) was saved on this
-    rank of a group of this size, by the process of this global rank."""
-    here = place(group)
+    rank of a group of this size, by the process of this global rank (`here`: this
+    rank's :func:`place`)."""
     if state["world_size"] is not None and state["world_size"] != here["world_size"]:
         raise ValueError(
             f"{what}: the state was saved in a group of {state['world_size']} ranks, loaded in "
@@ -71,7 +71,8 @@ def check_same_place(state: dict[str, Any], group: dist.ProcessGroup, what: str)
             f"restarts from zero; the rest carries over)"
         )
     saved = (state["rank"], state.get("global_rank"))
-    if (saved[0] is not None and saved[0] != here["rank"]) or (saved[1] is not None and saved[1] != here["global_rank"]):
+    if (saved[0] is not None and saved[0] != here["rank"]) or (
+            None not in (saved[1], here["global_rank"]) and saved[1] != here["global_rank"]):
         raise ValueError(
             f"{what}: this is the state of rank {saved[0]} of its group"
             f"{'' if saved[1] is None else f' (global rank {saved[1]})'}, loaded on rank {here['rank']} "
