@@ -10,6 +10,8 @@ Launch with torchrun, mp.spawn or mpirun (cgx.mpi reads the MPI launcher's ranks
 Configuration: the CGX_* variables in :mod:`cgx.config` (``python -m cgx`` lists them).
 """
 
+import importlib
+
 import torch  # noqa: F401  (loads libtorch before the extension: the module has no RUNPATH)
 import torch.distributed  # noqa: F401  (registers the c10d base classes the module derives from)
 
@@ -70,4 +72,6 @@ def __getattr__(name: str):
         from cgx import fsdp
 
         return getattr(fsdp, name)
+    if name in ("fsdp", "fsdp2_access"):  # the modules themselves (cgx.fsdp2_access.CHECKED_TORCH)
+        return importlib.import_module(f"cgx.{name}")
     raise AttributeError(f"module 'cgx' has no attribute {name!r}")

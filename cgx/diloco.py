@@ -472,7 +472,7 @@ class DiLoCo:
         _check_model_and_policy(model, inner_optimizer, bits, bucket_size, policy)
         self._schedule = _Schedule(sync_every, fragments, fragment_pattern, outer_lr, outer_momentum, nesterov,
                                    overlap, mix, error_feedback)
-        self._membership = membership
+        self._membership = membership  # held: the membership's heartbeats stop once nothing does
         if membership is None:
             self._replicas = _Replicas.of_group(resolve_group(group, "cgx.DiLoCo"))
         else:

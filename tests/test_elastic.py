@@ -212,9 +212,9 @@ def test_import_cgx_leaves_qsdp_and_its_fsdp_imports_for_first_use():
     # A replica that joins a run pays its process start: torch.distributed.fsdp and
     # DTensor, which only cgx.qsdp needs, were a third of `import cgx` (about 0.5 s).
     code = ("import sys, cgx; loaded = 'torch.distributed.fsdp' in sys.modules; "
-            "cgx.qsdp; print(loaded, 'torch.distributed.fsdp' in sys.modules)")
+            "cgx.qsdp; print(loaded, 'torch.distributed.fsdp' in sys.modules, bool(cgx.fsdp2_access.CHECKED_TORCH))")
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "True"], out
+    assert out.split() == ["False", "True", "True"], out
 
 
 def _diloco_on_a_round(replica, replicas, port, bits):
