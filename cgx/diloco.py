@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import pickle
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -45,12 +47,14 @@ from cgx.backend import exact, get_backend, resolve_group
 from cgx.config import check_int
 from cgx.counters import Stats
 from cgx.elastic import Membership, Round
-from cgx.errors import CallMismatchError, CollectiveTimeoutError, PeerError
+from cgx.errors import CallMismatchError, CollectiveTimeoutError, MembershipError, PeerError
 from cgx.layers import (RAW, CompressionPolicy, LayerSetting, Segment, all_raw, append_segment, check_bits,
                         check_bucket_size, layout_bytes)
 from cgx.residuals import Residuals, check_same_place, place
 
 __all__ = ["DiLoCo"]
+
+_log = logging.getLogger("cgx.diloco")
 
 _PATTERNS = ("strided", "sequential")
 
@@ -60,10 +64,12 @@ _PATTERNS = ("strided", "sequential")
 # the call is for, the tensors the optimizer holds that are not the model's, the inner step
 # and a digest of the trained parameters, these two in 16-bit pieces (float32 carries them
 # exactly). close(), a fragment without members and an exact (Gloo) sync, whose sums a
-# longer buffer would order otherwise, send the rows alone.
+# longer buffer would order otherwise, send the rows alone. In an elastic run a row also
+# says whether this replica saw replicas waiting to join: the members admit them together.
 _SYNC, _CLOSE = 0, 1
 _STEP_PIECES, _DIGEST_PIECES = 3, 4
-_ROW = 2 + _STEP_PIECES + _DIGEST_PIECES
+_HEAD = 3  # kind, strangers, joiners
+_ROW = _HEAD + _STEP_PIECES + _DIGEST_PIECES
 _OUT_OF_STEP = ("every replica must call the inner optimizer's step() alike: DiLoCo counts those calls, and "
                 "GradScaler skips step() on a replica whose gradients have Inf/NaN (make the replicas skip together)")
 
@@ -150,6 +156,17 @@ class _Sync:
     outer_gradient: torch.Tensor | None  # flat float32, the average once the work completed; None: no members
     residual: torch.Tensor | None  # this rank's error feedback, updated by the collective
     work: Any  # the allreduce's Work (the agreement's too, but beside an exact sync); None once it completed
+    sent: torch.Tensor | None = None  # elastic runs: a copy of what this rank put in, to do the sync again
+    checked: bool = False  # the agreement was checked (a sync completed before its replicas re-formed)
+
+    @property
+    def completed(self) -> bool:
+        return self.work is None and self.agreement.work is None
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """(fragment, start step, due step): the sync, alike on every replica."""
+        return self.fragment.index, self.agreement.step, self.due
 
 
 class _Replicas:
@@ -211,27 +228,31 @@ class _Replicas:
         self.stats["uncompressed_payload_bytes"] += uncompressed_payload_bytes
         self.stats["peak_payload_bytes"] = max(self.stats["peak_payload_bytes"], payload_bytes)
 
-    def broadcast_from_rank_0(self, params: list[torch.Tensor]) -> None:
-        """The parameters take group rank 0's values (one broadcast per dtype)."""
+    def broadcast(self, tensors: list[torch.Tensor], root: int = 0) -> int:
+        """The tensors (parameters, or anything a rank holds) take group rank `root`'s
+        values, one broadcast per dtype. Returns the bytes broadcast."""
+        sent = 0
         with torch.no_grad():
-            for dtype in dict.fromkeys(_local(p).dtype for p in params):
-                tensors = [_local(p) for p in params if _local(p).dtype == dtype]
-                flat = torch.cat([t.reshape(-1) for t in tensors])
-                self.backend.broadcast(flat, 0).wait()
+            for dtype in dict.fromkeys(_local(t).dtype for t in tensors):
+                same = [_local(t) for t in tensors if _local(t).dtype == dtype]
+                flat = torch.cat([t.reshape(-1) for t in same])
+                self.backend.broadcast(flat, root).wait()
+                sent += flat.numel() * flat.element_size()
                 offset = 0
-                for t in tensors:
+                for t in same:
                     t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
                     offset += t.numel()
+        return sent
 
     # ---- agreement: the replicas' inner step and trained parameters
 
     def rows(self, kind: int, step: int, trained: list[tuple[str, tuple[int, ...]]], strangers: int,
-             device: torch.device) -> torch.Tensor:
+             device: torch.device, joiners: int = 0) -> torch.Tensor:
         rows = torch.zeros(self.size, _ROW, device=device)
         digest = int.from_bytes(hashlib.blake2b(repr(trained).encode(), digest_size=8).digest(), "little")
         rows[self.rank] = torch.tensor(
-            [kind, min(strangers, 0xFFFF), *_pieces(step, _STEP_PIECES), *_pieces(digest, _DIGEST_PIECES)],
-            dtype=torch.float32)
+            [kind, min(strangers, 0xFFFF), min(joiners, 0xFFFF), *_pieces(step, _STEP_PIECES),
+             *_pieces(digest, _DIGEST_PIECES)], dtype=torch.float32)
         return rows
 
     def agree(self, kind: int, step: int, trained: list[tuple[str, tuple[int, ...]]],
@@ -275,7 +296,7 @@ class _Replicas:
                 raise ValueError(f"cgx.DiLoCo: at the sync of inner step {agreement.step}, inner_optimizer on group "
                                  f"rank {peer} updates {row[1]} tensor(s) that are not parameters of the model: "
                                  f"add param groups of this model's parameters only")
-        if any(row[2 + _STEP_PIECES:] != mine[2 + _STEP_PIECES:] for row in rows):
+        if any(row[_HEAD + _STEP_PIECES:] != mine[_HEAD + _STEP_PIECES:] for row in rows):
             self._name_difference(agreement)
 
     def _name_difference(self, agreement: _Agreement) -> None:
@@ -308,6 +329,8 @@ class _Fragment:
     compressed: list[tuple[str, int, int]] = field(default_factory=list)  # (name, offset, numel)
     outer: torch.optim.SGD | None = None  # None while the fragment has no members
     numel: int = 0
+    syncs: int = 0  # syncs applied
+    last_start: int = -1  # the inner step its last sync started at
 
     @property
     def names(self) -> list[str]:
@@ -353,18 +376,22 @@ class _Fragment:
                 if self.outer.state[m.global_weight].get("momentum_buffer") is not None}
 
     def start(self, replicas: _Replicas, step: int, due: int, error_feedback: bool,
-              trained: list[tuple[str, tuple[int, ...]]], strangers: int) -> _Sync:
-        """Launches the allreduce of the outer gradient (global - local), the agreement's
-        rows after it (beside it for an exact sync)."""
+              trained: list[tuple[str, tuple[int, ...]]], strangers: int, joiners: int = 0,
+              keep: bool = False, delta: torch.Tensor | None = None) -> _Sync:
+        """Launches the allreduce of the outer gradient (global - local; `delta` instead,
+        for a sync done again), the agreement's rows after it (beside it for an exact
+        sync). With `keep`, the sync keeps a copy of the outer gradient it sent."""
         # The rows travel with the outer gradient, so they live on its device.
         device = self.members[0].global_weight.device if self.members else torch.device("cpu")
-        rows = replicas.rows(_SYNC, step, trained, strangers, device)
+        rows = replicas.rows(_SYNC, step, trained, strangers, device, joiners)
         if not self.members:  # the replicas still agree, on their step above all
             return _Sync(self, due, replicas.agree(_SYNC, step, trained, rows), None, None, None)
         exact_sync = all_raw(self.layout)
         with torch.no_grad():
-            flat = torch.cat([*((m.global_weight - _local(m.param).float()).reshape(-1) for m in self.members),
-                              *([] if exact_sync else [rows.view(-1)])])
+            if delta is None:
+                delta = torch.cat([(m.global_weight - _local(m.param).float()).reshape(-1) for m in self.members])
+            sent = delta.clone() if keep else None
+            flat = torch.cat([delta, *([] if exact_sync else [rows.view(-1)])])
         residual = None
         if error_feedback and self.compressed:
             residual = replicas.residuals.gather(flat.numel(), self.compressed, flat.device)
@@ -376,7 +403,7 @@ class _Fragment:
             append_segment(layout, self.numel, rows.numel(), RAW)
             work = replicas.backend.allreduce_layout(flat, layout, average=True, residual=residual)
             agreement = _Agreement(_SYNC, step, trained, flat[self.numel:].view_as(rows), work)
-        return _Sync(self, due, agreement, flat[:self.numel], residual, work)
+        return _Sync(self, due, agreement, flat[:self.numel], residual, work, sent)
 
     def complete(self, sync: _Sync, replicas: _Replicas) -> None:
         """Waits for the sync's allreduce and counts its payload as it went: compressed as
@@ -407,6 +434,7 @@ class _Fragment:
                 g.grad = None
                 local.copy_(g if overlap == 0 else torch.lerp(g, local.float(), mix))
         replicas.stats["outer_syncs"] += 1
+        self.syncs += 1
 
 
 def _schedule_field(name: str) -> property:
@@ -445,8 +473,11 @@ class DiLoCo:
         group: the "cgx" group the replicas sync over (default: the default group).
         membership: instead of `group`, an elastic run's :class:`cgx.elastic.Membership`:
             the replicas are the members of its current round (a round is formed here if
-            none is). Replicas that die, leave or join are not handled yet (issue 41):
-            a failed sync raises as on a group.
+            none is). A sync that fails (a replica died, left or lost its link) is done
+            again among the replicas of the next round, which also admits replicas
+            waiting to join (the members poll at every sync and admit them together);
+            a replica constructed while the run is on takes the run's state from a live
+            member (docs/diloco.md, "Elastic runs").
     """
 
     def __init__(
@@ -487,19 +518,33 @@ class DiLoCo:
         self._policy = policy or CompressionPolicy.from_settings(self._replicas.backend.settings, bits=bits,
                                                                  bucket_size=bucket_size)
         self._fragments = self._initial_fragments()
-        self._agree_on_construction()
         self.step = 0
         self._in_flight: list[_Sync] = []
         self._joining: dict[str, tuple[int, _Member]] = {}  # name -> (fragment, member): joins at its start
         self._leaving: set[str] = set()  # members that leave when their fragment's sync next starts
         self._closed = False
-        # Every replica starts from group rank 0's weights, frozen ones too, as DDP does.
-        self._replicas.broadcast_from_rank_0([p for _, p in model.named_parameters()])
+        if membership is None:
+            self._start_together()
+            self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+            return
+        self._established = False  # holds the run's state (the run started with it, or it took it)
+        self._took_state = False  # took it from a live member: a checkpoint would set it apart
+        self._ids: list[str] = []  # the replicas of the current round, by Membership.replica_id
+        self._elastic_stats = {"rounds": 0, "replicas_lost": 0, "replicas_joined": 0, "syncs_redone": 0,
+                               "reform_seconds": 0.0, "bytes_to_joiners": 0}
+        self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+        if self._enter_round(self._membership.round, cause=None):
+            self._with_recovery(self._syncs_of_this_step)  # the rest of the step the members are at
+
+    def _start_together(self) -> None:
+        """The run's start: the replicas agree on how they built DiLoCo, and every one
+        starts from group rank 0's weights, frozen ones too, as DDP does."""
+        self._agree_on_construction()
+        self._replicas.broadcast([p for _, p in self._model.named_parameters()])
         with torch.no_grad():
             for fragment in self._fragments:
                 for m in fragment.members:
                     m.global_weight.copy_(_local(m.param))
-        self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
 
     # The hyper-parameters, as attributes (a value set is checked as the constructor's).
     sync_every = _schedule_field("sync_every")
@@ -547,38 +592,58 @@ class DiLoCo:
 
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
         self.step += 1
+        self._with_recovery(self._syncs_of_this_step)
+
+    def _syncs_of_this_step(self) -> None:
+        """Finishes the syncs due at this step and starts the one whose turn it is. Run
+        again after the replicas re-formed (_with_recovery), it does what is left: an
+        applied sync has left the in-flight list, and a fragment's sync starts once."""
+        admit = False
         for sync in [s for s in self._in_flight if s.due == self.step]:
-            self._finish(sync)
+            admit |= self._finish(sync)
         for fragment in self._fragments:
-            if self.step % self.sync_every == fragment.offset:
+            if self.step % self.sync_every == fragment.offset and fragment.last_start != self.step:
                 self._change_members(fragment)
                 trained, strangers = _trained(self._model, self._optimizer)
+                joiners = 0 if self._membership is None else self._membership.joiners_waiting()
                 sync = fragment.start(self._replicas, self.step, self.step + self.overlap, self.error_feedback,
-                                      trained, strangers)
+                                      trained, strangers, joiners, keep=self._membership is not None)
                 self._in_flight.append(sync)
+                fragment.last_start = self.step
                 if self.overlap == 0:
-                    self._finish(sync)
+                    admit |= self._finish(sync)
+        if admit and self._reform(cause=None):
+            raise _TookState
 
-    def _finish(self, sync: _Sync, follow: bool = True) -> None:
+    def _finish(self, sync: _Sync, follow: bool = True) -> bool:
         """Waits for the sync's allreduce, checks the agreement it carried, then applies it;
         with `follow`, then makes the synced set follow the trained set the replicas agreed
-        on. A failed allreduce or agreement raises here and changes nothing (its sync is
-        dropped)."""
-        self._in_flight.remove(sync)
+        on. A failed allreduce or agreement raises here and changes nothing (on a group its
+        sync is dropped; in an elastic run it stays in flight, to be done again). Returns
+        whether a replica saw replicas waiting to join."""
+        if self._membership is None:
+            self._in_flight.remove(sync)
         stats = self._replicas.stats
         started = time.perf_counter()
         waits = sync.work is not None and (self.overlap == 0 or not sync.work.is_completed())
+        joiners = False
         # The agreement first: beside an exact sync it is a call of its own, and where the
         # replicas are out of step the exact sync's Gloo call has no partner to wait for.
-        self._replicas.check(sync.agreement)
+        if not sync.checked:
+            self._replicas.check(sync.agreement)
+            sync.checked = True
+            joiners = bool(sync.agreement.rows[:, 2].any())
         if sync.outer_gradient is not None and sync.work is not None:
             stats["waits"] += waits  # without overlap the step always waits
             sync.fragment.complete(sync, self._replicas)
             stats["wait_seconds"] += time.perf_counter() - started
+        if self._membership is not None:
+            self._in_flight.remove(sync)
         if sync.outer_gradient is not None:
             sync.fragment.apply(sync, self._replicas, self.overlap, self.mix)
         if follow:
             self._follow(sync.agreement.trained)
+        return joiners
 
     # ---- what is synced follows what the optimizer trains
 
@@ -596,7 +661,7 @@ class DiLoCo:
         if not new:
             return
         params = dict(self._model.named_parameters())
-        self._replicas.broadcast_from_rank_0([params[n] for n in new])
+        self._replicas.broadcast([params[n] for n in new])
         for names in _layers({n: params[n] for n in new}).values():
             fragment = self._fragment_for(names[0])
             for name in names:
@@ -633,21 +698,261 @@ class DiLoCo:
         owner = self._model.get_submodule(name.rpartition(".")[0])
         return _member(name, param, self._policy.setting_for(name, owner, param))
 
+    # ---- elastic runs: the replicas re-form
+
+    def _with_recovery(self, action: Callable[[], Any]) -> Any:
+        """Runs `action`. In an elastic run, where a collective of it fails (a replica
+        died, left or lost its link: PeerError or CollectiveTimeoutError), the replicas
+        re-form (:meth:`_reform`) and `action` runs again, doing what is left."""
+        while True:
+            try:
+                return action()
+            except _TookState:
+                continue
+            except dist.DistError as e:
+                if self._membership is None or isinstance(e, (CallMismatchError, MembershipError)):
+                    raise
+                self._reform(cause=e)
+
+    def _reform(self, cause: Exception | None) -> bool:
+        """The members move to the next round: after a failure (`cause`), or to admit
+        replicas waiting to join. The syncs in flight complete in the old round where
+        they can; what the old round did not complete is done again in the new one.
+        Returns whether this member took another's state (see :meth:`_enter_round`)."""
+        started = time.perf_counter()
+        for sync in self._in_flight:
+            if sync.completed:
+                continue
+            try:
+                if not sync.checked:
+                    self._replicas.check(sync.agreement)
+                    sync.checked = True
+                sync.fragment.complete(sync, self._replicas)
+            except dist.DistError:
+                if cause is None:
+                    cause = sys.exc_info()[1]
+        if cause is not None:
+            _log.warning("cgx.DiLoCo: run %r: a collective failed at inner step %d (%s: %s); the replicas re-form",
+                         self._membership.run_id, self.step, type(cause).__name__, cause)
+        took = self._enter_round(self._membership.next_round(), cause)
+        self._elastic_stats["reform_seconds"] += time.perf_counter() - started
+        return took
+
+    def _enter_round(self, round_: Round, cause: Exception | None) -> bool:
+        """This replica's part in forming `round_`, alike on every member. Everyone shows
+        its position (all_gather_object). A replica built otherwise than the run is
+        refused (ValueError on it; the others form the round again without it). Where no
+        member holds the run's state yet, the run starts (:meth:`_start_together`). Else
+        the reference is the member with the most syncs applied (then the latest step,
+        then the lowest rank): every replica whose state differs from it (a joiner; a
+        member that missed a sync the reference applied) takes the reference's global
+        weights, outer momentum, frozen parameters, schedule and syncs in flight, and
+        restarts its local weights from them. The syncs the reference completed are
+        given to whoever lacks them; the others are done again, averaged over the members
+        that sent into them. Returns whether this replica took the reference's state."""
+        while True:
+            previous = self._replicas
+            self._replicas = _Replicas.of_round(round_)
+            self._replicas.stats = previous.stats  # residuals start over: they belong to a rank of a round
+            positions = self._replicas.all_gather_object(self._position())
+            refused = _refused(positions)
+            if not refused:
+                break
+            me = self._replicas.rank
+            if me in refused:
+                self._closed = True
+                self._hook.remove()
+                self._membership.close()
+                raise ValueError(f"cgx.DiLoCo: run {self._membership.run_id!r} refused this replica: {refused[me]}; "
+                                 f"every replica must build DiLoCo alike on the same model")
+            for rank, difference in refused.items():
+                _log.warning("cgx.DiLoCo: run %r refused replica %s: %s", self._membership.run_id,
+                             positions[rank]["id"], difference)
+            round_ = self._membership.next_round()
+        ids = [p["id"] for p in positions]
+        self._count_members(ids, cause)
+        if not any(p["established"] for p in positions):
+            self._start_together()
+            self._established = True
+            return False
+        reference = max((r for r, p in enumerate(positions) if p["established"]),
+                        key=lambda r: (sum(positions[r]["syncs"]), positions[r]["step"], -r))
+        takers = [r for r, p in enumerate(positions) if p["state"] != positions[reference]["state"]]
+        me = self._replicas.rank
+        if me in takers:
+            self._take_position(positions[reference])
+        if takers:
+            sent = self._replicas.broadcast(self._state_tensors(), reference)
+            if me == reference:
+                self._elastic_stats["bytes_to_joiners"] += sent * len(takers)
+            if me in takers:
+                self._restart_local_weights()
+        self._settle_in_flight(positions, reference, takers)
+        self._established = True
+        self._took_state |= me in takers
+        return me in takers
+
+    def _position(self) -> dict[str, Any]:
+        """What this replica shows the others when a round forms."""
+        layout = self._layout()
+        digest = hashlib.blake2b(repr((self.step, layout)).encode(), digest_size=16)
+        for t in self._state_tensors():
+            digest.update(t.detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
+        return {
+            "id": self._membership.replica_id,
+            "established": self._established,
+            "construction": {**dataclasses.asdict(self._schedule),
+                             "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self._model.named_parameters()],
+                             "settings": sorted(self._policy.resolve(self._model).items())},
+            "step": self.step,
+            "syncs": [f.syncs for f in self._fragments],
+            "state": digest.hexdigest() if self._established else None,
+            "layout": layout,
+            "in_flight": [{"key": s.key, "completed": s.completed, "sent": s.sent is not None}
+                          for s in self._in_flight],
+        }
+
+    def _layout(self) -> dict[str, Any]:
+        """The run's state but its tensors: what a replica taking it needs."""
+        return {
+            "fragments": [f.names for f in self._fragments],
+            "syncs": [f.syncs for f in self._fragments],
+            "last_start": [f.last_start for f in self._fragments],
+            "momentum": [sorted(f.outer_momentum()) if f.outer is not None else [] for f in self._fragments],
+            "joining": sorted((name, index) for name, (index, _) in self._joining.items()),
+            "leaving": sorted(self._leaving),
+            "in_flight": [(s.key, s.agreement.trained) for s in self._in_flight],
+        }
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """The run's state that a replica taking it receives, in an order every replica
+        with the same layout shares: global weights, outer momentum buffers, and the
+        parameters nobody trains (frozen: equal on every replica)."""
+        members = [m for f in self._fragments for m in f.members]
+        members += [self._joining[name][1] for name in sorted(self._joining)]
+        momentum = [f.outer.state[m.global_weight]["momentum_buffer"] for f in self._fragments for m in f.members
+                    if f.outer is not None and f.outer.state[m.global_weight].get("momentum_buffer") is not None]
+        synced = {m.name for m in members} | {name for name, _ in _trained(self._model, self._optimizer)[0]}
+        frozen = [p for name, p in self._model.named_parameters() if name not in synced]
+        return [m.global_weight for m in members] + momentum + frozen
+
+    def _take_position(self, reference: dict[str, Any]) -> None:
+        """Takes the reference's layout, schedule and syncs in flight (the tensors follow
+        by broadcast). A sync in flight here that the reference also has keeps what this
+        replica sent into it, so that it can be done again with it."""
+        layout = reference["layout"]
+        params = dict(self._model.named_parameters())
+        mine = {s.key: s for s in self._in_flight}
+        with torch.no_grad():
+            for fragment, names, syncs, last_start, momentum in zip(
+                    self._fragments, layout["fragments"], layout["syncs"], layout["last_start"], layout["momentum"]):
+                fragment.set_members([self._member(n, params[n]) for n in names], self._schedule.outer_options,
+                                     momentum={})
+                fragment.syncs, fragment.last_start = syncs, last_start
+                for m in fragment.members:
+                    if m.name in momentum:
+                        fragment.outer.state[m.global_weight] = {"momentum_buffer": torch.zeros_like(m.global_weight)}
+            self._joining = {name: (index, self._member(name, params[name])) for name, index in layout["joining"]}
+        self._leaving = set(layout["leaving"])
+        self.step = reference["step"]
+        self._in_flight = []
+        for key, trained in layout["in_flight"]:
+            index, start, due = key
+            fragment = self._fragments[index]
+            own = mine.get(tuple(key))
+            sent = own.sent if own is not None and own.sent is not None and own.sent.numel() == fragment.numel else None
+            device = fragment.members[0].global_weight.device if fragment.members else torch.device("cpu")
+            gradient = torch.zeros(fragment.numel, device=device) if fragment.members else None
+            agreement = _Agreement(_SYNC, start, trained, torch.zeros(1, _ROW), None)
+            self._in_flight.append(_Sync(fragment, due, agreement, gradient, None, None, sent, checked=True))
+
+    def _restart_local_weights(self) -> None:
+        with torch.no_grad():
+            for m in [m for f in self._fragments for m in f.members] + [m for _, m in self._joining.values()]:
+                _local(m.param).copy_(m.global_weight)
+
+    def _settle_in_flight(self, positions: list[dict[str, Any]], reference: int, takers: list[int]) -> None:
+        """The syncs in flight, as the reference has them: the averages it completed go
+        to every member that lacks them; the syncs it did not complete are done again in
+        this round, each member sending what it sent before (scaled, so that the average
+        is over those that sent) or zeros. Residuals from the old round are dropped."""
+        size = self._replicas.size
+        theirs = [{tuple(e["key"]): e for e in p["in_flight"]} for p in positions]
+        missing, again = [], []
+        for i, entry in enumerate(positions[reference]["in_flight"]):
+            key = tuple(entry["key"])
+            sync = self._in_flight[i]
+            sync.residual = None
+            if entry["completed"]:
+                if any(r in takers or not theirs[r][key]["completed"] for r in range(size)):
+                    missing.append(sync)
+            else:
+                again.append((i, sum(1 for r in range(size) if key in theirs[r] and theirs[r][key]["sent"])))
+        if missing:
+            self._replicas.broadcast([s.outer_gradient for s in missing if s.outer_gradient is not None], reference)
+            for sync in missing:
+                sync.work, sync.agreement.work, sync.checked = None, None, True
+        for i, senders in again:
+            old = self._in_flight[i]
+            fragment = old.fragment
+            delta = None
+            if fragment.members:
+                delta = (old.sent * (size / senders) if old.sent is not None
+                         else torch.zeros(fragment.numel, device=fragment.members[0].global_weight.device))
+            sync = fragment.start(self._replicas, old.agreement.step, old.due, self.error_feedback,
+                                  old.agreement.trained, 0, delta=delta)
+            sync.sent = old.sent
+            self._in_flight[i] = sync
+            self._elastic_stats["syncs_redone"] += 1
+
+    def _count_members(self, ids: list[str], cause: Exception | None) -> None:
+        """Counts and logs the replicas that are gone from, or new in, the round."""
+        stats = self._elastic_stats
+        stats["rounds"] += 1
+        if self._ids:
+            run = self._membership.run_id
+            for gone in sorted(set(self._ids) - set(ids)):
+                stats["replicas_lost"] += 1
+                _log.warning("cgx.DiLoCo: run %r: replica %s is gone (%s); %d replicas go on", run, gone,
+                             "it left or died" if cause is None else f"{type(cause).__name__}: {cause}", len(ids))
+            for new in sorted(set(ids) - set(self._ids)):
+                stats["replicas_joined"] += 1
+                _log.info("cgx.DiLoCo: run %r: replica %s joined; %d replicas", run, new, len(ids))
+        self._ids = ids
+
     # ---- lifetime
 
     def close(self) -> None:
         """Agrees with the other replicas on the inner step (RuntimeError on every rank
         where they differ), applies the syncs still in flight and removes the hook from
-        the optimizer. A second call does nothing."""
+        the optimizer. A second call does nothing. In an elastic run every replica still
+        in it calls close() at the run's end (one that leaves before: :meth:`leave`)."""
         if self._closed:
             return
         self._closed = True
         self._hook.remove()
+        self._with_recovery(self._close_together)
+
+    def _close_together(self) -> None:
         replicas = self._replicas
         agreement = replicas.agree(_CLOSE, self.step, [], replicas.rows(_CLOSE, self.step, [], 0, torch.device("cpu")))
         for sync in list(self._in_flight):
             self._finish(sync, follow=False)
         replicas.check(agreement)
+
+    def leave(self) -> None:
+        """An elastic run goes on without this replica from now: its syncs in flight are
+        dropped and it leaves the membership (Membership.close()); the others find it
+        gone at their next collective with it and do that sync again without it."""
+        if self._membership is None:
+            raise RuntimeError("cgx.DiLoCo.leave: only a replica of an elastic run (membership=...) leaves; "
+                               "a group's replicas end together with close()")
+        if self._closed:
+            return
+        self._closed = True
+        self._hook.remove()
+        self._in_flight.clear()
+        self._membership.close()
 
     def __enter__(self) -> DiLoCo:
         return self
@@ -668,8 +973,15 @@ class DiLoCo:
         compressed, or float32 where CGX_COMPRESSION_AUTO sent it exactly) against
         uncompressed_payload_bytes (float32), peak_payload_bytes (the largest single sync),
         waits (syncs not yet complete when their result was due, and every sync without
-        overlap: the inner loop waited on the link), wait_seconds and in_flight."""
-        return Stats({"step": self.step, **self._replicas.stats, "in_flight": len(self._in_flight)}, _RENAMED)
+        overlap: the inner loop waited on the link), wait_seconds and in_flight. In an
+        elastic run also: replicas (in the current round), rounds (this replica was in),
+        replicas_lost and replicas_joined (seen from here), syncs_redone (done again
+        after a failure), reform_seconds (from a failure or an admission to the next
+        round's start), bytes_to_joiners (state this replica sent to replicas taking
+        it: its size times their number)."""
+        elastic = {} if self._membership is None else {"replicas": self._replicas.size, **self._elastic_stats}
+        return Stats({"step": self.step, **self._replicas.stats, "in_flight": len(self._in_flight), **elastic},
+                     _RENAMED)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: global weights, outer momentum, residuals, step, stats, which
@@ -677,8 +989,7 @@ class DiLoCo:
         flight (waited for, their averaged outer gradient kept, to be applied at their step
         after a resume). Checkpoint it with the model and the inner optimizer; every rank
         saves its own (residuals differ between ranks)."""
-        for sync in self._in_flight:
-            sync.fragment.complete(sync, self._replicas)
+        self._with_recovery(self._complete_in_flight)
         members = [m for f in self._fragments for m in f.members] + [m for _, m in self._joining.values()]
         return {
             **self._replicas.place(),
@@ -696,7 +1007,12 @@ class DiLoCo:
                            "agreement": s.agreement.rows.clone()}
                           for s in self._in_flight],
             "stats": dict(self._replicas.stats),
+            "syncs": [f.syncs for f in self._fragments],
         }
+
+    def _complete_in_flight(self) -> None:
+        for sync in self._in_flight:
+            sync.fragment.complete(sync, self._replicas)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads this rank's state_dict() into a DiLoCo with the same number of fragments,
@@ -707,6 +1023,10 @@ class DiLoCo:
         them, syncs in flight only at that group size: to resume at another size, load with
         ``state["residuals"] = {}`` and no sync in flight."""
         self._check_state(state)
+        if self._membership is not None and self._took_state:
+            raise RuntimeError("cgx.DiLoCo.load_state_dict: this replica took the state of a live member of the "
+                               "elastic run when it joined; loading a checkpoint would set it apart from the others "
+                               "(load checkpoints when every replica of the run starts again)")
         params = dict(self._model.named_parameters())
         for sync in self._in_flight:  # the replaced run's syncs: completed, not applied
             self._replicas.wait(sync.agreement)
@@ -727,9 +1047,11 @@ class DiLoCo:
         self._replicas.residuals = Residuals({n: r.clone() for n, r in state["residuals"].items()})
         self.step = int(state["step"])
         self._replicas.stats = {_RENAMED.get(k, k): v for k, v in state["stats"].items()}  # older names too
+        for fragment, syncs in zip(self._fragments, state.get("syncs", [0] * len(self._fragments))):
+            fragment.syncs = syncs
         self._in_flight = [
             _Sync(self._fragments[s["fragment"]], s["due"],
-                  _Agreement(_SYNC, s["step"], s["trained"], s["agreement"].clone(), None),
+                  _Agreement(_SYNC, s["step"], s["trained"], _current_rows(s["agreement"]), None),
                   None if s["outer_gradient"] is None else s["outer_gradient"].clone(),
                   None if s["residual"] is None else s["residual"].clone(), None)
             for s in state["in_flight"]
@@ -766,6 +1088,31 @@ class DiLoCo:
             raise ValueError(f"{what}: global_weights lacks {sorted(set(synced) - set(state['global_weights']))}")
 
 
+class _TookState(Exception):
+    """This replica took another's state and step as the round formed: the step's syncs
+    run again from the top (as that member has them)."""
+
+
+def _refused(positions: list[dict[str, Any]]) -> dict[int, str]:
+    """The ranks of a forming round whose DiLoCo is built otherwise than the run's (its
+    members' with the lowest rank), each with the first difference. None are refused at
+    the run's start: there every rank fails (_agree_on_construction)."""
+    established = [r for r, p in enumerate(positions) if p["established"]]
+    if not established:
+        return {}
+    run = positions[min(established)]["construction"]
+    refused = {}
+    for rank, position in enumerate(positions):
+        for name, value in run.items():
+            theirs = position["construction"].get(name)
+            if theirs != value:
+                if isinstance(value, list) and isinstance(theirs, list):
+                    value, theirs = next(((a, b) for a, b in zip(value, theirs) if a != b), (len(value), len(theirs)))
+                refused[rank] = f"its {name} differ from the run's: {theirs!r} against {value!r}"
+                break
+    return refused
+
+
 _STATE_KEYS = ("rank", "world_size", "fragments", "joining", "leaving", "step", "global_weights", "outer_momentum",
                "residuals", "in_flight", "stats")
 
@@ -787,12 +1134,20 @@ def _restore(member: _Member) -> None:
         _local(member.param).copy_(member.global_weight)
 
 
+def _current_rows(rows: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's agreement rows in this version's layout (before the joiners
+    column, a row was kind, strangers, step, digest)."""
+    if rows.shape[-1] == _ROW - 1:
+        return torch.cat([rows[:, :2], torch.zeros_like(rows[:, :1]), rows[:, 2:]], dim=1)
+    return rows.clone()
+
+
 def _pieces(value: int, count: int) -> list[int]:
     return [(value >> (16 * i)) & 0xFFFF for i in range(count)]
 
 
 def _step(row: list[int]) -> int:
-    return sum(piece << (16 * i) for i, piece in enumerate(row[2:2 + _STEP_PIECES]))
+    return sum(piece << (16 * i) for i, piece in enumerate(row[_HEAD:_HEAD + _STEP_PIECES]))
 
 
 def _describe(kind: int, step: int) -> str:

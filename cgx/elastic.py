@@ -40,6 +40,7 @@ import hmac
 import json
 import os
 import secrets
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +130,8 @@ class Membership:
         if is_host is not None:
             options["is_host"] = bool(is_host)
         self.run_id = run_id
+        # How the others' logs and stats name this replica (a restarted one is a new replica).
+        self.replica_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(2)}"
         self.group_timeout = group_timeout
         self.config = config
         self.round: Round | None = None

@@ -255,3 +255,149 @@ def test_diloco_on_an_elastic_round_trains_as_on_a_group(bits):
             assert torch.equal(group_weights[name], round_weights[name]), name
     for name, tensor in runs[0]["round"][1].items():
         assert torch.equal(tensor, runs[1]["round"][1][name]), name  # replicas bit-identical
+
+
+# ---- elastic DiLoCo: replicas that die, come back and join while the others train
+
+_STEPS, _SYNC_EVERY = 160, 4
+
+
+def _global_digest(diloco) -> str:
+    """A digest of the replica's global weights (bit for bit)."""
+    import hashlib
+
+    state = diloco.state_dict()
+    digest = hashlib.blake2b(digest_size=12)
+    for name in sorted(state["global_weights"]):
+        digest.update(state["global_weights"][name].numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _elastic_replica(replica, replicas, port, run_id, kill_at):
+    """Replicas 0-2 start the run; replica 2 kills itself (SIGKILL) as inner step
+    `kill_at` begins; replica 3 starts once it is dead and joins. Each records the digest
+    of its global weights after every inner step."""
+    import signal
+
+    import cgx
+    from test_diloco import _model, _train_step
+
+    if replica == 3:
+        _rendezvous_store(port).wait(["killed"])
+    model = _model(replica)  # a joiner's own weights are replaced by the run's
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    membership = _membership(replica, port, run_id, min_replicas=2)
+    started = time.monotonic()
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, overlap=1,
+                        membership=membership)
+    joined = (time.monotonic() - started, diloco.step)
+    if replica == 2:
+        def die(*_):
+            if diloco.step == kill_at - 1:
+                _rendezvous_store(port).set("killed", "1")
+                os.kill(os.getpid(), signal.SIGKILL)
+        inner.register_step_pre_hook(die)
+    digests = {}
+    while diloco.step < _STEPS:
+        _train_step(model, inner, replica, diloco.step)
+        digests[diloco.step] = _global_digest(diloco)
+        time.sleep(0.03)  # steps of a real model's length, so that a joiner finds the run going
+    diloco.close()
+    digests["end"] = _global_digest(diloco)
+    syncs = [f.syncs for f in diloco._fragments]
+    stats = dict(diloco.stats())
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 3], port, run_id)
+    return digests, syncs, stats, joined
+
+
+def _rendezvous_store(port):
+    import torch.distributed as dist
+
+    return dist.PrefixStore("test-elastic/", dist.TCPStore("127.0.0.1", port, is_master=False,
+                                                           timeout=datetime.timedelta(seconds=120)))
+
+
+# Killed as inner step 42 begins: the others start that step's sync without it (it is
+# done again among the survivors); as step 45 begins: between two syncs.
+@pytest.mark.parametrize("kill_at", [42, 45])
+def test_diloco_goes_on_without_a_killed_replica_and_takes_it_back_restarted(kill_at):
+    port = _free_port()
+    results = run_ranks(_elastic_replica, 4, args=(port, f"kill-{kill_at}", kill_at),
+                        expect_exit={2}, timeout_s=240)
+    assert results[2] is None
+    (d0, syncs0, stats0, _), (d1, syncs1, stats1, _), _, (d3, syncs3, stats3, joined) = results
+    assert d0 == d1  # the survivors' global weights are bit-identical after every step
+    # No sync was lost: each fragment synced at every step of its turn (offsets 0 and 2).
+    expected = [sum(1 for t in range(1, _STEPS + 1) if t % _SYNC_EVERY == offset) for offset in (0, 2)]
+    assert syncs0 == syncs1 == syncs3 == expected, (syncs0, syncs3, expected)
+    first = joined[1]
+    assert 0 < first < _STEPS, joined
+    assert all(d3[step] == d0[step] for step in d3), "the joiner differs from the survivors"
+    assert d3["end"] == d0["end"]
+    for stats in (stats0, stats1):
+        assert stats["replicas_lost"] == 1 and stats["replicas_joined"] == 1, stats
+        # The joiner, waiting since the kill, is admitted in the survivors' next round or the one after.
+        assert stats["replicas"] == 3 and stats["rounds"] in (2, 3), stats
+        assert stats["syncs_redone"] >= 1, stats  # the sync the dead replica never sent into
+    assert stats0["bytes_to_joiners"] + stats1["bytes_to_joiners"] > 0
+    assert stats3["rounds"] == 1 and stats3["replicas"] == 3, stats3
+
+
+def _grow_and_shrink(replica, replicas, port):
+    """Replicas 0-2 start; replica 3 joins a running run (no failure: the members admit
+    it at a sync); replica 4, built with another sync_every, is refused; replica 2 leaves
+    at step 100 with leave()."""
+    import cgx
+    from test_diloco import _model, _train_step
+
+    membership = _membership(replica, port, "grow", min_replicas=2)  # replica 0's serves the store
+    store = _rendezvous_store(port)
+    if replica == 3:
+        store.wait(["step-30"])
+    if replica == 4:
+        store.wait(["joined"])
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sync_every = 8 if replica == 4 else _SYNC_EVERY
+    try:
+        diloco = cgx.DiLoCo(model, inner, sync_every=sync_every, fragments=2, bits=4, overlap=1,
+                            membership=membership)
+    except ValueError as e:
+        store.set("refused", "1")
+        _host_stays_until_the_others_are_done(replica, [1, 3, 4], port, "grow")
+        return str(e)
+    if replica == 3:
+        store.set("joined", "1")
+    digests = {}
+    while diloco.step < _STEPS:
+        if replica == 0 and diloco.step == 30:
+            store.set("step-30", "1")
+        if replica == 2 and diloco.step == 100:
+            store.wait(["refused"])
+            diloco.leave()
+            _host_stays_until_the_others_are_done(replica, [1, 3, 4], port, "grow")
+            return "left"
+        _train_step(model, inner, replica, diloco.step)
+        digests[diloco.step] = _global_digest(diloco)
+        time.sleep(0.03)
+    diloco.close()
+    digests["end"] = _global_digest(diloco)
+    result = digests, [f.syncs for f in diloco._fragments], dict(diloco.stats())
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 3, 4], port, "grow")
+    return result
+
+
+def test_diloco_admits_a_joiner_refuses_one_built_otherwise_and_lets_one_leave():
+    results = values(run_ranks(_grow_and_shrink, 5, args=(_free_port(),), timeout_s=240))
+    (d0, syncs0, stats0), (d1, syncs1, stats1), left, (d3, syncs3, stats3), refused = results
+    assert left == "left"
+    assert "refused this replica: its sync_every differ from the run's: 8 against 4" in refused, refused
+    assert d0 == d1
+    assert 30 < min(k for k in d3 if k != "end") < 100, sorted(d3)[:3]
+    assert all(d3[step] == d0[step] for step in d3)
+    expected = [sum(1 for t in range(1, _STEPS + 1) if t % _SYNC_EVERY == offset) for offset in (0, 2)]
+    assert syncs0 == syncs1 == syncs3 == expected
+    for stats in (stats0, stats1):
+        assert (stats["replicas_joined"], stats["replicas_lost"], stats["replicas"]) == (1, 1, 3), stats
