@@ -23,8 +23,9 @@ Example (one replica of a run; every replica runs the same)::
     membership.close()                          # leaves (end_run() first ends the run for all)
 
 This is the membership layer of elastic Streaming DiLoCo: ``cgx.DiLoCo(...,
-membership=membership)`` syncs over the current round; re-forming the round when a sync
-fails, and bringing joiners the run's state, are not built yet.
+membership=membership)`` syncs over the current round, re-forms it when a sync fails
+(doing that sync again among the survivors) and admits joiners at a sync, giving them
+the run's state from a live member (docs/diloco.md, "Elastic runs").
 What happens when the rendezvous host itself dies: the c10d store lives in the process
 that hosts it, so the run cannot form a new round (the current round's collectives go on,
 the next :meth:`next_round` fails); etcd, which replicates its state, does not have this

@@ -401,3 +401,31 @@ def test_diloco_admits_a_joiner_refuses_one_built_otherwise_and_lets_one_leave()
     assert syncs0 == syncs1 == syncs3 == expected
     for stats in (stats0, stats1):
         assert (stats["replicas_joined"], stats["replicas_lost"], stats["replicas"]) == (1, 1, 3), stats
+
+
+def _below_min_replicas(replica, replicas, port):
+    import signal
+
+    import cgx
+    from test_diloco import _model, _train_step
+
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    membership = _membership(replica, port, "below", min_replicas=2, join_timeout=datetime.timedelta(seconds=3))
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, bits=4, membership=membership)
+    for step in range(40):
+        if replica == 1 and step == 10:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            _train_step(model, inner, replica, step)
+        except cgx.MembershipError as e:
+            membership.close()
+            return diloco.step, str(e)
+    return "trained alone"
+
+
+def test_diloco_below_min_replicas_raises_a_membership_error_not_a_hang():
+    results = run_ranks(_below_min_replicas, 2, args=(_free_port(),), expect_exit={1}, timeout_s=120)
+    step, message = values(results)[0]
+    assert step == 12, step  # the first sync after the death: inner step 12
+    assert "no round formed" in message, message
