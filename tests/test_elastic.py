@@ -5,6 +5,7 @@ Real processes; a replica that dies is a process that exits mid-run."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import subprocess
@@ -15,6 +16,9 @@ import pytest
 import torch
 
 from harness import run_ranks, values
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import netemu  # noqa: E402
 
 # Short heartbeats so that a dead member is dropped within seconds (3 missed beats), but
 # not so short that a live member starved of CPU on a loaded machine misses 3.
@@ -429,3 +433,43 @@ def test_diloco_below_min_replicas_raises_a_membership_error_not_a_hang():
     step, message = values(results)[0]
     assert step == 12, step  # the first sync after the death: inner step 12
     assert "no round formed" in message, message
+
+
+@pytest.mark.skipif(netemu.available() is not None, reason=str(netemu.available()))
+def test_diloco_drops_a_replica_whose_link_is_cut_and_takes_it_back_when_the_link_returns(tmp_path):
+    """3 replicas on emulated hosts; host 2's link is cut (the bridge side of its veth
+    down) for 20 s at step 30 of 200: the others go on without it (after their sync's
+    timeout, 8 s), and it rejoins when the link is back, bit-identical to them."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py")
+    steps, outs = 200, [str(tmp_path / f"replica{r}.json") for r in range(3)]
+    with netemu.EmulatedHosts(3) as hosts:
+        procs = [hosts.popen(r, [sys.executable, "-P", worker, str(r), hosts.address(0), str(steps), outs[r]],
+                             dict(os.environ, CGX_HOSTNAME=f"emulated-host-{r}", GLOO_SOCKET_IFNAME="eth0"),
+                             stdout=subprocess.DEVNULL, stderr=open(outs[r] + ".log", "w"))
+                 for r in range(3)]
+        try:
+            deadline = time.monotonic() + 120
+            while not (os.path.exists(outs[0] + ".step") and int(open(outs[0] + ".step").read() or 0) >= 30):
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run did not start"
+                time.sleep(0.1)
+            netemu._run("ip", "link", "set", hosts.links[2], "down")
+            cut_at = int(open(outs[0] + ".step").read())
+            time.sleep(20)
+            during = int(open(outs[0] + ".step").read())
+            netemu._run("ip", "link", "set", hosts.links[2], "up")
+            for p in procs:
+                p.wait(timeout=240)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    logs = [open(o + ".log").read()[-3000:] for o in outs]
+    assert all(p.returncode == 0 for p in procs), logs
+    runs = [json.load(open(o)) for o in outs]
+    assert during > cut_at + 10, (cut_at, during)  # the others went on while the link was cut
+    assert runs[0]["digests"] == runs[1]["digests"]
+    assert all(runs[2]["digests"][step] == runs[0]["digests"][step] for step in runs[2]["digests"]), logs[2]
+    assert runs[0]["syncs"] == runs[1]["syncs"] == runs[2]["syncs"] == [50, 50]
+    for run in runs[:2]:
+        assert run["stats"]["replicas_lost"] >= 1 and run["stats"]["replicas_joined"] >= 1, run["stats"]
+        assert run["stats"]["replicas"] == 3

@@ -1,0 +1,55 @@
+"""One replica of the emulated-hosts elastic DiLoCo run of tests/test_elastic.py (started
+in its host's network namespace, CGX_HOSTNAME naming the host).
+
+argv: replica index, rendezvous address, steps, output JSON path. Trains the small model
+of tests/test_diloco.py with cgx.DiLoCo over a cgx.elastic.Membership and writes the
+digest of its global weights after every inner step, its fragments' sync counts and its
+stats. Replica 0 serves the rendezvous store and writes its step to <output>.step as it
+goes (the test cuts a link from it), and leaves last.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import cgx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_diloco import _model, _train_step  # noqa: E402
+from test_elastic import _global_digest  # noqa: E402
+
+replica, address, steps, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+port = 29400
+membership = cgx.elastic.Membership(
+    f"{address}:{port}", "link-cut", is_host=replica == 0, min_replicas=2,
+    heartbeat=datetime.timedelta(seconds=2), last_call=datetime.timedelta(seconds=1),
+    group_timeout=datetime.timedelta(seconds=8))
+store = dist.TCPStore(address, port, is_master=False, timeout=datetime.timedelta(seconds=300))
+model = _model(replica)
+inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=4, overlap=1, membership=membership)
+digests = {}
+while diloco.step < steps:
+    _train_step(model, inner, replica, diloco.step)
+    digests[diloco.step] = _global_digest(diloco)
+    if replica == 0:
+        with open(out + ".step.tmp", "w") as f:
+            f.write(str(diloco.step))
+        os.replace(out + ".step.tmp", out + ".step")
+    time.sleep(0.05)
+diloco.close()
+digests["end"] = _global_digest(diloco)
+with open(out, "w") as f:
+    json.dump({"digests": digests, "syncs": [f.syncs for f in diloco._fragments], "stats": dict(diloco.stats())}, f)
+if replica == 0:
+    store.wait(["link-cut-done/1", "link-cut-done/2"])
+else:
+    store.set(f"link-cut-done/{replica}", "1")
+membership.close()
