@@ -200,6 +200,29 @@ class _Replicas:
             return place(self.group)
         return {"rank": self.rank, "world_size": self.size, "global_rank": None}
 
+    def send(self, tensors: list[torch.Tensor], root: int, to: list[int]) -> int:
+        """The ranks in `to` take group rank `root`'s values of the tensors (point to
+        point, one message per dtype and receiver; the other ranks do nothing). Returns
+        the bytes `root` sent."""
+        if self.rank != root and self.rank not in to:
+            return 0
+        sent = 0
+        with torch.no_grad():
+            for dtype in dict.fromkeys(_local(t).dtype for t in tensors):
+                same = [_local(t) for t in tensors if _local(t).dtype == dtype]
+                flat = torch.cat([t.reshape(-1) for t in same])
+                if self.rank == root:
+                    for work in [self.backend.send([flat], peer, 0) for peer in to]:
+                        work.wait()
+                    sent += flat.numel() * flat.element_size() * len(to)
+                    continue
+                self.backend.recv([flat], root, 0).wait()
+                offset = 0
+                for t in same:
+                    t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
+                    offset += t.numel()
+        return sent
+
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (one shape on all), in rank order."""
         everyone = [[torch.empty_like(tensor) for _ in range(self.size)]]
@@ -606,6 +629,8 @@ class DiLoCo:
                 self._change_members(fragment)
                 trained, strangers = _trained(self._model, self._optimizer)
                 joiners = 0 if self._membership is None else self._membership.joiners_waiting()
+                if joiners and self._replicas.size >= self._membership.max_replicas:
+                    joiners = 0  # the round is full: a joiner waits for a place
                 sync = fragment.start(self._replicas, self.step, self.step + self.overlap, self.error_feedback,
                                       trained, strangers, joiners, keep=self._membership is not None)
                 self._in_flight.append(sync)
@@ -695,8 +720,10 @@ class DiLoCo:
         fragment.change_members(leaving, joining, self._schedule.outer_options, self._replicas.residuals)
 
     def _member(self, name: str, param: torch.Tensor) -> _Member:
-        owner = self._model.get_submodule(name.rpartition(".")[0])
-        return _member(name, param, self._policy.setting_for(name, owner, param))
+        return _member(name, param, self._member_setting(name, param))
+
+    def _member_setting(self, name: str, param: torch.Tensor) -> LayerSetting:
+        return self._policy.setting_for(name, self._model.get_submodule(name.rpartition(".")[0]), param)
 
     # ---- elastic runs: the replicas re-form
 
@@ -732,6 +759,7 @@ class DiLoCo:
                 if cause is None:
                     cause = sys.exc_info()[1]
         if cause is not None:
+            cause = cause.__cause__ or cause  # the backend's own words, without DiLoCo's out-of-step advice
             _log.warning("cgx.DiLoCo: run %r: a collective failed at inner step %d (%s: %s); the replicas re-form",
                          self._membership.run_id, self.step, type(cause).__name__, cause)
         took = self._enter_round(self._membership.next_round(), cause)
@@ -746,8 +774,8 @@ class DiLoCo:
         the reference is the member with the most syncs applied (then the latest step,
         then the lowest rank): every replica whose state differs from it (a joiner; a
         member that missed a sync the reference applied) takes the reference's global
-        weights, outer momentum, frozen parameters, schedule and syncs in flight, and
-        restarts its local weights from them. The syncs the reference completed are
+        weights, outer momentum, frozen parameters (sent to it alone), schedule and
+        syncs in flight, and restarts its local weights from them. The syncs the reference completed are
         given to whoever lacks them; the others are done again, averaged over the members
         that sent into them. Returns whether this replica took the reference's state."""
         while True:
@@ -782,9 +810,8 @@ class DiLoCo:
         if me in takers:
             self._take_position(positions[reference])
         if takers:
-            sent = self._replicas.broadcast(self._state_tensors(), reference)
-            if me == reference:
-                self._elastic_stats["bytes_to_joiners"] += sent * len(takers)
+            frozen = positions[reference]["layout"]["frozen"]
+            self._elastic_stats["bytes_to_joiners"] += self._replicas.send(self._state_tensors(frozen), reference, takers)
             if me in takers:
                 self._restart_local_weights()
         self._settle_in_flight(positions, reference, takers)
@@ -796,14 +823,15 @@ class DiLoCo:
         """What this replica shows the others when a round forms."""
         layout = self._layout()
         digest = hashlib.blake2b(repr((self.step, layout)).encode(), digest_size=16)
-        for t in self._state_tensors():
-            digest.update(t.detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
+        for t in self._state_tensors(layout["frozen"]):
+            digest.update(_local(t).detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
         return {
             "id": self._membership.replica_id,
             "established": self._established,
             "construction": {**dataclasses.asdict(self._schedule),
                              "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self._model.named_parameters()],
-                             "settings": sorted(self._policy.resolve(self._model).items())},
+                             # Every parameter's, frozen or not: the run may have unfrozen some.
+                             "settings": [(n, self._member_setting(n, p)) for n, p in self._model.named_parameters()]},
             "step": self.step,
             "syncs": [f.syncs for f in self._fragments],
             "state": digest.hexdigest() if self._established else None,
@@ -822,19 +850,25 @@ class DiLoCo:
             "joining": sorted((name, index) for name, (index, _) in self._joining.items()),
             "leaving": sorted(self._leaving),
             "in_flight": [(s.key, s.agreement.trained) for s in self._in_flight],
+            "frozen": self._frozen(),
         }
 
-    def _state_tensors(self) -> list[torch.Tensor]:
+    def _frozen(self) -> list[str]:
+        """The parameters neither synced nor trained here: equal on every replica."""
+        synced = {m.name for f in self._fragments for m in f.members} | set(self._joining)
+        synced |= {name for name, _ in _trained(self._model, self._optimizer)[0]}
+        return [name for name, _ in self._model.named_parameters() if name not in synced]
+
+    def _state_tensors(self, frozen: list[str]) -> list[torch.Tensor]:
         """The run's state that a replica taking it receives, in an order every replica
         with the same layout shares: global weights, outer momentum buffers, and the
-        parameters nobody trains (frozen: equal on every replica)."""
+        `frozen` parameters (the reference's list)."""
         members = [m for f in self._fragments for m in f.members]
         members += [self._joining[name][1] for name in sorted(self._joining)]
         momentum = [f.outer.state[m.global_weight]["momentum_buffer"] for f in self._fragments for m in f.members
                     if f.outer is not None and f.outer.state[m.global_weight].get("momentum_buffer") is not None]
-        synced = {m.name for m in members} | {name for name, _ in _trained(self._model, self._optimizer)[0]}
-        frozen = [p for name, p in self._model.named_parameters() if name not in synced]
-        return [m.global_weight for m in members] + momentum + frozen
+        params = dict(self._model.named_parameters())
+        return [m.global_weight for m in members] + momentum + [params[name] for name in frozen]
 
     def _take_position(self, reference: dict[str, Any]) -> None:
         """Takes the reference's layout, schedule and syncs in flight (the tensors follow
@@ -872,26 +906,24 @@ class DiLoCo:
                 _local(m.param).copy_(m.global_weight)
 
     def _settle_in_flight(self, positions: list[dict[str, Any]], reference: int, takers: list[int]) -> None:
-        """The syncs in flight, as the reference has them: the averages it completed go
-        to every member that lacks them; the syncs it did not complete are done again in
+        """The syncs in flight, as the reference has them: the averages it completed are
+        sent to every member that lacks them; the syncs it did not complete are done again in
         this round, each member sending what it sent before (scaled, so that the average
         is over those that sent) or zeros. Residuals from the old round are dropped."""
         size = self._replicas.size
         theirs = [{tuple(e["key"]): e for e in p["in_flight"]} for p in positions]
-        missing, again = [], []
+        again = []
         for i, entry in enumerate(positions[reference]["in_flight"]):
             key = tuple(entry["key"])
             sync = self._in_flight[i]
             sync.residual = None
             if entry["completed"]:
-                if any(r in takers or not theirs[r][key]["completed"] for r in range(size)):
-                    missing.append(sync)
+                lacking = [r for r in range(size) if r in takers or not theirs[r][key]["completed"]]
+                if lacking and sync.outer_gradient is not None:
+                    self._replicas.send([sync.outer_gradient], reference, lacking)
+                sync.work, sync.agreement.work, sync.checked = None, None, True
             else:
                 again.append((i, sum(1 for r in range(size) if key in theirs[r] and theirs[r][key]["sent"])))
-        if missing:
-            self._replicas.broadcast([s.outer_gradient for s in missing if s.outer_gradient is not None], reference)
-            for sync in missing:
-                sync.work, sync.agreement.work, sync.checked = None, None, True
         for i, senders in again:
             old = self._in_flight[i]
             fragment = old.fragment

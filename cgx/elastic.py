@@ -131,6 +131,7 @@ class Membership:
         if is_host is not None:
             options["is_host"] = bool(is_host)
         self.run_id = run_id
+        self.min_replicas, self.max_replicas = min_replicas, max_replicas
         # How the others' logs and stats name this replica (a restarted one is a new replica).
         self.replica_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(2)}"
         self.group_timeout = group_timeout
