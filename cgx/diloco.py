@@ -213,10 +213,10 @@ class _Replicas:
                 flat = torch.cat([t.reshape(-1) for t in same])
                 if self.rank == root:
                     for work in [self.backend.send([flat], peer, 0) for peer in to]:
-                        work.wait()
+                        _wait(work)
                     sent += flat.numel() * flat.element_size() * len(to)
                     continue
-                self.backend.recv([flat], root, 0).wait()
+                _wait(self.backend.recv([flat], root, 0))
                 offset = 0
                 for t in same:
                     t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
@@ -226,7 +226,7 @@ class _Replicas:
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (one shape on all), in rank order."""
         everyone = [[torch.empty_like(tensor) for _ in range(self.size)]]
-        self.backend.allgather(everyone, [tensor]).wait()
+        _wait(self.backend.allgather(everyone, [tensor]))
         return everyone[0]
 
     def all_gather_object(self, value: Any) -> list[Any]:
@@ -259,7 +259,7 @@ class _Replicas:
             for dtype in dict.fromkeys(_local(t).dtype for t in tensors):
                 same = [_local(t) for t in tensors if _local(t).dtype == dtype]
                 flat = torch.cat([t.reshape(-1) for t in same])
-                self.backend.broadcast(flat, root).wait()
+                _wait(self.backend.broadcast(flat, root))
                 sent += flat.numel() * flat.element_size()
                 offset = 0
                 for t in same:
@@ -435,7 +435,7 @@ class _Fragment:
         replicas.wait(sync.agreement)
         if sync.work is None:
             return
-        sync.work.wait()
+        _wait(sync.work)
         replicas.count(layout_bytes(self.layout, replicas.skip_incomplete, _C.sent_exactly(sync.work)),
                        4 * self.numel)
         sync.work = None
@@ -728,18 +728,27 @@ class DiLoCo:
     # ---- elastic runs: the replicas re-form
 
     def _with_recovery(self, action: Callable[[], Any]) -> Any:
-        """Runs `action`. In an elastic run, where a collective of it fails (a replica
-        died, left or lost its link: PeerError or CollectiveTimeoutError), the replicas
-        re-form (:meth:`_reform`) and `action` runs again, doing what is left."""
+        """Runs `action`. In an elastic run, where a collective fails (a replica died,
+        left or lost its link: PeerError or CollectiveTimeoutError), in `action` or while
+        the replicas re-form, the replicas re-form (:meth:`_reform`) and `action` runs
+        again, doing what is left. A replica that took another's state and step first
+        does the rest of that step's syncs, as the others do."""
+        cause, catch_up = None, False
         while True:
             try:
+                if cause is not None:
+                    catch_up |= self._reform(cause)
+                    cause = None
+                if catch_up and action != self._syncs_of_this_step:
+                    self._syncs_of_this_step()
+                catch_up = False
                 return action()
             except _TookState:
-                continue
+                catch_up = True
             except dist.DistError as e:
                 if self._membership is None or isinstance(e, (CallMismatchError, MembershipError)):
                     raise
-                self._reform(cause=e)
+                cause = e
 
     def _reform(self, cause: Exception | None) -> bool:
         """The members move to the next round: after a failure (`cause`), or to admit
@@ -800,6 +809,10 @@ class DiLoCo:
         ids = [p["id"] for p in positions]
         self._count_members(ids, cause)
         if not any(p["established"] for p in positions):
+            if any(p["step"] > 0 for p in positions):
+                raise MembershipError(
+                    f"cgx.DiLoCo: run {self._membership.run_id!r}: every replica holding the run's state is gone "
+                    f"(the others had not finished taking it); restart the run from a checkpoint")
             self._start_together()
             self._established = True
             return False
@@ -808,6 +821,7 @@ class DiLoCo:
         takers = [r for r, p in enumerate(positions) if p["state"] != positions[reference]["state"]]
         me = self._replicas.rank
         if me in takers:
+            self._established = False  # until the state has arrived: never a reference half-taken
             self._take_position(positions[reference])
         if takers:
             frozen = positions[reference]["layout"]["frozen"]
@@ -831,7 +845,8 @@ class DiLoCo:
             "construction": {**dataclasses.asdict(self._schedule),
                              "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self._model.named_parameters()],
                              # Every parameter's, frozen or not: the run may have unfrozen some.
-                             "settings": [(n, self._member_setting(n, p)) for n, p in self._model.named_parameters()]},
+                             "settings": [(n, self._member_setting(n, p)) for n, p in self._model.named_parameters()],
+                             "trained parameters": _trained(self._model, self._optimizer)[0]},
             "step": self.step,
             "syncs": [f.syncs for f in self._fragments],
             "state": digest.hexdigest() if self._established else None,
@@ -1137,11 +1152,16 @@ def _refused(positions: list[dict[str, Any]]) -> dict[int, str]:
     for rank, position in enumerate(positions):
         for name, value in run.items():
             theirs = position["construction"].get(name)
-            if theirs != value:
-                if isinstance(value, list) and isinstance(theirs, list):
-                    value, theirs = next(((a, b) for a, b in zip(value, theirs) if a != b), (len(value), len(theirs)))
+            if theirs == value:
+                continue
+            if isinstance(value, list) and isinstance(theirs, list):  # name the entries that differ
+                only_here = [x for x in theirs if x not in value][:2]
+                only_run = [x for x in value if x not in theirs][:2]
+                refused[rank] = (f"its {name} differ from the run's: it has {only_here or 'nothing more'}, "
+                                 f"the run {only_run or 'nothing more'}")
+            else:
                 refused[rank] = f"its {name} differ from the run's: {theirs!r} against {value!r}"
-                break
+            break
     return refused
 
 
@@ -1164,6 +1184,20 @@ def _restore(member: _Member) -> None:
     """A parameter that is no longer synced keeps its global weight: equal on every replica."""
     with torch.no_grad():
         _local(member.param).copy_(member.global_weight)
+
+
+def _wait(work: Any) -> None:
+    """Waits for a Work. Where it went the exact way (Gloo: exact syncs, all_gather,
+    broadcast, send, recv), a failure of the link or of a peer arrives as Gloo's plain
+    RuntimeError naming its transport; it is raised as the compressed path raises it,
+    PeerError or CollectiveTimeoutError, so that every path of a sync fails alike."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        if isinstance(e, dist.DistError) or "gloo/transport" not in str(e):
+            raise
+        kind = CollectiveTimeoutError if "Timed out" in str(e) else PeerError
+        raise kind(f"an exact (Gloo) call failed: {e}") from e
 
 
 def _current_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -473,3 +473,104 @@ def test_diloco_drops_a_replica_whose_link_is_cut_and_takes_it_back_when_the_lin
     for run in runs[:2]:
         assert run["stats"]["replicas_lost"] >= 1 and run["stats"]["replicas_joined"] >= 1, run["stats"]
         assert run["stats"]["replicas"] == 3
+
+
+def _survive_hard_failures(replica, replicas, port, how):
+    """Replica 2 dies as inner step 42 begins. "checkpoint": only replica 0 saves
+    state_dict() every step, so it meets the failure there, a step before replica 1
+    meets it in a sync. "second death": replica 3 dies too, as the survivors re-form.
+    "exact": exact DiLoCo (bits=32); replica 2 dies as its exact (Gloo) average starts,
+    after the sync's agreement completed."""
+    import signal
+
+    import cgx
+    import cgx.diloco
+    from test_diloco import _model, _train_step
+
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    membership = _membership(replica, port, f"hard-{how}", min_replicas=2)
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=32 if how == "exact" else 4,
+                        overlap=1, membership=membership)
+    replicas_class = cgx.diloco._Replicas
+    if replica == 2 and how == "exact":
+        agree, exact_average = replicas_class.agree, replicas_class.exact_average
+
+        def agree_first(self, *args):
+            agreement = agree(self, *args)
+            if diloco.step == 42:
+                agreement.work.wait()
+            return agreement
+
+        def die_in_it(self, flat):
+            if diloco.step == 42:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return exact_average(self, flat)
+        replicas_class.agree, replicas_class.exact_average = agree_first, die_in_it
+    elif replica == 2:
+        def die(*_):
+            if diloco.step == 41:
+                os.kill(os.getpid(), signal.SIGKILL)
+        inner.register_step_pre_hook(die)
+    if replica == 3:
+        all_gather_object = replicas_class.all_gather_object
+
+        def die_in_it(self, value):
+            if diloco.step >= 41:  # the next round's positions
+                time.sleep(0.5)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return all_gather_object(self, value)
+        replicas_class.all_gather_object = die_in_it
+    digests = {}
+    while diloco.step < 70:
+        _train_step(model, inner, replica, diloco.step)
+        digests[diloco.step] = (_global_digest(diloco) if replica == 0 or how != "checkpoint"
+                                else _global_digest_without_a_collective(diloco))
+        time.sleep(0.03)
+    diloco.close()
+    digests["end"] = _global_digest_without_a_collective(diloco)
+    result = digests, [f.syncs for f in diloco._fragments], dict(diloco.stats())
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1], port, f"hard-{how}")
+    return result
+
+
+def _global_digest_without_a_collective(diloco) -> str:
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=12)
+    members = [m for f in diloco._fragments for m in f.members] + [m for _, m in diloco._joining.values()]
+    for m in sorted(members, key=lambda m: m.name):
+        digest.update(m.global_weight.numpy().tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "second death", "exact"])
+def test_diloco_survivors_stay_identical_through_failures_met_out_of_step_twice_or_on_the_exact_path(how):
+    replicas = 4 if how == "second death" else 3
+    results = run_ranks(_survive_hard_failures, replicas, args=(_free_port(), how),
+                        expect_exit={2, 3}, timeout_s=180)
+    (d0, syncs0, stats0), (d1, syncs1, stats1) = values(results[:2])
+    # Bit-identical global weights after every step and at the end. (With "checkpoint",
+    # replica 0 meets the failure at step 42 and takes replica 1's state at 43: it has no 42.)
+    assert all(d0[step] == d1[step] for step in d0.keys() & d1.keys())
+    assert d0["end"] == d1["end"] and len(d0.keys() & d1.keys()) >= len(d1) - 1
+    expected = [sum(1 for t in range(1, 71) if t % _SYNC_EVERY == offset) for offset in (0, 2)]
+    assert syncs0 == syncs1 == expected
+    assert results[2:] == [None] * (replicas - 2)  # killed
+    assert stats0["replicas"] == stats1["replicas"] == 2
+    assert stats0["syncs_redone"] >= 1 and stats1["syncs_redone"] >= 1
+
+
+def test_a_joiner_is_refused_for_the_first_construction_difference_its_trained_parameters_too():
+    from cgx.diloco import _refused
+
+    def position(established, **construction):
+        run = {"sync_every": 4, "trained parameters": [("0.weight", (32, 8)), ("0.bias", (32,))]}
+        return {"established": established, "construction": {**run, **construction}}
+
+    assert _refused([position(False), position(False, sync_every=8)]) == {}  # the run's start: all fail there
+    refused = _refused([position(True), position(True), position(False, **{"trained parameters": [("0.bias", (32,))]})])
+    assert refused == {2: "its trained parameters differ from the run's: it has nothing more, the run [('0.weight', (32, 8))]"}
+    assert _refused([position(True), position(False, sync_every=8)]) == {
+        1: "its sync_every differ from the run's: 8 against 4"}
