@@ -183,8 +183,8 @@ def run(scenario: str, seed: int, steps: int, link: str | None, args, tmp: str) 
     for t, slot in restarts:
         joiner = next((r for r in records[slot] if abs(r["asked"] - t) < 30), None)
         if joiner is not None and joiner["syncs"]:
-            joins.append({"to_admitted": joiner["admitted"] - t, "to_first_sync": joiner["syncs"][0][0] - t,
-                          "at_step": joiner["first_step"]})
+            joins.append({"to_asked": joiner["asked"] - t, "to_admitted": joiner["admitted"] - t,
+                          "to_first_sync": joiner["syncs"][0][0] - t, "at_step": joiner["first_step"]})
     bytes_to_joiners = sum(r["stats"]["bytes_to_joiners"] for rs in records.values() for r in rs)
     return {"scenario": scenario, "seed": seed, "steps": steps, "link": link or "unshaped",
             "val_loss": host["val_loss"], "failures": len(kills), "restarts": len(restarts),

@@ -574,3 +574,25 @@ def test_a_joiner_is_refused_for_the_first_construction_difference_its_trained_p
     assert refused == {2: "its trained parameters differ from the run's: it has nothing more, the run [('0.weight', (32, 8))]"}
     assert _refused([position(True), position(False, sync_every=8)]) == {
         1: "its sync_every differ from the run's: 8 against 4"}
+
+
+def test_a_replica_under_torchrun_max_restarts_is_restarted_and_joins_the_run(tmp_path):
+    """torchrun is the supervisor of a replica: its worker killed, torchrun starts it
+    again (--max-restarts) and the new process joins the run with its state."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_torchrun_worker.py")
+    port, out = _free_port(), str(tmp_path / "result")
+    host = subprocess.Popen([sys.executable, "-P", worker, "0", str(port), out], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        restarted = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                                    "--max-restarts=2", worker, "1", str(port), out],
+                                   capture_output=True, text=True, timeout=150)
+        host.wait(timeout=60)
+    finally:
+        if host.poll() is None:
+            host.kill()
+    assert restarted.returncode == 0 and host.returncode == 0, restarted.stderr[-3000:]
+    (digest0, joined0, lost0, _), (digest1, _, _, incarnation) = (open(f"{out}.{s}").read().split() for s in (0, 1))
+    assert incarnation == "1"  # the worker that finished is torchrun's restart
+    assert digest0 == digest1  # and it ends bit-identical to the host
+    assert int(lost0) == 1 and int(joined0) >= 1
