@@ -17,8 +17,9 @@ cgx.DiLoCo (H=32, P=4, 4-bit outer gradients, overlap 1) over a cgx.elastic.Memb
 
 Reports per run: the final validation loss of the global weights (equal on every
 replica), the failures survived, from each kill to the survivors' next completed sync,
-from each restart to the joiner's first sync (and to its admission), and the bytes of
-state sent to joiners against the model's float32 size. Writes <out>/elastic.json.
+from each restart to the joiner's first sync (and to its admission; measured for the
+replicas that lived to the end, as a killed one's record is lost), and the bytes of state
+sent to joiners against the model's float32 size. Writes <out>/elastic.json.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def replica_main(config_path: str) -> None:
     model = task.model()
     inner = torch.optim.AdamW(model.parameters(), lr=task.lr)
     membership = cgx.elastic.Membership(f"{config['endpoint']}:{PORT}", config["run_id"], is_host=slot == 0,
-                                        min_replicas=config["min_replicas"])
+                                        min_replicas=config["min_replicas"],
+                                        group_timeout=datetime.timedelta(seconds=config["group_timeout"]))
     store = torch.distributed.TCPStore(config["endpoint"], PORT, is_master=False,
                                        timeout=datetime.timedelta(seconds=600))
     asked = time.time()
@@ -126,7 +128,8 @@ def run(scenario: str, seed: int, steps: int, link: str | None, args, tmp: str) 
         with open(config, "w") as f:
             json.dump({"slot": slot, "seed": seed, "steps": steps, "endpoint": hosts.address(0),
                        "run_id": f"{scenario}-{seed}", "min_replicas": 2,
-                       "replicas": replicas, "progress": progress, "out": out}, f)
+                       "replicas": replicas, "progress": progress, "out": out,
+                       "group_timeout": args.group_timeout}, f)
         env = dict(os.environ, CGX_HOSTNAME=f"emulated-host-{slot}", GLOO_SOCKET_IFNAME="eth0")
         log = open(out + ".log", "w")
         procs[slot] = hosts.popen(slot, [sys.executable, "-P", os.path.abspath(__file__), "--replica", config],
@@ -202,6 +205,9 @@ def main() -> None:
     parser.add_argument("--chaos-every", type=int, default=48, help="chaos: steps of replica 0 between kills")
     parser.add_argument("--chaos-down", type=float, default=5.0, help="chaos: seconds a killed replica stays down")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
+    parser.add_argument("--group-timeout", type=int, default=300,
+                        help="each round's group timeout, s (Membership's default: 300); a replica killed while "
+                             "it joins stalls the others for up to this long")
     parser.add_argument("--out", default=default_output("elastic"))
     args = parser.parse_args()
     link = None if args.link == "unshaped" else args.link
@@ -223,8 +229,8 @@ def main() -> None:
         rs = [r for r in results if r["scenario"] == scenario]
         gaps = [g for r in rs for g in r["kill_to_next_sync_s"] if g is not None]
         joins = [j["to_first_sync"] for r in rs for j in r["joins"]]
-        joined = sum(len(r["joins"]) for r in rs)
-        ratio = (sum(r["bytes_to_joiners"] for r in rs) / joined / rs[0]["float32_bytes"]) if joined else None
+        restarts = sum(r["restarts"] for r in rs)  # each restart joins once (a killed one's record is lost)
+        ratio = (sum(r["bytes_to_joiners"] for r in rs) / restarts / rs[0]["float32_bytes"]) if restarts else None
         per_seed = ", ".join(f"{r['val_loss']:.4f}" for r in rs)
         print(f"| {scenario} | {len(rs)} | {statistics.mean(r['val_loss'] for r in rs):.4f} | "
               f"{per_seed} | {sum(r['failures'] for r in rs)} | "

@@ -556,8 +556,27 @@ class DiLoCo:
         self._elastic_stats = {"rounds": 0, "replicas_lost": 0, "replicas_joined": 0, "syncs_redone": 0,
                                "reform_seconds": 0.0, "bytes_to_joiners": 0}
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
-        if self._enter_round(self._membership.round, cause=None):
-            self._with_recovery(self._syncs_of_this_step)  # the rest of the step the members are at
+        try:
+            self._join_the_run()
+        except BaseException:
+            self._closed = True
+            self._hook.remove()  # a DiLoCo that failed to join trains nothing
+            raise
+
+    def _join_the_run(self) -> None:
+        """The first round of this replica: the run's start, or a join (then the rest of
+        the step the members are at). A failure in it re-forms, as in _with_recovery."""
+        cause = None
+        while True:
+            try:
+                took = self._enter_round(self._membership.round, cause=None) if cause is None else self._reform(cause)
+                break
+            except dist.DistError as e:
+                if isinstance(e, (CallMismatchError, MembershipError)):
+                    raise
+                cause = e
+        if took:
+            self._with_recovery(self._syncs_of_this_step)
 
     def _start_together(self) -> None:
         """The run's start: the replicas agree on how they built DiLoCo, and every one
@@ -859,10 +878,12 @@ class DiLoCo:
         """The run's state but its tensors: what a replica taking it needs."""
         return {
             "fragments": [f.names for f in self._fragments],
+            "offsets": [f.offset for f in self._fragments],  # fixed at construction (sync_every may change)
             "syncs": [f.syncs for f in self._fragments],
             "last_start": [f.last_start for f in self._fragments],
             "momentum": [sorted(f.outer_momentum()) if f.outer is not None else [] for f in self._fragments],
-            "joining": sorted((name, index) for name, (index, _) in self._joining.items()),
+            # In the order members join a fragment (model order, as _follow adds them).
+            "joining": [(name, index) for name, (index, _) in self._joining.items()],
             "leaving": sorted(self._leaving),
             "in_flight": [(s.key, s.agreement.trained) for s in self._in_flight],
             "frozen": self._frozen(),
@@ -893,11 +914,12 @@ class DiLoCo:
         params = dict(self._model.named_parameters())
         mine = {s.key: s for s in self._in_flight}
         with torch.no_grad():
-            for fragment, names, syncs, last_start, momentum in zip(
-                    self._fragments, layout["fragments"], layout["syncs"], layout["last_start"], layout["momentum"]):
+            for fragment, names, offset, syncs, last_start, momentum in zip(
+                    self._fragments, layout["fragments"], layout["offsets"], layout["syncs"], layout["last_start"],
+                    layout["momentum"]):
                 fragment.set_members([self._member(n, params[n]) for n in names], self._schedule.outer_options,
                                      momentum={})
-                fragment.syncs, fragment.last_start = syncs, last_start
+                fragment.offset, fragment.syncs, fragment.last_start = offset, syncs, last_start
                 for m in fragment.members:
                     if m.name in momentum:
                         fragment.outer.state[m.global_weight] = {"momentum_buffer": torch.zeros_like(m.global_weight)}

@@ -596,3 +596,35 @@ def test_a_replica_under_torchrun_max_restarts_is_restarted_and_joins_the_run(tm
     assert incarnation == "1"  # the worker that finished is torchrun's restart
     assert digest0 == digest1  # and it ends bit-identical to the host
     assert int(lost0) == 1 and int(joined0) >= 1
+
+
+def _take_a_position(rank, world):
+    """Two DiLoCos on one rank: `run` has layer 2 unfrozen at step 5 (its parameters wait
+    to join a fragment, in model order) and then its sync_every changed (the fragments'
+    offsets stay); `taker` takes run's position as a joiner does."""
+    import cgx
+    from harness import init_cgx
+    from test_diloco import _model, _train_step
+
+    init_cgx(rank, world)
+    built = []
+    for sync_every in (4, 8):  # the taker is built with the run's current sync_every
+        model = _model(0)
+        model[2].requires_grad_(False)
+        inner = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        built.append((model, inner, cgx.DiLoCo(model, inner, sync_every=sync_every, fragments=2, bits=4)))
+    (model, inner, run), (_, _, taker) = built
+    for step in range(6):
+        if step == 4:
+            model[2].requires_grad_(True)
+            inner.add_param_group({"params": list(model[2].parameters())})
+        _train_step(model, inner, 0, step)
+    run.sync_every = 8
+    taker._take_position({"step": run.step, "layout": run._layout()})
+    return ([list(d._joining) for d in (run, taker)], [[f.offset for f in d._fragments] for d in (run, taker)])
+
+
+def test_a_replica_taking_the_state_takes_the_join_order_and_the_fragments_offsets():
+    (joining, offsets), = values(run_ranks(_take_a_position, 1))
+    assert joining[0] == ["2.weight", "2.bias"] and joining[1] == joining[0]  # model order: fragments alike
+    assert offsets[0] == [0, 2] and offsets[1] == offsets[0]  # from sync_every=4, not the current 8
