@@ -50,6 +50,7 @@ from cgx.elastic import Membership, Round
 from cgx.errors import CallMismatchError, CollectiveTimeoutError, MembershipError, PeerError
 from cgx.layers import (RAW, CompressionPolicy, LayerSetting, Segment, all_raw, append_segment, check_bits,
                         check_bucket_size, layout_bytes)
+from cgx.replica_host import CHANGED, CLOSED, FAILED, LEFT, UNCHANGED, ReplicaHost
 from cgx.residuals import Residuals, check_same_place, place
 
 __all__ = ["DiLoCo"]
@@ -501,6 +502,9 @@ class DiLoCo:
             waiting to join (the members poll at every sync and admit them together);
             a replica constructed while the run is on takes the run's state from a live
             member (docs/diloco.md, "Elastic runs").
+        replica_group: in an elastic run, where a replica is a host's DDP group: that
+            group. Its rank 0 (the lead) gives `membership` and syncs; the others give
+            neither and take the lead's step and weights after every inner step.
     """
 
     def __init__(
@@ -522,11 +526,21 @@ class DiLoCo:
         group: dist.ProcessGroup | None = None,
         fragment_pattern: str = "strided",
         membership: Membership | None = None,
+        replica_group: dist.ProcessGroup | None = None,
     ) -> None:
         _check_model_and_policy(model, inner_optimizer, bits, bucket_size, policy)
         self._schedule = _Schedule(sync_every, fragments, fragment_pattern, outer_lr, outer_momentum, nesterov,
                                    overlap, mix, error_feedback)
         self._membership = membership  # held: the membership's heartbeats stop once nothing does
+        self._host = None if replica_group is None else ReplicaHost(replica_group, model)
+        self._weights_changed = False  # this step (the lead tells its host)
+        if self._host is not None:
+            if (membership is not None) != self._host.is_lead or group is not None:
+                raise ValueError("cgx.DiLoCo: with replica_group, the host's rank 0 (the lead) gives membership= and "
+                                 "the host's other ranks give neither membership nor group")
+            if not self._host.is_lead:
+                self._init_follower(model, inner_optimizer)
+                return
         if membership is None:
             self._replicas = _Replicas.of_group(resolve_group(group, "cgx.DiLoCo"))
         else:
@@ -561,7 +575,35 @@ class DiLoCo:
         except BaseException:
             self._closed = True
             self._hook.remove()  # a DiLoCo that failed to join trains nothing
+            self._tell_host(FAILED)
             raise
+        self._tell_host(CHANGED)  # the weights it starts from, to the host's other ranks
+
+    def _init_follower(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer) -> None:
+        """A rank of a host's replica other than its lead: takes the lead's step and
+        weights after every inner step (cgx/replica_host.py)."""
+        self._model, self._optimizer = model, inner_optimizer
+        self.step, self._closed = 0, False
+        self._hook = inner_optimizer.register_step_post_hook(lambda *_: self._hear_the_lead())
+        self._hear_the_lead()  # the weights the lead joined the run with
+
+    def _hear_the_lead(self) -> None:
+        step, event = self._host.hear()
+        self.step = step
+        if event in (CLOSED, FAILED, LEFT):
+            self._closed = True
+            self._hook.remove()
+        if event in (FAILED, LEFT):
+            raise RuntimeError(f"cgx.DiLoCo: this replica's lead rank (rank 0 of replica_group) "
+                               f"{'failed: see its error' if event == FAILED else 'left the run'}, at inner step {step}")
+
+    def _tell_host(self, event: int) -> None:
+        """The lead: its step and event to the host's other ranks (weights where changed)."""
+        if self._host is not None:
+            if event == UNCHANGED and self._weights_changed:
+                event = CHANGED
+            self._host.tell(self.step, event)
+            self._weights_changed = False
 
     def _join_the_run(self) -> None:
         """The first round of this replica: the run's start, or a join (then the rest of
@@ -593,6 +635,10 @@ class DiLoCo:
     overlap = _schedule_field("overlap")
     mix = _schedule_field("mix")
     error_feedback = _schedule_field("error_feedback")
+
+    @property
+    def _following(self) -> bool:
+        return self._host is not None and not self._host.is_lead
 
     @property
     def residuals(self) -> Residuals:
@@ -634,7 +680,12 @@ class DiLoCo:
 
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
         self.step += 1
-        self._with_recovery(self._syncs_of_this_step)
+        try:
+            self._with_recovery(self._syncs_of_this_step)
+        except BaseException:
+            self._tell_host(FAILED)
+            raise
+        self._tell_host(UNCHANGED)
 
     def _syncs_of_this_step(self) -> None:
         """Finishes the syncs due at this step and starts the one whose turn it is. Run
@@ -683,6 +734,7 @@ class DiLoCo:
             stats["wait_seconds"] += time.perf_counter() - started
         if self._membership is not None:
             self._in_flight.remove(sync)
+        self._weights_changed = True
         if sync.outer_gradient is not None:
             sync.fragment.apply(sync, self._replicas, self.overlap, self.mix)
         if follow:
@@ -733,6 +785,7 @@ class DiLoCo:
         joining = [m for index, m in self._joining.values() if index == fragment.index]
         if not leaving and not joining:
             return
+        self._weights_changed = True  # leaving members take their global weights
         self._leaving -= leaving
         for m in joining:
             del self._joining[m.name]
@@ -826,6 +879,7 @@ class DiLoCo:
                              positions[rank]["id"], difference)
             round_ = self._membership.next_round()
         ids = [p["id"] for p in positions]
+        self._weights_changed = True
         self._count_members(ids, cause)
         if not any(p["established"] for p in positions):
             if any(p["step"] > 0 for p in positions):
@@ -998,9 +1052,17 @@ class DiLoCo:
         in it calls close() at the run's end (one that leaves before: :meth:`leave`)."""
         if self._closed:
             return
+        if self._host is not None and not self._host.is_lead:
+            self._hear_the_lead()  # the lead's close(): its last weights
+            return
         self._closed = True
         self._hook.remove()
-        self._with_recovery(self._close_together)
+        try:
+            self._with_recovery(self._close_together)
+        except BaseException:
+            self._tell_host(FAILED)
+            raise
+        self._tell_host(CLOSED)
 
     def _close_together(self) -> None:
         replicas = self._replicas
@@ -1022,6 +1084,7 @@ class DiLoCo:
         self._hook.remove()
         self._in_flight.clear()
         self._membership.close()
+        self._tell_host(LEFT)
 
     def __enter__(self) -> DiLoCo:
         return self
@@ -1048,6 +1111,8 @@ class DiLoCo:
         after a failure), reform_seconds (from a failure or an admission to the next
         round's start), bytes_to_joiners (state this replica sent to replicas taking
         it: its size times their number)."""
+        if self._following:
+            return Stats({"step": self.step}, _RENAMED)  # the replica's stats are its lead's
         elastic = {} if self._membership is None else {"replicas": self._replicas.size, **self._elastic_stats}
         return Stats({"step": self.step, **self._replicas.stats, "in_flight": len(self._in_flight), **elastic},
                      _RENAMED)
@@ -1058,6 +1123,9 @@ class DiLoCo:
         flight (waited for, their averaged outer gradient kept, to be applied at their step
         after a resume). Checkpoint it with the model and the inner optimizer; every rank
         saves its own (residuals differ between ranks)."""
+        if self._following:
+            raise RuntimeError("cgx.DiLoCo.state_dict: a host's replica keeps its DiLoCo state on its lead rank "
+                               "(rank 0 of replica_group): save that one's")
         self._with_recovery(self._complete_in_flight)
         members = [m for f in self._fragments for m in f.members] + [m for _, m in self._joining.values()]
         return {

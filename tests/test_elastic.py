@@ -628,3 +628,36 @@ def test_a_replica_taking_the_state_takes_the_join_order_and_the_fragments_offse
     (joining, offsets), = values(run_ranks(_take_a_position, 1))
     assert joining[0] == ["2.weight", "2.bias"] and joining[1] == joining[0]  # model order: fragments alike
     assert offsets[0] == [0, 2] and offsets[1] == offsets[0]  # from sync_every=4, not the current 8
+
+
+@pytest.mark.skipif(netemu.available() is not None, reason=str(netemu.available()))
+def test_a_hosts_ddp_group_is_one_replica_and_torchrun_restarts_it_into_the_run(tmp_path):
+    """2 emulated hosts x 2 ranks (DDP inside each, torchrun per host): each host is one
+    replica, its rank 0 the lead. A rank of host 1 dies (SIGKILL); torchrun restarts host
+    1's ranks (--max-restarts), which join as a replica. The leads end with bit-identical
+    global weights and every rank with its lead's weights."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_host_worker.py")
+    out = str(tmp_path / "rank")
+    with netemu.EmulatedHosts(2) as hosts:
+        procs = [hosts.popen(h, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                                 "--max-restarts=1", worker, str(h), hosts.address(0), "120", out],
+                             dict(os.environ, CGX_HOSTNAME=f"emulated-host-{h}", GLOO_SOCKET_IFNAME="eth0"),
+                             stdout=subprocess.DEVNULL, stderr=open(f"{out}.log{h}", "w"))
+                 for h in range(2)]
+        try:
+            for p in procs:
+                p.wait(timeout=200)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    logs = [open(f"{out}.log{h}").read()[-3000:] for h in range(2)]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    ranks = {(h, r): json.load(open(f"{out}.{h}.{r}")) for h in range(2) for r in range(2)}
+    assert ranks[(1, 0)]["incarnation"] == ranks[(1, 1)]["incarnation"] == 1  # torchrun's restart finished
+    assert ranks[(0, 0)]["globals"] == ranks[(1, 0)]["globals"]
+    assert ranks[(0, 0)]["syncs"] == ranks[(1, 0)]["syncs"] == [30, 30]
+    for h in range(2):  # the host's ranks alike, after every step and at the end
+        assert ranks[(h, 1)]["by_step"] == ranks[(h, 0)]["by_step"]
+        assert ranks[(h, 1)]["weights"] == ranks[(h, 0)]["weights"]
+    assert ranks[(0, 0)]["stats"]["replicas_lost"] >= 1 and ranks[(0, 0)]["stats"]["replicas_joined"] >= 1

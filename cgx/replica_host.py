@@ -1,0 +1,61 @@
+"""A replica that is a host's group of ranks (DDP inside), in an elastic DiLoCo run.
+
+Only the group's rank 0, the lead, is a member of the run (it holds the Membership and
+does DiLoCo's syncs); the host's other ranks follow it. After every inner step the lead
+broadcasts over the host's group a header, its step and what happened, and, where its
+local weights changed (a sync applied, the run's state taken), every parameter's
+weights: between syncs DDP keeps the host's ranks equal, so this keeps them equal
+across syncs too. A lead that fails says so before it raises, so that its followers
+raise rather than wait. Where one of the host's ranks dies, torchrun (--max-restarts)
+restarts the whole host, which then joins the run as a new replica.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+UNCHANGED, CHANGED, CLOSED, FAILED, LEFT = range(5)
+
+
+class ReplicaHost:
+    """One rank's view of its host's group (`group`, the ranks of one replica)."""
+
+    def __init__(self, group: dist.ProcessGroup, model: torch.nn.Module) -> None:
+        if any(hasattr(p, "to_local") for p in model.parameters()):
+            raise ValueError("cgx.DiLoCo: replica_group needs every rank of the host to hold the whole model (DDP "
+                             "inside); under FSDP2 each rank is a replica of its own shard (group= pairs them)")
+        self.group = group
+        self.model = model
+        self.lead = dist.get_global_rank(group, 0)
+        self.is_lead = dist.get_rank(group) == 0
+
+    def tell(self, step: int, event: int) -> None:
+        """The lead: its step and `event`, with the weights where they changed."""
+        self._header(torch.tensor([step, event], dtype=torch.int64))
+        if event in (CHANGED, CLOSED):
+            self._weights()
+
+    def hear(self) -> tuple[int, int]:
+        """A follower: the lead's step and event (its weights taken where they changed)."""
+        header = torch.zeros(2, dtype=torch.int64)
+        self._header(header)
+        step, event = (int(v) for v in header)
+        if event in (CHANGED, CLOSED):
+            self._weights()
+        return step, event
+
+    def _header(self, header: torch.Tensor) -> None:
+        dist.broadcast(header, self.lead, group=self.group)
+
+    def _weights(self) -> None:
+        with torch.no_grad():
+            params = list(self.model.parameters())
+            for dtype in dict.fromkeys(p.dtype for p in params):
+                same = [p for p in params if p.dtype == dtype]
+                flat = torch.cat([p.detach().reshape(-1) for p in same])
+                dist.broadcast(flat, self.lead, group=self.group)
+                offset = 0
+                for p in same:
+                    p.copy_(flat.narrow(0, offset, p.numel()).view_as(p))
+                    offset += p.numel()

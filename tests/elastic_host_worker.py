@@ -1,0 +1,79 @@
+"""A rank of a host's replica (DDP inside, 2 ranks) in the per-host elastic DiLoCo test of
+tests/test_elastic.py, started by `torchrun --standalone --nproc-per-node=2
+--max-restarts=1` inside its emulated host. argv: host, the run's rendezvous address,
+steps, output path prefix. The host's rank 0 leads (holds the Membership); on host 1,
+rank 1 kills itself (SIGKILL) at inner step 40 of its first incarnation, and torchrun
+restarts the host. Each rank writes a digest of its weights at the end; a lead also its
+global weights' and its fragments' sync counts."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import cgx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_diloco import _model, _train_step  # noqa: E402
+
+host, address, steps, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+port = 29411
+rank = int(os.environ["RANK"])
+incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+# The host's own ranks, on torchrun's store under a prefix of this incarnation: a restart
+# must not read the addresses its killed predecessors published.
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                      timeout=datetime.timedelta(seconds=60))
+dist.init_process_group("gloo", store=dist.PrefixStore(f"host-incarnation-{incarnation}/", store), rank=rank,
+                        world_size=int(os.environ["WORLD_SIZE"]))
+model = DDP(_model(0))
+inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+membership = None
+if rank == 0:
+    membership = cgx.elastic.Membership(
+        f"{address}:{port}", "per-host", is_host=host == 0, min_replicas=1,
+        heartbeat=datetime.timedelta(seconds=2), last_call=datetime.timedelta(seconds=1),
+        group_timeout=datetime.timedelta(seconds=8))
+diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=4, membership=membership,
+                    replica_group=dist.group.WORLD)
+
+
+def digest(tensors) -> str:
+    h = hashlib.blake2b(digest_size=12)
+    for t in tensors:
+        h.update(t.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+by_step = {}  # the weights after every inner step: the host's ranks must hold the same
+while diloco.step < steps:
+    if host == 1 and rank == 1 and incarnation == 0 and diloco.step == 40:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _train_step(model, inner, 10 * host + rank, diloco.step)
+    by_step[diloco.step] = digest(model.parameters())
+    time.sleep(0.05)
+diloco.close()
+result = {"weights": digest(model.parameters()), "by_step": by_step, "incarnation": incarnation}
+if rank == 0:
+    state = diloco.state_dict()
+    result.update(globals=digest(state["global_weights"][n] for n in sorted(state["global_weights"])),
+                  syncs=[f.syncs for f in diloco._fragments], stats=dict(diloco.stats()))
+with open(f"{out}.{host}.{rank}", "w") as f:
+    json.dump(result, f)
+if rank == 0:  # the run's store lives in host 0's lead: it goes last
+    store = dist.TCPStore(address, port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    if host == 0:
+        store.wait(["per-host-done/1"])
+    else:
+        store.set("per-host-done/1", "1")
+    membership.close()
+dist.destroy_process_group()
