@@ -680,12 +680,17 @@ class DiLoCo:
 
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
         self.step += 1
+        self._then_tell_host(self._syncs_of_this_step, UNCHANGED)
+
+    def _then_tell_host(self, action: Callable[[], Any], event: int) -> None:
+        """Runs `action` with recovery, then tells the host's other ranks `event` (or,
+        where `action` raised, that the lead failed)."""
         try:
-            self._with_recovery(self._syncs_of_this_step)
+            self._with_recovery(action)
         except BaseException:
             self._tell_host(FAILED)
             raise
-        self._tell_host(UNCHANGED)
+        self._tell_host(event)
 
     def _syncs_of_this_step(self) -> None:
         """Finishes the syncs due at this step and starts the one whose turn it is. Run
@@ -1057,12 +1062,7 @@ class DiLoCo:
             return
         self._closed = True
         self._hook.remove()
-        try:
-            self._with_recovery(self._close_together)
-        except BaseException:
-            self._tell_host(FAILED)
-            raise
-        self._tell_host(CLOSED)
+        self._then_tell_host(self._close_together, CLOSED)
 
     def _close_together(self) -> None:
         replicas = self._replicas

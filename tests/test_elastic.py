@@ -435,6 +435,18 @@ def test_diloco_below_min_replicas_raises_a_membership_error_not_a_hang():
     assert "no round formed" in message, message
 
 
+def _wait_or_kill(procs, timeout_s):
+    """Waits for the processes (subprocess.TimeoutExpired past `timeout_s`); kills any
+    left, so that the emulated hosts can be removed."""
+    try:
+        for p in procs:
+            p.wait(timeout=timeout_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 @pytest.mark.skipif(netemu.available() is not None, reason=str(netemu.available()))
 def test_diloco_drops_a_replica_whose_link_is_cut_and_takes_it_back_when_the_link_returns(tmp_path):
     """3 replicas on emulated hosts; host 2's link is cut (the bridge side of its veth
@@ -457,12 +469,8 @@ def test_diloco_drops_a_replica_whose_link_is_cut_and_takes_it_back_when_the_lin
             time.sleep(20)
             during = int(open(outs[0] + ".step").read())
             netemu._run("ip", "link", "set", hosts.links[2], "up")
-            for p in procs:
-                p.wait(timeout=240)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+            _wait_or_kill(procs, 240)
     logs = [open(o + ".log").read()[-3000:] for o in outs]
     assert all(p.returncode == 0 for p in procs), logs
     runs = [json.load(open(o)) for o in outs]
@@ -644,13 +652,7 @@ def test_a_hosts_ddp_group_is_one_replica_and_torchrun_restarts_it_into_the_run(
                              dict(os.environ, CGX_HOSTNAME=f"emulated-host-{h}", GLOO_SOCKET_IFNAME="eth0"),
                              stdout=subprocess.DEVNULL, stderr=open(f"{out}.log{h}", "w"))
                  for h in range(2)]
-        try:
-            for p in procs:
-                p.wait(timeout=200)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+        _wait_or_kill(procs, 200)
     logs = [open(f"{out}.log{h}").read()[-3000:] for h in range(2)]
     assert [p.returncode for p in procs] == [0, 0], logs
     ranks = {(h, r): json.load(open(f"{out}.{h}.{r}")) for h in range(2) for r in range(2)}
