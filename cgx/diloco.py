@@ -50,7 +50,7 @@ from cgx.elastic import Membership, Round
 from cgx.errors import CallMismatchError, CollectiveTimeoutError, MembershipError, PeerError
 from cgx.layers import (RAW, CompressionPolicy, LayerSetting, Segment, all_raw, append_segment, check_bits,
                         check_bucket_size, layout_bytes)
-from cgx.replica_host import CHANGED, CLOSED, FAILED, LEFT, UNCHANGED, ReplicaHost
+from cgx.replica_host import CHANGED, CLOSED, FAILED, LEFT, UNCHANGED, ReplicaHost, move_by_dtype
 from cgx.residuals import Residuals, check_same_place, place
 
 __all__ = ["DiLoCo"]
@@ -207,22 +207,15 @@ class _Replicas:
         the bytes `root` sent."""
         if self.rank != root and self.rank not in to:
             return 0
-        sent = 0
-        with torch.no_grad():
-            for dtype in dict.fromkeys(_local(t).dtype for t in tensors):
-                same = [_local(t) for t in tensors if _local(t).dtype == dtype]
-                flat = torch.cat([t.reshape(-1) for t in same])
-                if self.rank == root:
-                    for work in [self.backend.send([flat], peer, 0) for peer in to]:
-                        _wait(work)
-                    sent += flat.numel() * flat.element_size() * len(to)
-                    continue
+
+        def move(flat: torch.Tensor) -> None:
+            if self.rank == root:
+                for work in [self.backend.send([flat], peer, 0) for peer in to]:
+                    _wait(work)
+            else:
                 _wait(self.backend.recv([flat], root, 0))
-                offset = 0
-                for t in same:
-                    t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
-                    offset += t.numel()
-        return sent
+        moved = move_by_dtype([_local(t) for t in tensors], move)
+        return moved * len(to) if self.rank == root else 0
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (one shape on all), in rank order."""
@@ -255,18 +248,7 @@ class _Replicas:
     def broadcast(self, tensors: list[torch.Tensor], root: int = 0) -> int:
         """The tensors (parameters, or anything a rank holds) take group rank `root`'s
         values, one broadcast per dtype. Returns the bytes broadcast."""
-        sent = 0
-        with torch.no_grad():
-            for dtype in dict.fromkeys(_local(t).dtype for t in tensors):
-                same = [_local(t) for t in tensors if _local(t).dtype == dtype]
-                flat = torch.cat([t.reshape(-1) for t in same])
-                _wait(self.backend.broadcast(flat, root))
-                sent += flat.numel() * flat.element_size()
-                offset = 0
-                for t in same:
-                    t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
-                    offset += t.numel()
-        return sent
+        return move_by_dtype([_local(t) for t in tensors], lambda flat: _wait(self.backend.broadcast(flat, root)))
 
     # ---- agreement: the replicas' inner step and trained parameters
 
@@ -915,7 +897,7 @@ class DiLoCo:
         """What this replica shows the others when a round forms."""
         layout = self._layout()
         digest = hashlib.blake2b(repr((self.step, layout)).encode(), digest_size=16)
-        for t in self._state_tensors(layout["frozen"]):
+        for t in self._state_tensors(layout["frozen"]) if self._established else ():
             digest.update(_local(t).detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
         return {
             "id": self._membership.replica_id,

@@ -12,10 +12,30 @@ restarts the whole host, which then joins the run as a new replica.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
 UNCHANGED, CHANGED, CLOSED, FAILED, LEFT = range(5)
+
+
+def move_by_dtype(tensors: list[torch.Tensor], move: Callable[[torch.Tensor], None]) -> int:
+    """For each dtype among `tensors` (in order): one flat copy of them, `move(flat)` (a
+    collective that sends it or fills it), and its values back into the tensors. Returns
+    the bytes of the flat copies."""
+    moved = 0
+    with torch.no_grad():
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            move(flat)
+            moved += flat.numel() * flat.element_size()
+            offset = 0
+            for t in same:
+                t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
+                offset += t.numel()
+    return moved
 
 
 class ReplicaHost:
@@ -49,13 +69,4 @@ class ReplicaHost:
         dist.broadcast(header, self.lead, group=self.group)
 
     def _weights(self) -> None:
-        with torch.no_grad():
-            params = list(self.model.parameters())
-            for dtype in dict.fromkeys(p.dtype for p in params):
-                same = [p for p in params if p.dtype == dtype]
-                flat = torch.cat([p.detach().reshape(-1) for p in same])
-                dist.broadcast(flat, self.lead, group=self.group)
-                offset = 0
-                for p in same:
-                    p.copy_(flat.narrow(0, offset, p.numel()).view_as(p))
-                    offset += p.numel()
+        move_by_dtype(list(self.model.parameters()), lambda flat: dist.broadcast(flat, self.lead, group=self.group))
