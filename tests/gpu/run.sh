@@ -77,7 +77,7 @@ fi
 timeout_flag=()
 "$python" -c "import pytest_timeout" 2> /dev/null && timeout_flag=(--timeout 120)
 step "GPU tests" 480 tests.txt "$python" -P -m pytest -q -rs -p no:cacheprovider ${timeout_flag[@]+"${timeout_flag[@]}"} \
-  tests/test_cuda_codec.py tests/test_cuda_backend.py
+  tests/test_cuda_codec.py tests/test_cuda_backend.py tests/test_errors.py
 # On a GPU nothing should skip: a skip fails the run, saying why, once per reason.
 if grep -q "^SKIPPED" "$out/tests.txt"; then
   grep "^SKIPPED" "$out/tests.txt" | sed 's/^SKIPPED \[[0-9]*\] [^ ]* /  FAILED: a GPU test skipped: /' | sort -u | tee -a "$summary"
