@@ -89,3 +89,41 @@ def test_buckets_reaching_float_max_decode_finite_and_alike(bits):
     cpu = cgx.decompress(buf, 1024, bits, 512)
     gpu = cgx.decompress(buf.cuda(), 1024, bits, 512, out=torch.empty(1024, device="cuda")).cpu()
     assert torch.isfinite(cpu).all() and torch.equal(gpu, cpu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("bucket_size, skip", [(512, False), (64, True), (8, False), (65536, False)])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_gpu_hadamard_bytes_and_decoded_bits_equal_the_cpu_codecs(dtype, bits, bucket_size, skip,
+                                                                  stochastic):
+    for n in SIZES:
+        x = inputs(n, dtype)
+        args = dict(stochastic=stochastic, seed=321, skip_incomplete_buckets=skip, scheme="hadamard")
+        cpu = cgx.compress(x, bits, bucket_size, **args)
+        gpu = cgx.compress(x.cuda(), bits, bucket_size, **args)
+        assert torch.equal(gpu.cpu(), cpu), (n, dtype, bits, bucket_size, skip, stochastic)
+        if dtype != torch.float32:
+            continue
+        base = inputs(n, torch.float32, seed=2)
+        for add in (False, True):
+            on_cpu, on_gpu = base.clone(), base.cuda()
+            cgx.decompress(cpu, n, bits, bucket_size, out=on_cpu, add=add, skip_incomplete_buckets=skip,
+                           scheme="hadamard")
+            cgx.decompress(gpu, n, bits, bucket_size, out=on_gpu, add=add, skip_incomplete_buckets=skip,
+                           scheme="hadamard")
+            assert torch.equal(on_gpu.cpu(), on_cpu), (n, bits, bucket_size, skip, add)
+
+
+def test_gpu_hadamard_non_finite_and_huge_buckets_are_nan_on_both():
+    x = inputs(4096, torch.float32)
+    x[10] = float("nan")
+    x[700] = float("inf")
+    x[1500] = 2.0**100  # the scheme's limit: stored as NaN
+    cpu = cgx.compress(x, 2, 512, scheme="hadamard")
+    gpu = cgx.compress(x.cuda(), 2, 512, scheme="hadamard")
+    assert torch.equal(gpu.cpu(), cpu)
+    decoded = cgx.decompress(gpu, 4096, 2, 512, out=torch.empty(4096, device="cuda"), scheme="hadamard").cpu()
+    nan = torch.zeros(4096, dtype=torch.bool)
+    nan[:512] = nan[512:1024] = nan[1024:1536] = True
+    assert torch.equal(decoded.isnan(), nan)

@@ -96,21 +96,6 @@ void check_averageable(const std::vector<at::Tensor>& tensors) {
                 "cgx allreduce: ReduceOp.AVG needs floating-point tensors, got ", t.scalar_type());
 }
 
-void check_cuda_scheme(const at::Tensor& tensor, const compression::LayoutCodec* codec,
-                       compression::Scheme group_scheme, const char* what) {
-  if (!tensor.is_cuda()) return;
-  bool maxmin = group_scheme == compression::Scheme::kMaxMin;
-  if (codec) {
-    const auto& segments = codec->segments();
-    maxmin = std::all_of(segments.begin(), segments.end(), [](const compression::Segment& s) {
-      return s.raw || s.params.scheme == compression::Scheme::kMaxMin;
-    });
-  }
-  TORCH_CHECK_VALUE(maxmin, "cgx ", what,
-                    ": the hadamard scheme is not implemented for CUDA tensors yet; use scheme "
-                    "'maxmin' for layers on a GPU");
-}
-
 void check_residual(const std::optional<at::Tensor>& residual, const at::Tensor& input,
                     const char* what) {
   if (!residual) return;
@@ -147,7 +132,6 @@ std::shared_ptr<const compression::LayoutCodec> checked_shard_call(
   TORCH_CHECK_VALUE(full.numel() == shard.numel() * size, "cgx ", what, ": the full tensor has ",
                     full.numel(), " elements, expected ", size, " shards of ", shard.numel());
   auto codec = checked_layout(std::move(layout), shard.numel(), what);
-  check_cuda_scheme(full, codec.get(), compression::Scheme::kMaxMin, what);
   return codec;
 }
 

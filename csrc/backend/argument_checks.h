@@ -53,12 +53,6 @@ void check_one_device_and_dtype(const std::vector<at::Tensor>& tensors, const ch
 // An average on a backend without AVG (Gloo: a sum, then a division): floating-point tensors.
 void check_averageable(const std::vector<at::Tensor>& tensors);
 
-// The CUDA kernels do the maxmin scheme only: a GPU call whose layout (or, without one,
-// the group's `group_scheme`) needs another is refused here rather than by the kernels,
-// on the worker, once the call has begun.
-void check_cuda_scheme(const at::Tensor& tensor, const compression::LayoutCodec* codec,
-                       compression::Scheme group_scheme, const char* what);
-
 // An error-feedback buffer matches the values it feeds back into: contiguous float32, as
 // many elements as `input`, on its device.
 void check_residual(const std::optional<at::Tensor>& residual, const at::Tensor& input,

@@ -364,7 +364,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::compressed_allreduce(
     std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type, Route route,
     std::shared_ptr<const compression::LayoutCodec> codec, std::optional<at::Tensor> residual) {
-  check_cuda_scheme(tensors[0], codec.get(), settings_.scheme, "allreduce");
   std::vector<at::Tensor> used = tensors;
   if (residual) used.push_back(*residual);
   return enqueue_compressed(used, tensors, op_type,

@@ -11,6 +11,7 @@
 // instead (a rotation needs the whole bucket): rotate, quantize, pack; unpack, dequantize,
 // rotate back.
 #include "quantizer.h"
+#include "gaussian_levels.h"
 #include "rotation.h"
 #include "stream_hash.h"
 #include "common/mix.h"
@@ -19,7 +20,6 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
-#include <initializer_list>
 #include <iterator>
 #include <limits>
 #include <stdexcept>
@@ -351,39 +351,9 @@ CGX_AVX2_CLONE void decode_levels(const QuantizerParams& params, const Layout& l
 
 // ---- the hadamard scheme
 
-// Lloyd-Max levels of a standard normal distribution for 1..4 bits (the levels that
-// minimise its mean squared error), in units of the bucket's root mean square; with the
-// inverse of each gap between neighbours. docs/wire-format.md lists the same numbers.
-struct GaussianLevels {
-  float level[16];
-  float inv_gap[15];
-  float midpoint[15];  // (level[k] + level[k + 1]) / 2: round to nearest compares with these
-};
-
-GaussianLevels make_levels(std::initializer_list<float> upper_half) {
-  GaussianLevels t{};
-  const int half = static_cast<int>(upper_half.size());
-  int j = 0;
-  for (float v : upper_half) {
-    t.level[half + j] = v;
-    t.level[half - 1 - j] = -v;
-    ++j;
-  }
-  for (int k = 0; k + 1 < 2 * half; ++k) {
-    t.inv_gap[k] = 1.0f / (t.level[k + 1] - t.level[k]);
-    t.midpoint[k] = (t.level[k] + t.level[k + 1]) * 0.5f;
-  }
-  return t;
-}
-
 const GaussianLevels& gaussian_levels(int bits) {
   static const GaussianLevels tables[kMaxHadamardBits] = {
-      make_levels({0.7978846f}),
-      make_levels({0.4527800f, 1.5104176f}),
-      make_levels({0.2450942f, 0.7560053f, 1.3439093f, 2.1519457f}),
-      make_levels({0.1283950f, 0.3880483f, 0.6567591f, 0.9423405f, 1.2562312f, 1.6180464f,
-                   2.0690172f, 2.7325896f}),
-  };
+      gaussian_levels_of(1), gaussian_levels_of(2), gaussian_levels_of(3), gaussian_levels_of(4)};
   return tables[bits - 1];
 }
 
@@ -401,10 +371,6 @@ CGX_INLINE void nearest_gaussian(const float* __restrict y, int64_t len, float i
     levels[k] = static_cast<uint8_t>(level);
   }
 }
-
-// Magnitudes from here up make a rotated bucket non-finite (stored as NaN): below it the
-// inverse rotation of any decoded bucket stays under FLT_MAX (docs/wire-format.md).
-constexpr float kMaxRotatedMagnitude = 0x1p100f;
 
 // Rotates one whole bucket in `y` (a copy of its values) and writes its levels; returns
 // the bucket's rms, or NaN (levels all 0) for a bucket holding NaN, Inf or a magnitude of

@@ -17,6 +17,10 @@
 
 namespace cgx::compression {
 
+// Magnitudes from here up make a rotated bucket non-finite (stored as NaN): below it the
+// inverse rotation of any decoded bucket stays under FLT_MAX (docs/wire-format.md).
+constexpr float kMaxRotatedMagnitude = 0x1p100f;
+
 // Position j's sign in every bucket, on every rank: -1 where bit 0 of the hash is set.
 constexpr uint32_t kRotationSignKey = 0x5bd1e995u;
 

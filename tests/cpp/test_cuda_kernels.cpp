@@ -116,7 +116,7 @@ std::vector<float> test_values(int64_t n, uint32_t seed) {
 }
 
 std::string describe(const QuantizerParams& p, int64_t n, DType dtype) {
-  return std::string(name_of(dtype)) + " n=" + std::to_string(n) + " bits=" +
+  return std::string(name_of(dtype)) + " " + compression::scheme_name(p.scheme) + " n=" + std::to_string(n) + " bits=" +
          std::to_string(p.bits) + " bucket=" + std::to_string(p.bucket_size) +
          (p.skip_incomplete_buckets ? " skip-incomplete" : "") +
          (p.stochastic ? " stochastic" : "");
@@ -230,13 +230,18 @@ void check_decompress(const QuantizerParams& params, const std::vector<uint8_t>&
     check_decode_into(params, src, n, base, base.narrow, decoded, add, uint16_t{0x1234}, where);
 }
 
-QuantizerParams params_of(int bits, int64_t bucket, bool skip, bool stochastic) {
+QuantizerParams params_of(int bits, int64_t bucket, bool skip, bool stochastic,
+                          compression::Scheme scheme = compression::Scheme::kMaxMin) {
   QuantizerParams p;
   p.bits = bits;
   p.bucket_size = bucket;
   p.skip_incomplete_buckets = skip;
   p.stochastic = stochastic;
+  p.scheme = scheme;
   return p;
+}
+QuantizerParams hadamard_of(int bits, int64_t bucket, bool skip, bool stochastic) {
+  return params_of(bits, bucket, skip, stochastic, compression::Scheme::kHadamard);
 }
 
 // Sizes and bucket sizes: buckets of 1, 7, a warp (32) and one more, 512 and 513, and
@@ -249,6 +254,14 @@ struct Shape {
 const Shape kShapes[] = {{1, 1},      {7, 7},       {9, 7},       {100, 1},   {33, 32},
                          {95, 33},    {1000, 512},  {1029, 513},  {5001, 2000}, {9001, 4099},
                          {4, 512},    {2049, 32},   {0, 7}};
+
+// The hadamard scheme's shapes (buckets are powers of two, 8..65536): whole buckets only,
+// a shorter last bucket (maxmin inside the buffer, its pair at an odd float offset after 1
+// or 3 rms), fewer values than a bucket, a bucket smaller than a warp's 32 lanes, buckets a
+// warp's lanes cross many times, the largest bucket, and no values.
+const Shape kHadamardShapes[] = {{1024, 512}, {1500, 512}, {3 * 64 + 5, 64}, {100, 512},
+                                 {8, 8},      {77, 16},    {9000, 4096},    {65536 + 9, 65536},
+                                 {0, 8}};
 
 }  // namespace
 
@@ -279,6 +292,25 @@ CGX_TEST(cuda_emulation_meets_lanes_at_warp_intrinsics_and_refuses_what_a_gpu_wo
                                        : __shfl_xor_sync(0xffffffffu, 1, 1);
   };
   CHECK_THROWS(cudaLaunchKernelEx(&config, mixed, sums.data()), WarpError);
+  // __syncwarp orders a warp's lanes: each reads, after it, what its neighbour wrote
+  // before. Without it the lanes run one after another here, and lane 0 reads its
+  // neighbour's old value (a race on a GPU, certain here).
+  const auto rotate = +[](int* out, bool sync) {
+    const unsigned me = blockIdx.x * blockDim.x + threadIdx.x, lane = me % 32;
+    out[me] = static_cast<int>(lane) + 100;
+    if (sync) __syncwarp();
+    const int neighbour = out[me - lane + (lane + 1) % 32];
+    if (sync) __syncwarp();
+    out[me] = neighbour;
+  };
+  CHECK_EQ(cudaLaunchKernelEx(&config, rotate, sums.data(), true), cudaSuccess);
+  for (int i = 0; i < 96; ++i) CHECK_EQ(sums.host()[i], (i % 32 + 1) % 32 + 100);
+  CHECK_EQ(cudaLaunchKernelEx(&config, rotate, sums.data(), false), cudaSuccess);
+  CHECK(sums.host()[0] != 101);
+  const auto sync_or_all = +[](int* out) {
+    if (threadIdx.x % 2) __syncwarp(); else out[threadIdx.x] = __all_sync(0xffffffffu, 1);
+  };
+  CHECK_THROWS(cudaLaunchKernelEx(&config, sync_or_all, sums.data()), WarpError);
   // __all_sync over half a warp, the other half never calling it: defined, and emulated.
   const auto half_warp = +[](int* out) {
     if (threadIdx.x < 16) out[threadIdx.x] = __all_sync(0x0000ffffu, threadIdx.x != 3);
@@ -415,13 +447,96 @@ CGX_TEST(cuda_kernels_give_the_same_bits_on_grids_smaller_and_larger_than_the_wo
   }
 }
 
+CGX_TEST(cuda_hadamard_kernels_compress_and_decode_as_the_cpu_codec) {
+  // Every width of the scheme (1..4), both roundings, the three input dtypes and every
+  // shape, skip_incomplete or not; stochastic streams at an offset near 2^32 (the index
+  // wraps) and past it. Decoded into each dtype, stored or added.
+  for (DType dtype : {DType::Float32, DType::Float16, DType::BFloat16})
+    for (int bits = 1; bits <= compression::kMaxHadamardBits; ++bits)
+      for (bool stochastic : {false, true})
+        for (const Shape& shape : kHadamardShapes)
+          for (bool skip : {false, true}) {
+            if (shape.bucket >= 4096 && (dtype != DType::Float32 || skip)) continue;  // time
+            const QuantizerParams p = hadamard_of(bits, shape.bucket, skip, stochastic);
+            const Values x = store(test_values(shape.n, bits * 17 + shape.n), dtype);
+            const uint64_t seed = 0xfedcba9876543210ull + bits;
+            const uint64_t offset = shape.n % 2 ? 0xffffff00ull : (uint64_t{1} << 32) + 5;
+            const std::string what = describe(p, shape.n, dtype);
+            const auto bytes = check_compress(p, x, seed, offset, what, bits % 2);
+            if (dtype == DType::Float32)
+              for (DType out : {DType::Float32, DType::Float16, DType::BFloat16})
+                for (bool add : {false, true}) check_decompress(p, bytes, shape.n, out, add, what);
+          }
+}
+
+CGX_TEST(cuda_hadamard_kernels_handle_nan_inf_huge_and_zero_buckets_as_the_cpu_codec) {
+  // Buckets of 8: NaN, +Inf, -Inf, a magnitude at the scheme's limit 2^100 (the bucket is
+  // stored as NaN) and one just below it, the dtype's largest finite values, all zeros
+  // (rms 0), subnormals, values whose rms has no finite inverse; then a shorter last bucket with a NaN (maxmin inside), and the
+  // same values in one bucket of 64 (a single NaN makes the whole bucket NaN).
+  for (DType dtype : {DType::Float32, DType::Float16, DType::BFloat16}) {
+    const float max = dtype == DType::Float32   ? kMax
+                      : dtype == DType::Float16 ? 65504.0f
+                                                : 0x1.fep127f;
+    std::vector<float> v = random_values(8 * 9 + 5, 4);
+    v[2] = kNaN;
+    v[9] = kInf;
+    v[20] = -kInf;
+    v[26] = dtype == DType::Float16 ? 65504.0f : 0x1p100f;
+    v[33] = dtype == DType::Float16 ? -65504.0f : -0x1.fffffep99f;
+    v[39] = max;
+    for (int i = 40; i < 48; ++i) v[i] = 0.0f;
+    const float subnormal[] = {0.0f, 0x1p-149f, -0x1p-148f, 0.0f, 0x1p-149f, -0.0f, 0.0f, 0x1p-147f};
+    std::copy(std::begin(subnormal), std::end(subnormal), v.begin() + 48);
+    // So small that the rms is nonzero and its inverse overflows (levels then from z = 0).
+    const float tiny[] = {0x1p-127f, -0x1p-128f, 0x1p-126f, 0x1p-129f, -0x1p-127f, 0x1p-128f, -0x1p-126f, 0.0f};
+    std::copy(std::begin(tiny), std::end(tiny), v.begin() + 56);
+    v[74] = kNaN;
+    const Values x = store(v, dtype);
+    for (int bits = 1; bits <= compression::kMaxHadamardBits; ++bits)
+      for (auto [bucket, stochastic] : {std::tuple{8, false}, std::tuple{8, true}, std::tuple{64, false}}) {
+        const QuantizerParams p = hadamard_of(bits, bucket, false, stochastic);
+        const std::string what = "special values, " + describe(p, 77, dtype);
+        const auto bytes = check_compress(p, x, 13, 0, what);
+        for (DType out : {DType::Float32, DType::Float16, DType::BFloat16})
+          for (bool add : {false, true}) check_decompress(p, bytes, 77, out, add, what);
+      }
+  }
+}
+
+CGX_TEST(cuda_hadamard_kernels_give_the_same_bits_on_grids_smaller_and_larger_than_the_work) {
+  // 1 and 3 blocks (8 warps, so 8 buckets, a block) make the bucket loops wrap; twice the
+  // blocks and one leaves warps idle, which must write nothing.
+  const std::vector<float> values = test_values(20011, 9);
+  for (auto resize : {+[](unsigned) { return 1u; }, +[](unsigned) { return 3u; },
+                      +[](unsigned blocks) { return 2 * blocks + 1; }}) {
+    const cuda_emulation::ScopedGridResize scoped(resize);
+    for (const Shape& shape : {Shape{20011, 32}, Shape{5000, 1024}})
+      for (bool stochastic : {false, true}) {
+        const QuantizerParams p = hadamard_of(2, shape.bucket, false, stochastic);
+        const std::vector<float> x(values.begin(), values.begin() + shape.n);
+        const std::string what = "resized grid, " + describe(p, shape.n, DType::Float32);
+        const auto bytes = check_compress(p, store(x, DType::Float32), 5, 1000, what);
+        check_decompress(p, bytes, shape.n, DType::Float32, /*add=*/true, what);
+        check_decompress(p, bytes, shape.n, DType::BFloat16, /*add=*/false, what);
+      }
+  }
+}
+
 CGX_TEST(cuda_executor_equals_the_host_executor_on_a_mixed_layout) {
   // The executor's pieces (raw layers through copy_floats, skip-incomplete tails, padding),
   // its staging, its copies' directions and the add_finite_difference kernel, against
   // HostExecutor: compress, decompress, decompress_add, add_error (NaN, Inf and an
   // overflowing bucket included: a non-finite difference adds nothing) and
   // compress_and_decode (the host's is fused). Values on the device, bytes on the host.
-  const compression::LayoutCodec codec = mixed_layout();
+  compression::Segment rotated = quantized(3000, 2, 512);  // 5 whole buckets and a shorter one
+  rotated.params.scheme = compression::Scheme::kHadamard;
+  compression::Segment rotated_stochastic = quantized(2048, 3, 64, false, /*stochastic=*/true);
+  rotated_stochastic.params.scheme = compression::Scheme::kHadamard;
+  std::vector<compression::Segment> segments = mixed_layout().segments();  // then hadamard ones
+  segments.push_back(rotated);
+  segments.push_back(rotated_stochastic);
+  const compression::LayoutCodec codec = layout(segments);
   const int64_t total = codec.total();
   std::vector<float> x = random_values(total, 21);
   x[10] = kNaN;       // a 4-bit layer's bucket
@@ -429,6 +544,7 @@ CGX_TEST(cuda_executor_equals_the_host_executor_on_a_mixed_layout) {
   x[6100] = kMax;     // a 1-bit bucket of 3 whose range overflows
   x[6101] = -kMax;
   x[1005] = kNaN;     // a raw layer: travels exactly
+  x[total - 3000 - 2048 + 700] = kInf;  // a hadamard bucket
   const std::vector<float> base = random_values(total, 22);
   compression::HostExecutor host;
   compression::cuda::CudaExecutor emulated(0, nullptr);

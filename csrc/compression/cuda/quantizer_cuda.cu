@@ -11,6 +11,10 @@
 //     the destination in the same pass.
 //   raw_to_wire / raw_from_wire: the n - q values that travel as float32 (and copy_floats).
 //   add_finite_difference: error feedback's residual update.
+//   hadamard_encode / hadamard_decode: the hadamard scheme's whole buckets, one warp per
+//     bucket, rotated in a float32 scratch in device memory (bucket sizes go to 65536,
+//     past what registers or shared memory hold); its shorter last bucket travels as a
+//     one-bucket maxmin buffer, through the kernels above.
 // They run on the CPU too, under the CUDA emulation of the core tests (docs/cuda.md).
 #include <cfloat>
 
@@ -22,6 +26,8 @@
 #include <string>
 
 #include "compression/cuda/quantizer_cuda.h"
+#include "compression/gaussian_levels.h"
+#include "compression/rotation.h"
 #include "compression/stream_hash.h"
 
 namespace cgx::compression::cuda {
@@ -231,6 +237,118 @@ __global__ void add_finite_difference(const float* __restrict__ values,
   }
 }
 
+// ---- the hadamard scheme: the CPU codec's operations in its order (rotation.h,
+// quantizer.cpp), so the same bytes and the same decoded bits. Each stage's butterflies
+// are independent, so lanes share them; stages follow one another as on the CPU.
+
+// y <- the Walsh-Hadamard transform of one bucket (n values), by the warp. Ends synced.
+__device__ void warp_walsh_hadamard(float* __restrict__ y, int64_t n, int lane) {
+  for (int64_t h = 1; h < n; h *= 2) {
+    __syncwarp();  // the last stage's (or the caller's) writes, visible to every lane
+    for (int64_t p = lane; p < n / 2; p += 32) {
+      const int64_t k = (p & ~(h - 1)) * 2 + (p & (h - 1));  // the p-th pair's first value
+      const float a = y[k], b = y[k + h];
+      y[k] = __fadd_rn(a, b);
+      y[k + h] = __fsub_rn(a, b);
+    }
+  }
+  __syncwarp();
+}
+
+template <typename T>
+__global__ void hadamard_encode(const T* __restrict__ src, int64_t buckets, int64_t n, int bits,
+                                bool stochastic, uint32_t key, uint32_t stream_offset,
+                                float* __restrict__ scratch, float* __restrict__ rms_out,
+                                uint8_t* __restrict__ stream) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  const GaussianLevels t = gaussian_levels_of(bits);
+  const int top = (1 << bits) - 1;
+  const float inv_n = __fdiv_rn(1.0f, static_cast<float>(n));  // exact: n a power of two
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+       b < buckets; b += warps) {
+    const T* x = src + b * n;
+    float* y = scratch + b * n;
+    uint8_t* out = stream + b * n / 8 * bits;
+    bool in_range = true;
+    for (int64_t k = lane; k < n; k += 32) {
+      const float v = to_float(x[k]);
+      in_range = in_range && fabsf(v) < kMaxRotatedMagnitude;
+      y[k] = __fmul_rn(v, __fmul_rn(rotation_sign(k), inv_n));
+    }
+    if (!__all_sync(0xffffffffu, in_range)) {  // NaN, Inf or huge: rms NaN, levels 0
+      for (int64_t g = lane; g < n / 8; g += 32)
+        for (int j = 0; j < bits; ++j) out[g * bits + j] = 0;
+      if (lane == 0) rms_out[b] = __int_as_float(0x7fc00000);
+      continue;
+    }
+    warp_walsh_hadamard(y, n, lane);
+    // The mean square in the CPU codec's order: four sums in double, sum l over the
+    // values l, l + 4, l + 8, ... in turn, then (s0 + s1) + (s2 + s3). Lane i makes sum i % 4.
+    double sum = 0.0;
+    for (int64_t k = lane % 4; k < n; k += 4) {
+      const double v = static_cast<double>(y[k]);
+      sum = __dadd_rn(sum, __dmul_rn(v, v));
+    }
+    const double pair = __dadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+    const double total = __dadd_rn(pair, __shfl_xor_sync(0xffffffffu, pair, 2));
+    const float rms = __double2float_rn(sqrt(__ddiv_rn(total, static_cast<double>(n))));
+    float inv = rms > 0.0f ? __fdiv_rn(1.0f, rms) : 0.0f;
+    if (!isfinite(inv)) inv = 0.0f;
+    if (lane == 0) rms_out[b] = rms;
+    for (int64_t g = lane; g < n / 8; g += 32) {
+      uint64_t word = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int64_t k = 8 * g + j;
+        const float z = __fmul_rn(y[k], inv);
+        int level = 0;
+        if (!stochastic) {
+          for (int m = 0; m < top; ++m) level += z >= t.midpoint[m];
+        } else {
+          int below = 0;  // the level under z (0 below the lowest, top - 1 above the highest)
+          for (int m = 1; m < top; ++m) below += z >= t.level[m];
+          const float p = __fmul_rn(__fsub_rn(z, t.level[below]), t.inv_gap[below]);
+          const uint32_t h = lowbias32((stream_offset + static_cast<uint32_t>(b * n + k)) ^ key);
+          const float u = __fmul_rn(static_cast<float>(static_cast<int32_t>(h >> 8)), 0x1p-24f);
+          level = below + (u < p);
+        }
+        word |= static_cast<uint64_t>(level) << (j * bits);
+      }
+      for (int j = 0; j < bits; ++j) out[g * bits + j] = static_cast<uint8_t>(word >> (8 * j));
+    }
+  }
+}
+
+template <typename T>
+__global__ void hadamard_decode(const uint8_t* __restrict__ stream, const float* __restrict__ rms_in,
+                                int64_t buckets, int64_t n, int bits, float* __restrict__ scratch,
+                                bool add, T* __restrict__ dst) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  const GaussianLevels t = gaussian_levels_of(bits);
+  const uint64_t mask = (uint64_t{1} << bits) - 1;
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+       b < buckets; b += warps) {
+    const uint8_t* in = stream + b * n / 8 * bits;
+    float* y = scratch + b * n;
+    const float rms = rms_in[b];
+    for (int64_t g = lane; g < n / 8; g += 32) {
+      uint64_t word = 0;
+      for (int j = 0; j < bits; ++j) word |= static_cast<uint64_t>(in[g * bits + j]) << (8 * j);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        y[8 * g + j] = __fmul_rn(t.level[(word >> (j * bits)) & mask], rms);
+    }
+    warp_walsh_hadamard(y, n, lane);
+    T* out = dst + b * n;
+    for (int64_t k = lane; k < n; k += 32) {
+      const float value = __fmul_rn(y[k], rotation_sign(k));
+      out[k] = from_float<T>(add ? __fadd_rn(to_float(out[k]), value) : value);
+    }
+  }
+}
+
 int blocks_for(int64_t work_items, int per_block) {
   const int64_t blocks = (work_items + per_block - 1) / per_block;
   return static_cast<int>(blocks < 65535 * 16 ? (blocks > 0 ? blocks : 1) : 65535 * 16);
@@ -253,27 +371,84 @@ void launch_kernel(void (*kernel)(Params...), int blocks, cudaStream_t stream,
   check(code, what);
 }
 
+// Zero padding after the metadata and after the levels, so that equal inputs give equal
+// buffers.
+void zero_padding(const WireLayout& layout, uint8_t* dst, cudaStream_t stream) {
+  check(cudaMemsetAsync(dst + layout.meta_bytes, 0, layout.levels_offset - layout.meta_bytes,
+                        stream),
+        "memset");
+  const size_t levels_end = layout.levels_offset + layout.levels_bytes;
+  check(cudaMemsetAsync(dst + levels_end, 0, layout.raw_offset - levels_end, stream), "memset");
+}
+
+// Values [first, first + count) in maxmin buckets (all of a maxmin buffer; a hadamard
+// buffer's shorter last bucket), their (min, scale) pairs at `meta`, their levels in the
+// level stream `levels` from value `first` on.
+template <typename T>
+void encode_maxmin(const QuantizerParams& params, const T* src, int64_t first, int64_t count,
+                   float2* meta, uint8_t* levels, uint64_t seed, uint64_t stream_offset,
+                   cudaStream_t stream) {
+  const float max_level = static_cast<float>((1 << params.bits) - 1);
+  const int64_t buckets = (count + params.bucket_size - 1) / params.bucket_size;
+  launch_kernel(bucket_meta<T>, blocks_for(buckets, kWarpsPerBlock), stream, "bucket_meta",
+                src + first, count, params.bucket_size, buckets, max_level, meta);
+  launch_kernel(quantize_pack<T>, blocks_for((count + 7) / 8, kThreads), stream, "quantize_pack",
+                src + first, count, params.bucket_size, params.bits, max_level, params.stochastic,
+                stream_key(seed), static_cast<uint32_t>(stream_offset + first), meta,
+                levels + first / 8 * params.bits);
+}
+
+// Device memory for one call on `stream`, released in stream order.
+class Scratch {
+ public:
+  Scratch(size_t bytes, cudaStream_t stream) : stream_(stream) {
+    check(cudaMallocAsync(&data_, bytes, stream), "cudaMallocAsync");
+  }
+  ~Scratch() { cudaFreeAsync(data_, stream_); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  // The whole buckets' rotated values, then an aligned (min, scale) pair.
+  float* values() { return static_cast<float*>(data_); }
+  float2* pair(int64_t values) { return reinterpret_cast<float2*>(this->values() + values); }
+
+ private:
+  void* data_ = nullptr;
+  cudaStream_t stream_;
+};
+
+// A hadamard buffer's shorter last bucket: its (min, scale) pair follows the whole
+// buckets' rms, 4-byte aligned only, so the maxmin kernels meet it in scratch.
+size_t hadamard_scratch_bytes(const WireLayout& layout, int64_t bucket) {
+  return (static_cast<size_t>(layout.rotated_buckets * bucket) + 2) * sizeof(float);
+}
+
 template <typename T>
 void compress_as(const QuantizerParams& params, const T* src, int64_t n, uint8_t* dst,
                  uint64_t seed, uint64_t stream_offset, cudaStream_t stream) {
   const WireLayout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
-  const float max_level = static_cast<float>((1 << params.bits) - 1);
-  auto* meta = reinterpret_cast<float2*>(dst);
-  // Padding is zero so that equal inputs give equal buffers.
-  const size_t meta_bytes = static_cast<size_t>(layout.buckets) * sizeof(float2);
-  check(cudaMemsetAsync(dst + meta_bytes, 0, layout.levels_offset - meta_bytes, stream),
-        "memset");
-  const size_t levels_end = layout.levels_offset + layout.levels_bytes;
-  check(cudaMemsetAsync(dst + levels_end, 0, layout.raw_offset - levels_end, stream), "memset");
-  if (layout.quantized > 0) {
-    launch_kernel(bucket_meta<T>, blocks_for(layout.buckets, kWarpsPerBlock), stream,
-                  "bucket_meta", src, layout.quantized, params.bucket_size, layout.buckets,
-                  max_level, meta);
-    launch_kernel(quantize_pack<T>, blocks_for((layout.quantized + 7) / 8, kThreads), stream,
-                  "quantize_pack", src, layout.quantized, params.bucket_size, params.bits,
-                  max_level, params.stochastic, stream_key(seed),
-                  static_cast<uint32_t>(stream_offset), meta, dst + layout.levels_offset);
+  zero_padding(layout, dst, stream);
+  uint8_t* levels = dst + layout.levels_offset;
+  if (params.scheme == Scheme::kMaxMin && layout.quantized > 0) {
+    encode_maxmin(params, src, 0, layout.quantized, reinterpret_cast<float2*>(dst), levels, seed,
+                  stream_offset, stream);
+  } else if (layout.quantized > 0) {
+    const int64_t bucket = params.bucket_size, whole = layout.rotated_buckets;
+    Scratch scratch(hadamard_scratch_bytes(layout, bucket), stream);
+    if (whole > 0)
+      launch_kernel(hadamard_encode<T>, blocks_for(whole, kWarpsPerBlock), stream,
+                    "hadamard_encode", src, whole, bucket, params.bits, params.stochastic,
+                    stream_key(seed), static_cast<uint32_t>(stream_offset), scratch.values(),
+                    reinterpret_cast<float*>(dst), levels);
+    const int64_t first = whole * bucket;
+    if (layout.quantized > first) {
+      float2* pair = scratch.pair(whole * bucket);
+      encode_maxmin(params, src, first, layout.quantized - first, pair, levels, seed,
+                    stream_offset, stream);
+      check(cudaMemcpyAsync(dst + whole * sizeof(float), pair, sizeof(float2),
+                            cudaMemcpyDeviceToDevice, stream),
+            "copy the last bucket's pair");
+    }
   }
   const int64_t raw_count = n - layout.quantized;
   if (raw_count > 0)
@@ -283,15 +458,38 @@ void compress_as(const QuantizerParams& params, const T* src, int64_t n, uint8_t
 }
 
 template <typename T>
+void decode_maxmin(const QuantizerParams& params, const uint8_t* levels, int64_t first,
+                   int64_t count, const float2* meta, bool add, T* dst, cudaStream_t stream) {
+  launch_kernel(unpack_dequantize<T>, blocks_for((count + 7) / 8, kThreads), stream,
+                "unpack_dequantize", levels + first / 8 * params.bits, count, params.bucket_size,
+                params.bits, meta, add, dst + first);
+}
+
+template <typename T>
 void decompress_as(const QuantizerParams& params, const uint8_t* src, int64_t n, T* dst,
                    bool add, cudaStream_t stream) {
   const WireLayout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
-  if (layout.quantized > 0)
-    launch_kernel(unpack_dequantize<T>, blocks_for((layout.quantized + 7) / 8, kThreads),
-                  stream, "unpack_dequantize", src + layout.levels_offset, layout.quantized,
-                  params.bucket_size, params.bits, reinterpret_cast<const float2*>(src), add,
-                  dst);
+  const uint8_t* levels = src + layout.levels_offset;
+  if (params.scheme == Scheme::kMaxMin && layout.quantized > 0) {
+    decode_maxmin(params, levels, 0, layout.quantized, reinterpret_cast<const float2*>(src), add,
+                  dst, stream);
+  } else if (layout.quantized > 0) {
+    const int64_t bucket = params.bucket_size, whole = layout.rotated_buckets;
+    Scratch scratch(hadamard_scratch_bytes(layout, bucket), stream);
+    if (whole > 0)
+      launch_kernel(hadamard_decode<T>, blocks_for(whole, kWarpsPerBlock), stream,
+                    "hadamard_decode", levels, reinterpret_cast<const float*>(src), whole, bucket,
+                    params.bits, scratch.values(), add, dst);
+    const int64_t first = whole * bucket;
+    if (layout.quantized > first) {
+      float2* pair = scratch.pair(whole * bucket);
+      check(cudaMemcpyAsync(pair, src + whole * sizeof(float), sizeof(float2),
+                            cudaMemcpyDeviceToDevice, stream),
+            "copy the last bucket's pair");
+      decode_maxmin(params, levels, first, layout.quantized - first, pair, add, dst, stream);
+    }
+  }
   const int64_t raw_count = n - layout.quantized;
   if (raw_count > 0)
     launch_kernel(raw_from_wire<T>, blocks_for(raw_count, kThreads), stream, "raw_from_wire",
@@ -299,15 +497,10 @@ void decompress_as(const QuantizerParams& params, const uint8_t* src, int64_t n,
                   dst + layout.quantized);
 }
 
-// The CUDA kernels implement the maxmin scheme only (the CPU codec has hadamard). The
-// backend refuses such a call before it begins; this guards the codec's other callers.
-// The compressed buffer's metadata is read as float2: a misaligned buffer would fault.
+// The compressed buffer's metadata is read as float2 (maxmin) or float (hadamard): a
+// misaligned buffer would fault.
 void check_call(const QuantizerParams& params, const void* compressed) {
   validate(params);
-  if (params.scheme != Scheme::kMaxMin)
-    throw std::invalid_argument(
-        "the hadamard scheme is not implemented for CUDA tensors yet; use scheme 'maxmin' "
-        "for layers on a GPU");
   if (reinterpret_cast<uintptr_t>(compressed) % alignof(float2) != 0)
     throw std::invalid_argument("a compressed buffer on a GPU must be " +
                                 std::to_string(alignof(float2)) + "-byte aligned");

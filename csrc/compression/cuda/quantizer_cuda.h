@@ -1,9 +1,10 @@
-// Max-min bucket quantizer on the GPU: the same wire format and the same floating-point
+// The bucket quantizer on the GPU, both schemes (maxmin, hadamard): the same wire format and the same floating-point
 // operations as the CPU codec (compression/quantizer.h, docs/wire-format.md), so a buffer
 // compressed here decodes on the CPU to the same values, and both codecs write the same
 // bytes (stochastic rounding draws from the same stream, stream_hash.h).
 //
-// Pure device work on a caller's stream: pointers are device memory, nothing synchronises.
+// Device work on a caller's stream: pointers are device memory, nothing synchronises. The
+// hadamard scheme takes a stream-ordered scratch of 4 bytes per value (cudaMallocAsync).
 // Inputs may be float32, float16 or bfloat16 (converted exactly to float32 on load, as the
 // CPU path converts before compressing); decoded values are written in the same dtypes.
 #pragma once
@@ -19,7 +20,7 @@ namespace cgx::compression::cuda {
 enum class DType { Float32, Float16, BFloat16 };
 
 // dst: compressed_bytes(params, n) bytes. The compressed buffer (dst here, src below) must
-// be 8-byte aligned (std::invalid_argument otherwise), and the scheme maxmin.
+// be 8-byte aligned (std::invalid_argument otherwise).
 // `seed` and `stream_offset` as compression::compress takes them (the same bytes).
 void compress(const QuantizerParams& params, const void* src, DType dtype, int64_t n,
               uint8_t* dst, uint64_t seed, uint64_t stream_offset, cudaStream_t stream);

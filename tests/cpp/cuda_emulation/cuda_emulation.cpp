@@ -94,7 +94,7 @@ std::string lane_list(unsigned lanes) {
 }
 
 const char* op_name(WarpOp op) {
-  return op == WarpOp::kShuffleXor ? "__shfl_xor_sync" : "__all_sync";
+  return op == WarpOp::kShuffleXor ? "__shfl_xor_sync" : op == WarpOp::kAll ? "__all_sync" : "__syncwarp";
 }
 
 // Every lane of `warp` is waiting or has exited: checks the masks, makes the exchanges,
@@ -140,7 +140,7 @@ void exchange(Warp& warp) {
         throw WarpError("__shfl_xor_sync in lane " + std::to_string(i) +
                         ": reads lane " + std::to_string(source) + ", outside its mask");
       lane.result = warp.lanes[source].payload;
-    } else {
+    } else if (lane.op == WarpOp::kAll) {
       uint64_t all = 1;
       for (int j = 0; j < warp.size; ++j)
         if (lane.mask >> j & 1u) all &= warp.lanes[j].payload;

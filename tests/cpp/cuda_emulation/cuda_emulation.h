@@ -4,7 +4,7 @@
 //
 // - A launch (cudaLaunchKernelEx) runs when it is issued: block after block, and in a
 //   block warp after warp. A warp's 32 lanes are fibers (ucontext). Each lane runs until
-//   it reaches a warp intrinsic (__shfl_xor_sync, __all_sync) or exits; once no lane can
+//   it reaches a warp intrinsic (__shfl_xor_sync, __all_sync, __syncwarp) or exits; once no lane can
 //   go on, every lane named in a waiting lane's mask must wait in the same intrinsic with
 //   the same mask, the exchange is made, and the lanes go on. A mask that leaves out its
 //   caller or names a lane that is not there (exited, or elsewhere) is undefined
@@ -19,6 +19,9 @@
 //   put guard bytes after their outputs.
 // - A stream runs each operation when it is issued (issue order is all a stream
 //   promises); the device number is only remembered.
+// - __syncwarp is a meeting of the lanes like the intrinsics above: a lane that reads
+//   what another wrote without one sees the writes of whichever lanes happened to run
+//   first, so a missing one shows as wrong bytes (as a race would on a GPU, only always).
 // - Only what the kernels use is here: no shared memory, no __syncthreads (a kernel that
 //   needs them does not compile against this header).
 //
@@ -95,6 +98,10 @@ inline int __float2int_rz(float v) {
   return static_cast<int>(v);
 }
 inline float __int_as_float(int v) { return std::bit_cast<float>(v); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
+inline float __double2float_rn(double v) { return static_cast<float>(v); }
 template <typename T>
 constexpr T min(T a, T b) {
   return b < a ? b : a;
@@ -117,7 +124,7 @@ __nv_bfloat16 __float2bfloat16_rn(float v);
 
 // ---- warp intrinsics ------------------------------------------------------------------
 namespace cuda_emulation {
-enum class WarpOp { kShuffleXor, kAll };
+enum class WarpOp { kShuffleXor, kAll, kSync };
 // The calling lane waits until its warp exchanges (header comment); returns its result.
 uint64_t warp_exchange(WarpOp op, unsigned mask, uint64_t payload, int lane_mask, int width);
 
@@ -136,6 +143,9 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
                                           lane_mask, width);
   std::memcpy(&value, &payload, sizeof(T));
   return value;
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  cuda_emulation::warp_exchange(cuda_emulation::WarpOp::kSync, mask, 0, 0, 32);
 }
 inline int __all_sync(unsigned mask, int predicate) {
   return static_cast<int>(cuda_emulation::warp_exchange(cuda_emulation::WarpOp::kAll, mask,
