@@ -230,7 +230,34 @@ class ShapesTask(Classification):
 
 
 
-TASKS = {"gpt": GPTTask, "digits": DigitsTask, "shapes": ShapesTask}
+class CharRNN(torch.nn.Module):
+    """A one-layer GRU over bytes: recurrent, gated, its gradients unlike the others'."""
+
+    def __init__(self, dim=64, hidden=256, vocab=256):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, dim)
+        self.gru = torch.nn.GRU(dim, hidden, batch_first=True)
+        self.out = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, x):
+        return self.out(self.gru(self.tokens(x))[0])
+
+
+class CharRNNTask(GPTTask):
+    """Next-byte prediction on the GPT task's text with a GRU instead of a transformer."""
+
+    name = "charrnn"
+    context = 48
+    lr = 1e-2
+
+    def __init__(self, batch=16):
+        super().__init__(batch=batch)
+
+    def model(self):
+        return CharRNN()
+
+
+TASKS = {"gpt": GPTTask, "digits": DigitsTask, "shapes": ShapesTask, "charrnn": CharRNNTask}
 
 
 # ---- one training run per method
