@@ -248,7 +248,9 @@ class CharRNNTask(GPTTask):
 
     name = "charrnn"
     context = 48
-    lr = 1e-2
+    # Tuned for float32 allreduce, 300 steps, seeds 0 and 1: 2e-3, 3e-3, 5e-3, 1e-2 (and 3e-2
+    # on seed 0) ended 1.752/1.734, 1.687/1.687, 1.667/1.608, 1.692/1.673 (1.977).
+    lr = 5e-3
 
     def __init__(self, batch=16):
         super().__init__(batch=batch)
