@@ -510,19 +510,41 @@ class DiLoCo:
         membership: Membership | None = None,
         replica_group: dist.ProcessGroup | None = None,
     ) -> None:
-        _check_model_and_policy(model, inner_optimizer, bits, bucket_size, policy)
-        self._schedule = _Schedule(sync_every, fragments, fragment_pattern, outer_lr, outer_momentum, nesterov,
-                                   overlap, mix, error_feedback)
-        self._membership = membership  # held: the membership's heartbeats stop once nothing does
         self._host = None if replica_group is None else ReplicaHost(replica_group, model)
+        problem = None  # in a host's replica, every rank raises what one rank's arguments raise
+        try:
+            _check_model_and_policy(model, inner_optimizer, bits, bucket_size, policy)
+            self._schedule = _Schedule(sync_every, fragments, fragment_pattern, outer_lr, outer_momentum, nesterov,
+                                       overlap, mix, error_feedback)
+            if self._host is not None and ((membership is not None) != self._host.is_lead or group is not None):
+                raise ValueError("cgx.DiLoCo: with replica_group, the host's rank 0 (the lead) gives membership= "
+                                 "and the host's other ranks give neither membership nor group")
+            built = {} if self._host is None else {  # what the host's ranks must agree on
+                **dataclasses.asdict(self._schedule), "bits": bits, "bucket_size": bucket_size,
+                "policy": None if policy is None else sorted(policy.resolve(model).items()),
+                "parameters": [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()],
+                "trained parameters": list(_synced_parameters(model, inner_optimizer))}
+        except (TypeError, ValueError) as e:
+            if self._host is None:
+                raise
+            problem, built = e, {}
+        self._membership = membership  # held: the membership's heartbeats stop once nothing does
         self._weights_changed = False  # this step (the lead tells its host)
+        self.step = 0
         if self._host is not None:
-            if (membership is not None) != self._host.is_lead or group is not None:
-                raise ValueError("cgx.DiLoCo: with replica_group, the host's rank 0 (the lead) gives membership= and "
-                                 "the host's other ranks give neither membership nor group")
+            self._host.agree(problem, built)
             if not self._host.is_lead:
                 self._init_follower(model, inner_optimizer)
                 return
+        try:
+            self._build(model, inner_optimizer, bits, bucket_size, policy, group, membership)
+        except BaseException:
+            self._tell_host(FAILED)  # the host's other ranks wait for the lead's first word
+            raise
+        self._tell_host(CHANGED)  # the weights it starts from, to the host's other ranks
+
+    def _build(self, model, inner_optimizer, bits, bucket_size, policy, group, membership) -> None:
+        """The constructor's work on a replica's only rank, or on its lead."""
         if membership is None:
             self._replicas = _Replicas.of_group(resolve_group(group, "cgx.DiLoCo"))
         else:
@@ -537,7 +559,6 @@ class DiLoCo:
         self._policy = policy or CompressionPolicy.from_settings(self._replicas.backend.settings, bits=bits,
                                                                  bucket_size=bucket_size)
         self._fragments = self._initial_fragments()
-        self.step = 0
         self._in_flight: list[_Sync] = []
         self._joining: dict[str, tuple[int, _Member]] = {}  # name -> (fragment, member): joins at its start
         self._leaving: set[str] = set()  # members that leave when their fragment's sync next starts
@@ -551,15 +572,26 @@ class DiLoCo:
         self._ids: list[str] = []  # the replicas of the current round, by Membership.replica_id
         self._elastic_stats = {"rounds": 0, "replicas_lost": 0, "replicas_joined": 0, "syncs_redone": 0,
                                "reform_seconds": 0.0, "bytes_to_joiners": 0}
+        if self._host is not None:
+            self._warn_if_the_host_waits_less(membership)
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
         try:
             self._join_the_run()
         except BaseException:
             self._closed = True
             self._hook.remove()  # a DiLoCo that failed to join trains nothing
-            self._tell_host(FAILED)
             raise
-        self._tell_host(CHANGED)  # the weights it starts from, to the host's other ranks
+
+    def _warn_if_the_host_waits_less(self, membership: Membership) -> None:
+        """A follower waits for its lead as long as the host group's timeout; a lead can
+        spend a group timeout finding a replica dead, then a join timeout forming the next
+        round. A host group that gives up sooner ends a healthy host."""
+        needed = membership.group_timeout + membership.join_timeout
+        timeout = self._host.timeout()
+        if timeout is not None and timeout < needed:
+            _log.warning("cgx.DiLoCo: replica_group's timeout (%s) is shorter than the lead may take to re-form "
+                         "the run (group_timeout + join_timeout = %s): the host's other ranks may give up on a "
+                         "healthy lead; create the host's group with timeout=%s or more", timeout, needed, needed)
 
     def _init_follower(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer) -> None:
         """A rank of a host's replica other than its lead: takes the lead's step and
@@ -569,15 +601,27 @@ class DiLoCo:
         self._hook = inner_optimizer.register_step_post_hook(lambda *_: self._hear_the_lead())
         self._hear_the_lead()  # the weights the lead joined the run with
 
-    def _hear_the_lead(self) -> None:
+    def _hear_the_lead(self, ending: bool = False) -> None:
+        """A follower: the lead's word after its step (`ending`: after its close() or
+        leave(), which this rank's close() or leave() meets)."""
         step, event = self._host.hear()
         self.step = step
         if event in (CLOSED, FAILED, LEFT):
             self._closed = True
             self._hook.remove()
-        if event in (FAILED, LEFT):
-            raise RuntimeError(f"cgx.DiLoCo: this replica's lead rank (rank 0 of replica_group) "
-                               f"{'failed: see its error' if event == FAILED else 'left the run'}, at inner step {step}")
+        lead = "this replica's lead rank (rank 0 of replica_group)"
+        if event == FAILED or (event == LEFT and not ending):
+            raise RuntimeError(f"cgx.DiLoCo: {lead} {'failed: see its error' if event == FAILED else 'left the run'}"
+                               f", at inner step {step}")
+        if ending and event not in (CLOSED, LEFT):
+            raise RuntimeError(f"cgx.DiLoCo: {lead} took inner step {step} where this rank ended: every rank of a "
+                               f"host calls close() (or leave()) at the same point")
+
+    def _lead_only(self, what: str) -> None:
+        if self._following:
+            raise RuntimeError(f"cgx.DiLoCo.{what}: a host's replica keeps its DiLoCo state on its lead rank (rank 0 "
+                               f"of replica_group), which alone saves, loads and holds it; the host's other ranks "
+                               f"take the lead's step and weights after every inner step")
 
     def _tell_host(self, event: int) -> None:
         """The lead: its step and event to the host's other ranks (weights where changed)."""
@@ -625,10 +669,12 @@ class DiLoCo:
     @property
     def residuals(self) -> Residuals:
         """This rank's error-feedback residuals, by parameter name."""
+        self._lead_only("residuals")
         return self._replicas.residuals
 
     @residuals.setter
     def residuals(self, residuals: dict[str, torch.Tensor]) -> None:
+        self._lead_only("residuals")
         self._replicas.residuals = Residuals(residuals)
 
     def _initial_fragments(self) -> list[_Fragment]:
@@ -1039,8 +1085,8 @@ class DiLoCo:
         in it calls close() at the run's end (one that leaves before: :meth:`leave`)."""
         if self._closed:
             return
-        if self._host is not None and not self._host.is_lead:
-            self._hear_the_lead()  # the lead's close(): its last weights
+        if self._following:
+            self._hear_the_lead(ending=True)  # the lead's close(): its last weights
             return
         self._closed = True
         self._hook.remove()
@@ -1056,7 +1102,13 @@ class DiLoCo:
     def leave(self) -> None:
         """An elastic run goes on without this replica from now: its syncs in flight are
         dropped and it leaves the membership (Membership.close()); the others find it
-        gone at their next collective with it and do that sync again without it."""
+        gone at their next collective with it and do that sync again without it. With
+        replica_group, every rank of the host calls it at the same point (the lead
+        leaves, the others end with its last step)."""
+        if self._following:
+            if not self._closed:
+                self._hear_the_lead(ending=True)
+            return
         if self._membership is None:
             raise RuntimeError("cgx.DiLoCo.leave: only a replica of an elastic run (membership=...) leaves; "
                                "a group's replicas end together with close()")
@@ -1077,7 +1129,8 @@ class DiLoCo:
         else:  # the step that raised left its state as it was; nothing more is applied
             self._closed = True
             self._hook.remove()
-            self._in_flight.clear()
+            if not self._following:
+                self._in_flight.clear()
 
     # ---- stats and checkpoints
 
@@ -1105,9 +1158,7 @@ class DiLoCo:
         flight (waited for, their averaged outer gradient kept, to be applied at their step
         after a resume). Checkpoint it with the model and the inner optimizer; every rank
         saves its own (residuals differ between ranks)."""
-        if self._following:
-            raise RuntimeError("cgx.DiLoCo.state_dict: a host's replica keeps its DiLoCo state on its lead rank "
-                               "(rank 0 of replica_group): save that one's")
+        self._lead_only("state_dict")
         self._with_recovery(self._complete_in_flight)
         members = [m for f in self._fragments for m in f.members] + [m for _, m in self._joining.values()]
         return {
@@ -1140,7 +1191,9 @@ class DiLoCo:
         fragment, and the joins and leaves pending, replace this DiLoCo's. ValueError naming
         what differs otherwise. Residuals load only on the rank and group size that saved
         them, syncs in flight only at that group size: to resume at another size, load with
-        ``state["residuals"] = {}`` and no sync in flight."""
+        ``state["residuals"] = {}`` and no sync in flight. With replica_group, on the lead
+        only: the host's other ranks take its step and weights after the next inner step."""
+        self._lead_only("load_state_dict")
         self._check_state(state)
         if self._membership is not None and self._took_state:
             raise RuntimeError("cgx.DiLoCo.load_state_dict: this replica took the state of a live member of the "

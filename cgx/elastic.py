@@ -134,7 +134,7 @@ class Membership:
         self.min_replicas, self.max_replicas = min_replicas, max_replicas
         # How the others' logs and stats name this replica (a restarted one is a new replica).
         self.replica_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(2)}"
-        self.group_timeout = group_timeout
+        self.group_timeout, self.join_timeout = group_timeout, join_timeout
         self.config = config
         self.round: Round | None = None
         self.rounds = 0  # rounds this replica was a member of

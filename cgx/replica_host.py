@@ -12,10 +12,13 @@ restarts the whole host, which then joins the run as a new replica.
 
 from __future__ import annotations
 
+import datetime
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from cgx.agreement import first_difference
 
 UNCHANGED, CHANGED, CLOSED, FAILED, LEFT = range(5)
 
@@ -49,24 +52,56 @@ class ReplicaHost:
         self.model = model
         self.lead = dist.get_global_rank(group, 0)
         self.is_lead = dist.get_rank(group) == 0
+        # Everything travels on the parameters' device: a GPU host's group may be NCCL alone.
+        self.device = next(iter(model.parameters()), torch.empty(0)).device
+
+    def agree(self, problem: Exception | None, fields: dict[str, object]) -> None:
+        """Every rank of the host raises where one of them could not build DiLoCo
+        (`problem`: that rank raises it, the others a ValueError naming it) or where they
+        built it otherwise (ValueError naming the first field that differs)."""
+        problems: list[str | None] = [None] * self.group.size()
+        dist.all_gather_object(problems, None if problem is None else f"{type(problem).__name__}: {problem}",
+                               group=self.group)
+        if problem is not None:
+            raise problem
+        for rank, text in enumerate(problems):
+            if text is not None:
+                raise ValueError(f"cgx.DiLoCo: rank {rank} of replica_group could not build DiLoCo ({text})")
+        difference = first_difference(None, fields, all_gather=self._all_gather)
+        if difference:
+            raise ValueError(f"cgx.DiLoCo: the ranks of replica_group were given different settings: {difference}; "
+                             f"every rank of a host builds DiLoCo alike, on the same model")
+
+    def timeout(self) -> datetime.timedelta | None:
+        """The host group's timeout: how long a follower waits for its lead (None: unknown)."""
+        try:
+            return self.group._get_backend(self.device).options._timeout
+        except (AttributeError, RuntimeError):
+            return None
 
     def tell(self, step: int, event: int) -> None:
         """The lead: its step and `event`, with the weights where they changed."""
-        self._header(torch.tensor([step, event], dtype=torch.int64))
+        self._header(torch.tensor([step, event], dtype=torch.int64, device=self.device))
         if event in (CHANGED, CLOSED):
             self._weights()
 
     def hear(self) -> tuple[int, int]:
         """A follower: the lead's step and event (its weights taken where they changed)."""
-        header = torch.zeros(2, dtype=torch.int64)
+        header = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._header(header)
-        step, event = (int(v) for v in header)
+        step, event = (int(v) for v in header.cpu())
         if event in (CHANGED, CLOSED):
             self._weights()
         return step, event
 
     def _header(self, header: torch.Tensor) -> None:
         dist.broadcast(header, self.lead, group=self.group)
+
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        mine = tensor.to(self.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.group.size())]
+        dist.all_gather(everyone, mine, group=self.group)
+        return [t.cpu() for t in everyone]
 
     def _weights(self) -> None:
         move_by_dtype(list(self.model.parameters()), lambda flat: dist.broadcast(flat, self.lead, group=self.group))

@@ -663,3 +663,87 @@ def test_a_hosts_ddp_group_is_one_replica_and_torchrun_restarts_it_into_the_run(
         assert ranks[(h, 1)]["by_step"] == ranks[(h, 0)]["by_step"]
         assert ranks[(h, 1)]["weights"] == ranks[(h, 0)]["weights"]
     assert ranks[(0, 0)]["stats"]["replicas_lost"] >= 1 and ranks[(0, 0)]["stats"]["replicas_joined"] >= 1
+
+
+def _one_host(rank, world, port, scenario):
+    """One replica made of a host's 2 ranks (rank 0 leads), alone in an elastic run."""
+    import logging
+
+    import torch.distributed as dist
+
+    import cgx
+    from test_diloco import _model, _train_step
+
+    dist.init_process_group("gloo", init_method=os.environ["CGX_TEST_INIT_METHOD"], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=5 if scenario == "short host timeout" else 60))
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("cgx.diloco").addHandler(handler)
+    model = _model(0)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = {"min_replicas": 2, "join_timeout": datetime.timedelta(seconds=2)} if scenario == "no round" else {}
+    membership = _membership(0, port, f"host-{scenario.replace(' ', '-')}", **options) if rank == 0 else None
+    args = dict(sync_every=8 if scenario == "settings differ" and rank == 1 else 4, fragments=2, bits=4)
+    if scenario == "lead cannot build":  # more fragments than the model's 5 layers: found by the lead alone
+        args.update(sync_every=8, fragments=6)
+    started = time.monotonic()
+    try:
+        diloco = cgx.DiLoCo(model, inner, membership=membership, replica_group=dist.group.WORLD, **args)
+    except Exception as e:  # noqa: BLE001  (the test compares what each rank raised)
+        return type(e).__name__, str(e), time.monotonic() - started
+    if scenario == "short host timeout":
+        diloco.close()
+        return warnings
+    if scenario == "follower calls":
+        refused = []
+        for call in (lambda: diloco.load_state_dict({}), lambda: diloco.residuals) if rank == 1 else ():
+            try:
+                call()
+            except RuntimeError as e:
+                refused.append(str(e))
+        try:
+            with diloco:
+                _train_step(model, inner, rank, 0)
+                raise KeyError("the training loop's own error")
+        except KeyError as e:
+            return refused, str(e)
+    while diloco.step < 12:
+        _train_step(model, inner, rank, diloco.step)
+    diloco.leave()
+    return diloco.step, [p.detach().clone() for p in model.parameters()], diloco.stats()["step"]
+
+
+def test_a_hosts_ranks_leave_together_and_end_on_the_lead_s_weights():
+    (step0, weights0, _), (step1, weights1, stats_step1) = values(run_ranks(_one_host, 2, args=(_free_port(), "leave")))
+    assert step0 == step1 == stats_step1 == 12
+    assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))
+
+
+@pytest.mark.parametrize("scenario", ["settings differ", "lead cannot build", "no round"])
+def test_a_hosts_ranks_all_raise_what_one_rank_meets_building_diloco(scenario):
+    """What one rank of a host's replica meets while DiLoCo is built (its own arguments,
+    or the lead's fragments or first round) raises on every rank of the host, promptly,
+    never a follower waiting out its group's timeout."""
+    (kind0, text0, s0), (kind1, text1, s1) = values(run_ranks(_one_host, 2, args=(_free_port(), scenario),
+                                                              timeout_s=60))
+    if scenario == "settings differ":
+        assert kind0 == kind1 == "ValueError" and "sync_every" in text0 and "sync_every" in text1, (text0, text1)
+    elif scenario == "lead cannot build":
+        assert kind0 == "ValueError" and "fragments=6 is more than" in text0, text0
+        assert kind1 == "RuntimeError" and "lead rank" in text1 and "failed" in text1, text1
+    else:
+        assert kind0 == "MembershipError", text0
+        assert kind1 == "RuntimeError" and "failed" in text1, text1
+    assert max(s0, s1) < 30  # the host group's timeout is 60 s
+
+
+def test_a_follower_refuses_the_lead_s_calls_by_name_and_keeps_the_loop_s_own_error():
+    (refused0, error0), (refused1, error1) = values(run_ranks(_one_host, 2, args=(_free_port(), "follower calls")))
+    assert refused0 == [] and len(refused1) == 2 and all("lead rank" in r for r in refused1), refused1
+    assert "the training loop's own error" in error0 and "the training loop's own error" in error1
+
+
+def test_a_host_group_that_waits_less_than_a_re_form_is_warned_about_on_the_lead():
+    warned0, warned1 = values(run_ranks(_one_host, 2, args=(_free_port(), "short host timeout")))
+    assert any("replica_group's timeout" in w for w in warned0) and warned1 == [], (warned0, warned1)
