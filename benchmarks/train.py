@@ -23,7 +23,7 @@ underneath, uncompressed unless a method compresses), once per method:
                 scheme (or hadamard where it fits); without error feedback (or with it)
   diloco-hH-pP-bB-oK  cgx.DiLoCo, no DDP: every rank a replica, syncing every H steps in P
                 fragments (strided; -seq: sequential), outer gradients at B bits with error
-                feedback, applied K steps later; outer Nesterov SGD lr 0.7, momentum 0.9,
+                feedback (-hadamard: in that scheme), applied K steps later; outer Nesterov SGD lr 0.7, momentum 0.9,
                 mix 0.5 unless -lrA / -mB (0: plain SGD) / -xC say otherwise; evaluated on
                 rank 0's own weights
 
@@ -32,6 +32,7 @@ Tasks:
           sources (bytes as tokens); reports validation loss.
   digits  an MLP classifier on scikit-learn's bundled digits images; reports accuracy.
   shapes  a small convolutional net on synthetic noisy 16x16 images; reports accuracy.
+  charrnn a one-layer GRU over the gpt task's bytes (recurrent, gated); validation loss.
 
     python benchmarks/train.py --task gpt --steps 300 --world-size 2
     python benchmarks/train.py --task digits --out docs/convergence
@@ -79,7 +80,9 @@ FSDP_METHODS = ("fsdp",) + tuple(f"qsdp-w{w}g{g}{r}{s}{f}" for w in (8, 4) for g
                                   for r in ("", "-nearest") for s in ("", "-hadamard") for f in ("", "-feedback"))
 DILOCO_METHODS = tuple(f"diloco-h{h}-p{p}-b{b}-o{k}" for h in (16, 32) for p in (1, 4) for b in (32, 4)
                        for k in (0, 1)) + tuple(f"diloco-h32-p4-b4-o1-{v}" for v in (
-                           "seq", "lr1.0-m0", "lr0.5", "lr0.4", "lr0.7-m0.5", "lr0.7-x0.75"))
+                           "seq", "lr1.0-m0", "lr0.5", "lr0.4", "lr0.7-m0.5", "lr0.7-x0.75")) + tuple(
+                           f"diloco-h32-p4-b{b}-o1{s}" for b in (2, 3) for s in ("", "-hadamard")) + (
+                           "diloco-h32-p4-b4-o1-hadamard",)
 METHODS = DDP_METHODS + FSDP_METHODS + DILOCO_METHODS
 WARMUP_STEPS = 10  # uncompressed first steps, for every compressing method alike
 # Adaptive over both schemes: hadamard at 1-4 bits, maxmin above.
@@ -335,10 +338,13 @@ def diloco_method(method, model, inner):
     _, h, p, b, k, *variant = method.split("-")
     outer = {"lr": 0.7, "m": 0.9, "x": 0.5}  # the paper's outer lr and momentum, mix 0.5
     for part in variant:
-        if part != "seq":
+        if part not in ("seq", "hadamard"):
             name = part.rstrip("0123456789.")
             outer[name] = float(part[len(name):])
-    diloco = cgx.DiLoCo(model, inner, sync_every=int(h[1:]), fragments=int(p[1:]), bits=int(b[1:]),
+    # -hadamard: the outer gradients in that scheme (the group's, maxmin by default, otherwise).
+    policy = cgx.CompressionPolicy(bits=int(b[1:]), scheme="hadamard") if "hadamard" in variant else None
+    diloco = cgx.DiLoCo(model, inner, sync_every=int(h[1:]), fragments=int(p[1:]),
+                        bits=int(b[1:]) if policy is None else 4, policy=policy,
                         overlap=int(k[1:]), fragment_pattern="sequential" if "seq" in variant else "strided",
                         outer_lr=outer["lr"], outer_momentum=outer["m"], nesterov=outer["m"] > 0,
                         mix=outer["x"])
