@@ -76,7 +76,7 @@ CGX_METHODS = tuple(f"cgx{b}{k}{s}{f}" for b in (2, 3, 4, 8) for k in ("", "-buc
 ADAPTIVE_METHODS = tuple(f"cgx-adaptive{s}{a}{f}" for s in ("", "-hadamard") for a in ("", "-alpha4", "-alpha5", "-alpha6")
                          for f in ("", "-feedback-by-bits", "-no-feedback"))
 DDP_METHODS = ("allreduce", "fp16", "powersgd") + CGX_METHODS + ADAPTIVE_METHODS
-FSDP_METHODS = ("fsdp",) + tuple(f"qsdp-w{w}g{g}{r}{s}{f}" for w in (8, 4) for g in (8, 4, 2)
+FSDP_METHODS = ("fsdp",) + tuple(f"qsdp-w{w}g{g}{r}{s}{f}" for w in (8, 4, 2) for g in (8, 4, 2)
                                   for r in ("", "-nearest") for s in ("", "-hadamard") for f in ("", "-feedback"))
 DILOCO_METHODS = tuple(f"diloco-h{h}-p{p}-b{b}-o{k}" for h in (16, 32) for p in (1, 4) for b in (32, 4)
                        for k in (0, 1)) + tuple(f"diloco-h32-p4-b4-o1-{v}" for v in (

@@ -52,7 +52,7 @@ def reference_decode(x: torch.Tensor) -> torch.Tensor:
 # ---- the collectives
 
 
-def _allgather(rank, world, dtype, stochastic, seeds):
+def _allgather(rank, world, dtype, stochastic, seeds, plan=PLAN):
     import cgx
 
     init_cgx(rank, world)
@@ -65,7 +65,7 @@ def _allgather(rank, world, dtype, stochastic, seeds):
         own = out.narrow(0, rank * SHARD, SHARD)
         own.copy_(shard)
         # FSDP2's form: the input is the output's own slice.
-        backend.allgather_layout(out, own, PLAN, stochastic=stochastic, seed=seed).wait()
+        backend.allgather_layout(out, own, plan, stochastic=stochastic, seed=seed).wait()
         outs.append(out)
     return shard, outs, cgx.stats()["allgather"]
 
@@ -87,6 +87,27 @@ def test_compressed_allgather_identical_and_within_half_a_step(world):
     # Every peer gets this rank's shard: 4-bit and 8-bit layers, raw 1-D ones.
     assert stats["uncompressed_bytes"] == 4 * SHARD * (world - 1)
     assert stats["bytes_sent"] * 2.5 < stats["uncompressed_bytes"]
+
+
+# qsdp's -hadamard policy: hadamard segments (a shorter last bucket in the second) beside
+# a raw one and a maxmin one too wide for hadamard.
+HADAMARD_PLAN = [(0, 512, 4, 128, "hadamard"), (512, 300, 2, 256, "hadamard"), (812, 37, 32, 1), (849, 151, 8, 64)]
+
+
+def test_compressed_allgather_of_hadamard_weights_is_identical_and_the_codec_s():
+    import cgx
+
+    results = values(run_ranks(_allgather, 3, args=(torch.float32, False, [0], HADAMARD_PLAN)))
+    out = results[0][1][0]
+    assert all(torch.equal(r[1][0], out) for r in results[1:]), "ranks decoded different weights"
+    for owner, (shard, _, _) in enumerate(results):
+        got = out[owner * SHARD:(owner + 1) * SHARD]
+        for offset, numel, bits, bucket, *scheme in HADAMARD_PLAN:
+            piece = shard[offset:offset + numel]
+            want = piece if bits == 32 else cgx.decompress(
+                cgx.compress(piece, bits, bucket, scheme=scheme[0] if scheme else "maxmin"), numel, bits, bucket,
+                scheme=scheme[0] if scheme else "maxmin")
+            assert torch.equal(got[offset:offset + numel], want), (owner, offset)
 
 
 def test_compressed_allgather_bfloat16():
