@@ -342,9 +342,9 @@ def diloco_method(method, model, inner):
             name = part.rstrip("0123456789.")
             outer[name] = float(part[len(name):])
     # -hadamard: the outer gradients in that scheme (the group's, maxmin by default, otherwise).
-    policy = cgx.CompressionPolicy(bits=int(b[1:]), scheme="hadamard") if "hadamard" in variant else None
-    diloco = cgx.DiLoCo(model, inner, sync_every=int(h[1:]), fragments=int(p[1:]),
-                        bits=int(b[1:]) if policy is None else 4, policy=policy,
+    bits = int(b[1:])
+    width = {"policy": cgx.CompressionPolicy(bits=bits, scheme="hadamard")} if "hadamard" in variant else {"bits": bits}
+    diloco = cgx.DiLoCo(model, inner, sync_every=int(h[1:]), fragments=int(p[1:]), **width,
                         overlap=int(k[1:]), fragment_pattern="sequential" if "seq" in variant else "strided",
                         outer_lr=outer["lr"], outer_momentum=outer["m"], nesterov=outer["m"] > 0,
                         mix=outer["x"])
