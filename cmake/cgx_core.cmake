@@ -6,6 +6,7 @@ get_filename_component(CGX_CSRC "${CMAKE_CURRENT_LIST_DIR}/../csrc" ABSOLUTE)
 
 add_library(cgx_core STATIC
   ${CGX_CSRC}/compression/quantizer.cpp
+  ${CGX_CSRC}/compression/rotated_loops.cpp
   ${CGX_CSRC}/compression/layout_codec.cpp
   ${CGX_CSRC}/compression/executor.cpp
   ${CGX_CSRC}/compression/deferred_executor.cpp

@@ -12,6 +12,7 @@
 // rotate back.
 #include "quantizer.h"
 #include "gaussian_levels.h"
+#include "rotated_loops.h"
 #include "rotation.h"
 #include "stream_hash.h"
 #include "common/mix.h"
@@ -357,34 +358,20 @@ const GaussianLevels& gaussian_levels(int bits) {
   return tables[bits - 1];
 }
 
-// Round to nearest: level = how many midpoints z = y / rms reaches. The width is a
-// constant so that the loop over the midpoints unrolls and the one over values vectorizes.
-template <int Bits>
-CGX_INLINE void nearest_gaussian(const float* __restrict y, int64_t len, float inv,
-                                 const GaussianLevels& t, uint8_t* __restrict levels) {
-  float midpoint[(1 << Bits) - 1];
-  for (int j = 0; j < (1 << Bits) - 1; ++j) midpoint[j] = t.midpoint[j];
-  for (int64_t k = 0; k < len; ++k) {
-    const float z = y[k] * inv;
-    int level = 0;
-    for (int j = 0; j < (1 << Bits) - 1; ++j) level += z >= midpoint[j];
-    levels[k] = static_cast<uint8_t>(level);
-  }
-}
-
-// Rotates one whole bucket in `y` (a copy of its values) and writes its levels; returns
-// the bucket's rms, or NaN (levels all 0) for a bucket holding NaN, Inf or a magnitude of
+// Rotates one whole bucket of `src` into `y` and writes its levels; returns the bucket's
+// rms, or NaN (levels all 0) for a bucket holding NaN, Inf or a magnitude of
 // kMaxRotatedMagnitude or more.
-CGX_INLINE float encode_rotated(float* __restrict y, int64_t len, int bits, bool stochastic,
-                                uint32_t first_index, uint32_t key, const float* __restrict signs,
-                                uint8_t* __restrict levels) {
+CGX_INLINE float encode_rotated(const float* __restrict src, float* __restrict y, int64_t len,
+                                int bits, bool stochastic, uint32_t first_index, uint32_t key,
+                                const float* __restrict signs, uint8_t* __restrict levels) {
   int in_range = 1;
-  for (int64_t k = 0; k < len; ++k) in_range &= std::fabs(y[k]) < kMaxRotatedMagnitude;
+  for (int64_t k = 0; k < len; ++k) in_range &= std::fabs(src[k]) < kMaxRotatedMagnitude;
   if (!in_range) {
     std::memset(levels, 0, static_cast<size_t>(len));
     return std::numeric_limits<float>::quiet_NaN();
   }
-  rotate(y, len, signs);
+  const RotatedLoops& loops = rotated_loops();
+  rotate(src, y, len, signs, loops.low_stages);
   double lanes[4] = {0, 0, 0, 0};  // a fixed summation order: the same bits everywhere
   for (int64_t k = 0; k < len; k += 4)
     for (int l = 0; l < 4; ++l) lanes[l] += static_cast<double>(y[k + l]) * y[k + l];
@@ -396,12 +383,7 @@ CGX_INLINE float encode_rotated(float* __restrict y, int64_t len, int bits, bool
   const GaussianLevels& t = gaussian_levels(bits);
   const int top = (1 << bits) - 1;
   if (!stochastic) {
-    switch (bits) {
-      case 1: nearest_gaussian<1>(y, len, inv, t, levels); break;
-      case 2: nearest_gaussian<2>(y, len, inv, t, levels); break;
-      case 3: nearest_gaussian<3>(y, len, inv, t, levels); break;
-      default: nearest_gaussian<4>(y, len, inv, t, levels); break;
-    }
+    loops.nearest(y, len, inv, t, bits, levels);
     return rms;
   }
   for (int64_t k = 0; k < len; ++k) {
@@ -416,11 +398,16 @@ CGX_INLINE float encode_rotated(float* __restrict y, int64_t len, int bits, bool
   return rms;
 }
 
+// Decodes one whole bucket into `out` (or adds it where `add`), `y` its scratch.
 CGX_INLINE void decode_rotated(const uint8_t* __restrict levels, int64_t len, int bits, float rms,
-                               const float* __restrict signs, float* __restrict y) {
+                               const float* __restrict signs, float* __restrict y, bool add,
+                               float* __restrict out) {
   const GaussianLevels& t = gaussian_levels(bits);
-  for (int64_t k = 0; k < len; ++k) y[k] = t.level[levels[k]] * rms;
-  unrotate(y, len, signs);
+  float scaled[16] = {};  // each level times rms: the product every value of it decodes to
+  for (int j = 0; j < (1 << bits); ++j) scaled[j] = t.level[j] * rms;
+  const RotatedLoops& loops = rotated_loops();
+  loops.lookup(levels, len, scaled, y);
+  unrotate(y, len, signs, loops.low_stages, add, out);
 }
 
 // One bucket's working space on this thread: its values, its levels and the rotation's signs.
@@ -469,8 +456,7 @@ CGX_AVX2_CLONE void encode_hadamard(const QuantizerParams& params, const Layout&
   uint8_t* levels = scratch.levels;
   for (int64_t b = 0; b < layout.rotated_buckets; ++b) {
     const int64_t first = b * bucket;
-    std::memcpy(values, src + first, static_cast<size_t>(bucket) * sizeof(float));
-    const float rms = encode_rotated(values, bucket, params.bits, params.stochastic,
+    const float rms = encode_rotated(src + first, values, bucket, params.bits, params.stochastic,
                                      stream_offset + static_cast<uint32_t>(first), key,
                                      scratch.signs, levels);
     std::memcpy(dst + b * sizeof(float), &rms, sizeof(rms));
@@ -494,12 +480,7 @@ CGX_AVX2_CLONE void decode_hadamard(const QuantizerParams& params, const Layout&
     float rms;
     std::memcpy(&rms, src + b * sizeof(float), sizeof(rms));
     unpack(params.bits, stream + first / 8 * params.bits, bucket / 8, levels);
-    decode_rotated(levels, bucket, params.bits, rms, scratch.signs, values);
-    float* out = dst + first;
-    if (add)
-      for (int64_t k = 0; k < bucket; ++k) out[k] = out[k] + values[k];
-    else
-      std::memcpy(out, values, static_cast<size_t>(bucket) * sizeof(float));
+    decode_rotated(levels, bucket, params.bits, rms, scratch.signs, values, add, dst + first);
   }
   const Tail tail = hadamard_tail(params, layout);
   if (tail.layout.quantized > 0)
@@ -573,6 +554,11 @@ Scheme scheme_from_name(const std::string& name) {
   throw std::invalid_argument("scheme must be " + known + ", got '" + name + "'");
 }
 
+bool hadamard_fits(int bits, int64_t bucket_size) {
+  return bits >= 1 && bits <= kMaxHadamardBits && bucket_size >= 8 &&
+         bucket_size <= kMaxHadamardBucket && (bucket_size & (bucket_size - 1)) == 0;
+}
+
 void validate(const QuantizerParams& params) {
   if (params.bits < 1 || params.bits > kMaxBits)
     throw std::invalid_argument("bits must be in 1.." + std::to_string(kMaxBits) + ", got " +
@@ -580,17 +566,15 @@ void validate(const QuantizerParams& params) {
   if (params.bucket_size < 1)
     throw std::invalid_argument("bucket_size must be >= 1, got " +
                                 std::to_string(params.bucket_size));
-  if (params.scheme == Scheme::kHadamard) {
+  if (params.scheme == Scheme::kHadamard && !hadamard_fits(params.bits, params.bucket_size)) {
     if (params.bits > kMaxHadamardBits)
       throw std::invalid_argument("the hadamard scheme quantizes to 1.." +
                                   std::to_string(kMaxHadamardBits) + " bits, got " +
                                   std::to_string(params.bits));
-    const int64_t b = params.bucket_size;
-    if (b < 8 || b > kMaxHadamardBucket || (b & (b - 1)) != 0)
-      throw std::invalid_argument(
-          "the hadamard scheme needs a bucket_size that is a power of two in 8.." +
-          std::to_string(kMaxHadamardBucket) + ", got " + std::to_string(b));
-  } else if (params.scheme != Scheme::kMaxMin) {
+    throw std::invalid_argument(
+        "the hadamard scheme needs a bucket_size that is a power of two in 8.." +
+        std::to_string(kMaxHadamardBucket) + ", got " + std::to_string(params.bucket_size));
+  } else if (params.scheme != Scheme::kMaxMin && params.scheme != Scheme::kHadamard) {
     throw std::invalid_argument("unknown quantizer scheme " +
                                 std::to_string(static_cast<int>(params.scheme)));
   }

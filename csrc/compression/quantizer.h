@@ -57,6 +57,9 @@ struct QuantizerParams {
 // of two in 8..kMaxHadamardBucket.
 void validate(const QuantizerParams& params);
 
+// Whether the hadamard scheme takes these bits and bucket size (what validate checks).
+bool hadamard_fits(int bits, int64_t bucket_size);
+
 // Where the sections of a compressed buffer of n values lie (docs/wire-format.md); shared
 // by the CPU and CUDA codecs.
 struct WireLayout {

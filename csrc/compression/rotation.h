@@ -3,13 +3,15 @@
 // fixed pseudo-random half of the positions and H is the n-point Walsh-Hadamard transform
 // (n a power of two). Rotating spreads an outlier over the whole bucket, so the rotated
 // values are close to normal and a few levels cover them well. Header-only: the codec's
-// SSE2 and AVX2 clones each inline their own copy.
+// SSE2 and AVX2 clones each inline their own copy; the CUDA kernels make the same stages
+// across a warp.
 //
 // The prescale by 1/n is exact (a power of two) and happens first, so no butterfly can
 // overflow: every partial sum is a mean of at most n values. The butterflies run in a fixed
 // order, each sum and difference rounded on its own, so every machine computes the same bits.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -49,26 +51,44 @@ CGX_HOST_DEVICE_INLINE void butterflies(float* __restrict x, int64_t n, int64_t 
     }
 }
 
-// The stages h = 1, 2, 4, ... n/2 in turn (n >= 8). The first three have their stride as
-// a constant, so the compiler vectorizes them too.
-CGX_HOST_DEVICE_INLINE void walsh_hadamard(float* __restrict x, int64_t n) {
-  butterflies(x, n, 1);
-  butterflies(x, n, 2);
-  butterflies(x, n, 4);
-  for (int64_t h = 8; h < n; h *= 2) butterflies(x, n, h);
+// The stages h = 8, 16, ... n/2 in turn, two at a time where it can: each pass reads four
+// values at distance h and makes both stages' sums and differences of them in registers,
+// the same operations as two passes of butterflies.
+inline void high_stages(float* __restrict x, int64_t n) {
+  int64_t h = 8;
+  for (; 4 * h <= n; h *= 4)
+    for (int64_t i = 0; i < n; i += 4 * h)
+      for (int64_t k = i; k < i + h; ++k) {
+        const float a = x[k], b = x[k + h], c = x[k + 2 * h], d = x[k + 3 * h];
+        const float ab = a + b, a_b = a - b, cd = c + d, c_d = c - d;
+        x[k] = ab + cd;
+        x[k + h] = a_b + c_d;
+        x[k + 2 * h] = ab - cd;
+        x[k + 3 * h] = a_b - c_d;
+      }
+  if (h < n) butterflies(x, n, h);
 }
 
-// x <- H D x / n, in place; `signs` from rotation_signs(n).
-CGX_HOST_DEVICE_INLINE void rotate(float* __restrict x, int64_t n, const float* __restrict signs) {
+// x <- H D src / n; `signs` from rotation_signs(n). The stages h = 1, 2, 4 (the butterflies
+// inside 8 values) are `low_stages` (rotated_loops.h).
+inline void rotate(const float* __restrict src, float* __restrict x, int64_t n,
+                   const float* __restrict signs, void (*low_stages)(float*, int64_t)) {
   const float inv_n = 1.0f / static_cast<float>(n);  // exact: n is a power of two
-  for (int64_t j = 0; j < n; ++j) x[j] = x[j] * (signs[j] * inv_n);
-  walsh_hadamard(x, n);
+  for (int64_t j = 0; j < n; ++j) x[j] = src[j] * (signs[j] * inv_n);
+  low_stages(x, n);
+  high_stages(x, n);
 }
 
-// y <- D H y, in place: the inverse of rotate (H H = n I), up to float rounding.
-CGX_HOST_DEVICE_INLINE void unrotate(float* __restrict y, int64_t n, const float* __restrict signs) {
-  walsh_hadamard(y, n);
-  for (int64_t j = 0; j < n; ++j) y[j] = y[j] * signs[j];
+// out <- D H y (or out + D H y where `add`), the inverse of rotate (H H = n I) up to float
+// rounding; y is left rotated back but unsigned.
+inline void unrotate(float* __restrict y, int64_t n, const float* __restrict signs,
+                     void (*low_stages)(float*, int64_t), bool add, float* __restrict out) {
+  low_stages(y, n);
+  high_stages(y, n);
+  if (add)
+    for (int64_t j = 0; j < n; ++j) out[j] = out[j] + y[j] * signs[j];
+  else
+    for (int64_t j = 0; j < n; ++j) out[j] = y[j] * signs[j];
 }
 
 }  // namespace cgx::compression

@@ -9,6 +9,7 @@
 
 #include "check.h"
 #include "compression/quantizer.h"
+#include "compression/rotated_loops.h"
 #include "compression/rotation.h"
 #include "fixtures.h"
 
@@ -147,18 +148,79 @@ CGX_TEST(quantizer_rejects_bad_parameters) {
 CGX_TEST(rotation_inverse_recovers_the_input) {
   for (int64_t n = 8; n <= compression::kMaxHadamardBucket; n *= 8) {
     const std::vector<float> x = random_values(n, static_cast<uint32_t>(n));
-    std::vector<float> y = x;
+    std::vector<float> y(x.size()), back(x.size());
     const float* signs = compression::rotation_signs(n);
-    compression::rotate(y.data(), n, signs);
+    const auto low_stages = compression::rotated_loops().low_stages;
+    compression::rotate(x.data(), y.data(), n, signs, low_stages);
     CHECK(y != x);
-    compression::unrotate(y.data(), n, signs);
+    compression::unrotate(y.data(), n, signs, low_stages, false, back.data());
     float worst = 0, largest = 0;
     for (int64_t i = 0; i < n; ++i) {
-      worst = std::max(worst, std::fabs(y[i] - x[i]));
+      worst = std::max(worst, std::fabs(back[i] - x[i]));
       largest = std::max(largest, std::fabs(x[i]));
     }
     // log2(n) roundings per butterfly path, each a half ulp of a partial sum <= max |x|.
     CHECK(worst <= 2 * std::log2(static_cast<float>(n)) * 0x1p-24f * largest);
+  }
+}
+
+// Values that stress the hadamard loops: ordinary ones at many scales, exact midpoints
+// and their float neighbours (where a comparison flips), zeros of both signs, NaN, Inf.
+std::vector<float> loop_inputs(const compression::GaussianLevels& t, int bits, int64_t n, uint32_t seed) {
+  std::vector<float> v = random_values(n, seed);
+  std::vector<float> special = {0.0f, -0.0f, std::numeric_limits<float>::quiet_NaN(),
+                                std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                                std::numeric_limits<float>::max(), -std::numeric_limits<float>::denorm_min(), 1e30f};
+  for (int j = 0; j < (1 << bits) - 1; ++j)
+    for (const float m : {t.midpoint[j], std::nextafter(t.midpoint[j], -1e9f), std::nextafter(t.midpoint[j], 1e9f)})
+      special.push_back(m);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i % 3 == 0) v[static_cast<size_t>(i)] = special[static_cast<size_t>(i / 3) % special.size()];
+    else v[static_cast<size_t>(i)] *= std::ldexp(1.0f, static_cast<int>(i % 11) - 5);
+  }
+  return v;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// The AVX2 loops write the portable loops' bits, and nearest counts the midpoints reached.
+CGX_TEST(hadamard_avx2_loops_write_the_portable_loops_bits) {
+  const compression::RotatedLoops& portable = compression::portable_rotated_loops();
+  const compression::RotatedLoops* avx2 = compression::avx2_rotated_loops();
+#if defined(__x86_64__)
+  CHECK(avx2 != nullptr);  // every machine cgx is built and tested on has AVX2
+#endif
+  const compression::RotatedLoops& fast = avx2 ? *avx2 : portable;
+  for (int bits = 1; bits <= compression::kMaxHadamardBits; ++bits) {
+    const compression::GaussianLevels t = compression::gaussian_levels_of(bits);
+    for (const int64_t n : {8, 16, 64, 512}) {
+      const std::vector<float> in = loop_inputs(t, bits, n, static_cast<uint32_t>(n * 7 + bits));
+      std::vector<float> a = in, b = in;
+      portable.low_stages(a.data(), n);
+      fast.low_stages(b.data(), n);
+      CHECK(same_bits(a, b));
+      for (const float inv : {1.0f, 0.0f, 0.37f, 3.0f, 1e30f}) {
+        std::vector<uint8_t> la(static_cast<size_t>(n)), lb(static_cast<size_t>(n));
+        portable.nearest(in.data(), n, inv, t, bits, la.data());
+        fast.nearest(in.data(), n, inv, t, bits, lb.data());
+        CHECK(la == lb);
+        for (int64_t k = 0; k < n; ++k) {
+          int reached = 0;
+          for (int j = 0; j < (1 << bits) - 1; ++j) reached += in[static_cast<size_t>(k)] * inv >= t.midpoint[j];
+          CHECK_EQ(static_cast<int>(lb[static_cast<size_t>(k)]), reached);
+        }
+      }
+      std::vector<uint8_t> levels(static_cast<size_t>(n));
+      for (int64_t k = 0; k < n; ++k) levels[static_cast<size_t>(k)] = static_cast<uint8_t>((k * 7 + k / 16) % (1 << bits));
+      float scaled[16];
+      for (int j = 0; j < 16; ++j) scaled[j] = in[static_cast<size_t>(j % n)];
+      std::vector<float> ya(static_cast<size_t>(n)), yb(static_cast<size_t>(n));
+      portable.lookup(levels.data(), n, scaled, ya.data());
+      fast.lookup(levels.data(), n, scaled, yb.data());
+      CHECK(same_bits(ya, yb));
+    }
   }
 }
 
