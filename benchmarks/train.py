@@ -17,13 +17,14 @@ underneath, uncompressed unless a method compresses), once per method:
                 error feedback on every layer (or CGXState's default, two-level only on
                 layers at 2 bits or fewer; or none)
   fsdp          FSDP2 (fully_shard per block and on the root), exact
-  qsdp-wAgB[-nearest][-hadamard][-feedback]
+  qsdp-wAgB[-nearest][-hadamard][-feedback][-bucketN]
                 FSDP2 with cgx.qsdp: weights gathered at A bits (stochastic rounding, or
                 rounded to nearest), gradients reduce-scattered at B bits; the maxmin
-                scheme (or hadamard where it fits); without error feedback (or with it)
+                scheme (or hadamard where it fits); without error feedback (or with it);
+                buckets of 512 values (-bucketN: of N, for both)
   diloco-hH-pP-bB-oK  cgx.DiLoCo, no DDP: every rank a replica, syncing every H steps in P
-                fragments (strided; -seq: sequential), outer gradients at B bits with error
-                feedback (-hadamard: in that scheme), applied K steps later; outer Nesterov SGD lr 0.7, momentum 0.9,
+                fragments (strided; -seq: sequential), outer gradients at B bits in maxmin
+                with error feedback (-hadamard: in that scheme), applied K steps later; outer Nesterov SGD lr 0.7, momentum 0.9,
                 mix 0.5 unless -lrA / -mB (0: plain SGD) / -xC say otherwise; evaluated on
                 rank 0's own weights
 
@@ -77,7 +78,8 @@ ADAPTIVE_METHODS = tuple(f"cgx-adaptive{s}{a}{f}" for s in ("", "-hadamard") for
                          for f in ("", "-feedback-by-bits", "-no-feedback"))
 DDP_METHODS = ("allreduce", "fp16", "powersgd") + CGX_METHODS + ADAPTIVE_METHODS
 FSDP_METHODS = ("fsdp",) + tuple(f"qsdp-w{w}g{g}{r}{s}{f}" for w in (8, 4, 2) for g in (8, 4, 2)
-                                  for r in ("", "-nearest") for s in ("", "-hadamard") for f in ("", "-feedback"))
+                                  for r in ("", "-nearest") for s in ("", "-hadamard") for f in ("", "-feedback")) + tuple(
+                                      f"qsdp-w4g4-nearest{s}-bucket{b}" for s in ("", "-hadamard") for b in (64, 128, 256))
 DILOCO_METHODS = tuple(f"diloco-h{h}-p{p}-b{b}-o{k}" for h in (16, 32) for p in (1, 4) for b in (32, 4)
                        for k in (0, 1)) + tuple(f"diloco-h32-p4-b4-o1-{v}" for v in (
                            "seq", "lr1.0-m0", "lr0.5", "lr0.4", "lr0.7-m0.5", "lr0.7-x0.75")) + tuple(
@@ -317,7 +319,8 @@ def shard_method(method, model):
         return lambda step: (None, None)
     _, bits, *options = method.split("-")
     weight_bits, grad_bits = (int(b) for b in bits[1:].split("g"))
-    policy = cgx.CompressionPolicy(scheme="hadamard" if "hadamard" in options else "maxmin")
+    bucket_size = next((int(o[len("bucket"):]) for o in options if o.startswith("bucket")), 512)
+    policy = cgx.CompressionPolicy(bucket_size=bucket_size, scheme="hadamard" if "hadamard" in options else "maxmin")
     handle = cgx.qsdp(model, weight_bits=weight_bits, grad_bits=grad_bits, policy=policy,
                       weight_rounding="nearest" if "nearest" in options else "stochastic",
                       error_feedback="feedback" in options)
@@ -341,10 +344,9 @@ def diloco_method(method, model, inner):
         if part not in ("seq", "hadamard"):
             name = part.rstrip("0123456789.")
             outer[name] = float(part[len(name):])
-    # -hadamard: the outer gradients in that scheme (the group's, maxmin by default, otherwise).
-    bits = int(b[1:])
-    width = {"policy": cgx.CompressionPolicy(bits=bits, scheme="hadamard")} if "hadamard" in variant else {"bits": bits}
-    diloco = cgx.DiLoCo(model, inner, sync_every=int(h[1:]), fragments=int(p[1:]), **width,
+    # The outer gradients in maxmin, or with -hadamard in that scheme (the group's default).
+    policy = cgx.CompressionPolicy(bits=int(b[1:]), scheme="hadamard" if "hadamard" in variant else "maxmin")
+    diloco = cgx.DiLoCo(model, inner, sync_every=int(h[1:]), fragments=int(p[1:]), policy=policy,
                         overlap=int(k[1:]), fragment_pattern="sequential" if "seq" in variant else "strided",
                         outer_lr=outer["lr"], outer_momentum=outer["m"], nesterov=outer["m"] > 0,
                         mix=outer["x"])

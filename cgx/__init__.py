@@ -52,7 +52,7 @@ __all__ = [
     "LayerRule",
     "LayerSetting",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Under mpirun: torch's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the MPI launch.
 mpi.adopt_mpi_launch()

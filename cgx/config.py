@@ -122,11 +122,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CGX_COMPRESSION_BUCKET_SIZE", "bucket_size", 512,
              f"integer in {int_range(1, MAX_BUCKET_SIZE)}", _int_in(1, MAX_BUCKET_SIZE),
              "Values per quantization bucket (each bucket sends its own min and scale)."),
-    Variable("CGX_COMPRESSION_SCHEME", "scheme", "maxmin", " | ".join(SCHEMES), _choice(*SCHEMES),
-             "How values become levels: maxmin (levels evenly between each bucket's min and "
-             "max) or hadamard (each bucket rotated, then levels placed for a normal "
-             f"distribution; 1..{MAX_HADAMARD_BITS} bits, buckets a power of two in "
-             f"8..{MAX_HADAMARD_BUCKET}; docs/wire-format.md)."),
+    Variable("CGX_COMPRESSION_SCHEME", "scheme", "hadamard", " | ".join(SCHEMES), _choice(*SCHEMES),
+             "How values become levels: hadamard (each bucket rotated, then levels placed "
+             f"for a normal distribution; at 1..{MAX_HADAMARD_BITS} bits with buckets a power "
+             f"of two in 8..{MAX_HADAMARD_BUCKET}, maxmin elsewhere) or maxmin (levels evenly "
+             "between each bucket's min and max; the default before cgx 0.2, and the "
+             "faster CPU codec). docs/wire-format.md, docs/benchmarks.md."),
     Variable("CGX_COMPRESSION_MINIMAL_SIZE", "minimal_size", 16,
              f"integer in {int_range(0, MAX_MINIMAL_SIZE)}", _int_in(0, MAX_MINIMAL_SIZE),
              "Tensors with at most this many elements are reduced exactly (uncompressed)."),

@@ -145,10 +145,12 @@ class CompressionPolicy:
     Args:
         bits: default bits for compressed layers (1..8, or 32 for none).
         bucket_size: default quantization bucket size.
-        scheme: default quantizer scheme, ``"maxmin"`` or ``"hadamard"``. A layer whose
-            bits or bucket size the hadamard scheme cannot take (more than 4 bits, a
-            bucket size that is not a power of two in 8..65536) uses maxmin instead;
-            a rule that names hadamard for such a layer is an error.
+        scheme: default quantizer scheme, ``"hadamard"`` (the default since cgx 0.2:
+            it held 2, 3 and 4 bits on every task measured, docs/benchmarks.md) or
+            ``"maxmin"``. A layer whose bits or bucket size the hadamard scheme cannot
+            take (more than 4 bits, a bucket size that is not a power of two in
+            8..65536) uses maxmin instead; a rule that names hadamard for such a layer
+            is an error.
         rules: :class:`LayerRule` s, the first match wins.
         minimal_size: layers with at most this many elements stay raw (CGX's default).
         compress_1d: compress 1-D parameters (biases, norm weights) too; off as in CGX.
@@ -160,7 +162,7 @@ class CompressionPolicy:
         bucket_size: int = 512,
         rules: Iterable[LayerRule] = (),
         *,
-        scheme: str = "maxmin",
+        scheme: str = "hadamard",
         minimal_size: int = 16,
         compress_1d: bool = False,
     ) -> None:

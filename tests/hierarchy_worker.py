@@ -51,7 +51,7 @@ def main(out_path):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     env = cgx.from_env()
-    config = dataclasses.replace(env, bits=4, bucket_size=512)
+    config = dataclasses.replace(env, bits=4, bucket_size=512, scheme="maxmin")  # the bound is maxmin's
     hierarchical = dist.new_group(backend="cgx", pg_options=config)
     one_host = dist.new_group(backend="cgx",
                               pg_options=dataclasses.replace(config, hostname="one-host"))

@@ -1,5 +1,6 @@
-"""Compressed allreduce: the error stays within the quantizer's two-stage bound
-(tests/bounds.py) and every rank ends with bit-identical output."""
+"""Compressed allreduce in the maxmin scheme: the error stays within its two-stage bound
+(tests/bounds.py) and every rank ends with bit-identical output. (The hadamard scheme,
+the default, has its own bound and tests: test_hadamard.py.)"""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def _reduce_cases(rank, world, cases):
         config = cgx.Config(
             bits=case["bits"],
             bucket_size=case["bucket"],
+            scheme="maxmin",
             minimal_size=0,
             inner_reduction=case.get("algorithm", "SRA"),
             stochastic_rounding=case.get("stochastic", False),
@@ -135,7 +137,7 @@ def test_cross_host_and_gloo_transports(world):
 def _repeated_stochastic(rank, world, calls):
     import cgx
 
-    init_cgx(rank, world, pg_options=cgx.Config(bits=2, bucket_size=256, minimal_size=0,
+    init_cgx(rank, world, pg_options=cgx.Config(bits=2, bucket_size=256, scheme="maxmin", minimal_size=0,
                                                  stochastic_rounding=True, seed=7, compression_auto=False))
     inputs = [make_input(r, 4096, torch.float32) for r in range(world)]
     exact = torch.stack([x.double() for x in inputs]).sum(0)

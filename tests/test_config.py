@@ -124,7 +124,7 @@ def test_every_setting_reaches_the_backend():
 
 def test_settings_round_trip_field_by_field():
     changed = cgx.Config(bits=3, bucket_size=1024, minimal_size=0, skip_incomplete_buckets=True,
-                         stochastic_rounding=True, scheme="hadamard", seed=2**63, inner_communicator="GLOO",
+                         stochastic_rounding=True, scheme="maxmin", seed=2**63, inner_communicator="GLOO",
                          cross_communicator="MPI", inner_reduction="Ring", cross_reduction="Ring",
                          intra_broadcast=True, intra_compress=False, hostname="x",
                          shm_ring_bytes=8192, deferred_execution=True, piece_values=0,

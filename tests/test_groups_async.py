@@ -1,4 +1,6 @@
-"""Subgroups, several cgx groups at once, asynchronous work and futures, and DDP."""
+"""Subgroups, several cgx groups at once, asynchronous work and futures, and DDP. The
+groups quantize in maxmin, which brings a constant input back exactly, so results are
+checked bit for bit."""
 
 from __future__ import annotations
 
@@ -15,11 +17,11 @@ from harness import init_cgx, run_ranks, values
 def _subgroups_and_concurrency(rank, world):
     import cgx
 
-    init_cgx(rank, world, pg_options=cgx.Config(bits=8, minimal_size=0))
+    init_cgx(rank, world, pg_options=cgx.Config(scheme="maxmin", bits=8, minimal_size=0))
     results = {}
     # A subgroup of the even ranks; odd ranks are not members.
     evens = dist.new_group([r for r in range(world) if r % 2 == 0], backend="cgx",
-                           pg_options=cgx.Config(bits=8, minimal_size=0))
+                           pg_options=cgx.Config(scheme="maxmin", bits=8, minimal_size=0))
     if rank % 2 == 0:
         t = torch.full((10_000,), float(rank))
         dist.all_reduce(t, group=evens)
@@ -27,8 +29,8 @@ def _subgroups_and_concurrency(rank, world):
         results["subgroup"] = bool(torch.allclose(t, torch.full_like(t, expected), atol=1e-2))
 
     # Two groups, with different settings, used at once: async ops interleaved.
-    a = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, minimal_size=0))
-    b = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=8, minimal_size=0,
+    a = dist.new_group(backend="cgx", pg_options=cgx.Config(scheme="maxmin", bits=4, minimal_size=0))
+    b = dist.new_group(backend="cgx", pg_options=cgx.Config(scheme="maxmin", bits=8, minimal_size=0,
                                                             inner_reduction="Ring"))
     xs = [torch.full((50_000,), float(rank + i)) for i in range(4)]
     works = [dist.all_reduce(x, group=(a if i % 2 else b), async_op=True) for i, x in enumerate(xs)]
@@ -81,7 +83,7 @@ def test_subgroups_concurrent_groups_async_work():
 def _ddp(rank, world):
     import cgx
 
-    init_cgx(rank, world, pg_options=cgx.Config(bits=8, compression_auto=False))  # every bucket compressed
+    init_cgx(rank, world, pg_options=cgx.Config(scheme="maxmin", bits=8, compression_auto=False))  # every bucket compressed
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -120,7 +122,7 @@ def test_ddp_keeps_replicas_identical(debug):
 def _work_semantics(rank, world):
     import cgx
 
-    init_cgx(rank, world, pg_options=cgx.Config(bits=4, minimal_size=16))
+    init_cgx(rank, world, pg_options=cgx.Config(scheme="maxmin", bits=4, minimal_size=16))
     out = {}
     # wait() returns only once the future is complete too.
     races = 0
@@ -186,7 +188,7 @@ def _destroy_with_calls_in_flight(rank, world):
     init_cgx(rank, world, timeout_s=20)
     out = []
     for _ in range(6):
-        group = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, minimal_size=0))
+        group = dist.new_group(backend="cgx", pg_options=cgx.Config(scheme="maxmin", bits=4, minimal_size=0))
         tensors = [torch.full((1_000_000,), float(rank + i)) for i in range(3)]
         works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
         start = time.monotonic()
@@ -213,7 +215,7 @@ def _blocking_callbacks(rank, world):
     torch.set_num_interop_threads(1)
     import cgx
 
-    config = cgx.Config(bits=4, minimal_size=0)
+    config = cgx.Config(scheme="maxmin", bits=4, minimal_size=0)
     init_cgx(rank, world, timeout_s=20, pg_options=config)
     # One group per chain: the callbacks run at once on different threads, so calls they
     # made on one group could reach it in another order on each rank.

@@ -203,20 +203,34 @@ def test_adaptive_candidates_carry_a_scheme():
         cgx.AdaptiveBits(candidates=[(6, 512, "hadamard"), (4, 512)], default=(4, 512))
 
 
-def _group_with(rank, world, config):
+def _allreduce_in_groups(rank, world, configs):
     init_cgx(rank, world)
-    try:
-        dist.new_group(backend="cgx", pg_options=config)
-    except ValueError as e:
-        return str(e)
-    return None
+    out = []
+    for config in configs:
+        group = dist.new_group(backend="cgx", pg_options=config)
+        t = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
+        dist.all_reduce(t, group=group)
+        out.append(t)
+    return out
 
 
-def test_a_group_setting_hadamard_cannot_take_is_refused():
-    bad = cgx.Config(bits=8, scheme="hadamard")
-    assert "hadamard scheme quantizes to 1..4 bits, got 8" in values(run_ranks(_group_with, 1, args=(bad,)))[0]
-    off = cgx.Config(bucket_size=100, scheme="hadamard")  # compression off: nothing to refuse
-    assert values(run_ranks(_group_with, 1, args=(off,)))[0] is None
+def test_a_groups_scheme_is_hadamard_by_default_and_maxmin_where_hadamard_cannot_go():
+    """The default scheme is hadamard; where the group's bits or bucket size are beyond
+    it (above 4 bits, a bucket that is not a power of two) the group quantizes in maxmin,
+    as a CompressionPolicy does, rather than refusing the default."""
+    quiet = dict(minimal_size=0, compression_auto=False)
+    configs = [cgx.Config(bits=2, **quiet), cgx.Config(bits=2, scheme="hadamard", **quiet),
+               cgx.Config(bits=2, scheme="maxmin", **quiet),
+               cgx.Config(bits=8, **quiet), cgx.Config(bits=8, scheme="maxmin", **quiet),
+               cgx.Config(bits=2, bucket_size=100, scheme="hadamard", **quiet),
+               cgx.Config(bits=2, bucket_size=100, scheme="maxmin", **quiet)]
+    assert cgx.Config().scheme == "hadamard"
+    ranks = values(run_ranks(_allreduce_in_groups, 2, args=(configs,), timeout_s=120))
+    assert all(torch.equal(a, b) for a, b in zip(*ranks))
+    default2, hadamard2, maxmin2, default8, maxmin8, hadamard100, maxmin100 = ranks[0]
+    assert torch.equal(default2, hadamard2) and not torch.equal(default2, maxmin2)
+    assert torch.equal(default8, maxmin8)
+    assert torch.equal(hadamard100, maxmin100)
 
 
 # ---- in collectives
@@ -253,6 +267,36 @@ def test_allreduce_bit_identical_with_the_expected_error(world):
         if n % bucket == 0 or n > 100_000:
             stages = 2 if algorithm == "SRA" else world
             assert 0 < sq_error <= 1.5 * stages * NORMAL_MSE[bits] * scale, entries[0][0]
+
+
+def _hierarchical(rank, world, intra_compress):
+    init_cgx(rank, world)
+    group = dist.new_group(backend="cgx", pg_options=cgx.Config(
+        bits=3, minimal_size=0, compression_auto=False, hostname=f"host{rank // 2}", intra_compress=intra_compress))
+    out = []
+    for n in (1000, 1 << 20):  # the larger one pipelined in pieces
+        xs = [torch.randn(n, generator=torch.Generator().manual_seed(r * 7 + n)) * (1 + r) for r in range(world)]
+        t = xs[rank].clone()
+        dist.all_reduce(t, group=group)
+        exact = torch.stack(xs).double().sum(0)
+        out.append((n, t, float((t.double() - exact).pow(2).sum()), sum(float(x.double().norm()) for x in xs) ** 2,
+                    cgx.get_backend(group).hierarchical))
+    return out
+
+
+@pytest.mark.parametrize("intra_compress", [True, False])
+def test_the_hierarchical_allreduce_in_the_default_scheme(intra_compress):
+    """2 hosts x 2 ranks, the default scheme: bit-identical ranks, and about the Lloyd-Max
+    error of each quantization stage (those of bounds.hierarchical_stages)."""
+    from bounds import hierarchical_stages
+
+    partial, final = hierarchical_stages(2, 2, "SRA", "SRA", intra_compress=intra_compress)
+    per_rank = values(run_ranks(_hierarchical, 4, args=(intra_compress,), timeout_s=180))
+    for entries in zip(*per_rank):
+        n, t, sq_error, scale, hierarchical = entries[0]
+        assert hierarchical
+        assert all(torch.equal(t, e[1]) for e in entries), f"ranks differ at n={n}"
+        assert 0 < sq_error <= 1.5 * (partial + final) * NORMAL_MSE[3] * scale, n
 
 
 def _mixed_schemes(rank, world):

@@ -97,14 +97,18 @@ inline uint64_t signed_settings_digest(const Settings& s) {
   return digest;
 }
 
-// The quantizer the settings give a compressed call without a layout of its own.
+// The quantizer the settings give a compressed call without a layout of its own. A group's
+// scheme is hadamard where the codec takes its bits and bucket size and maxmin elsewhere,
+// as a CompressionPolicy's is (cgx/layers.py): the default scheme holds at every width.
 inline compression::QuantizerParams quantizer_of(const Settings& s) {
   compression::QuantizerParams params;
   params.bits = s.bits;
   params.bucket_size = s.bucket_size;
   params.skip_incomplete_buckets = s.skip_incomplete_buckets;
   params.stochastic = s.stochastic_rounding;
-  params.scheme = s.scheme;
+  params.scheme = s.scheme == compression::Scheme::kHadamard && !compression::hadamard_fits(s.bits, s.bucket_size)
+                      ? compression::Scheme::kMaxMin
+                      : s.scheme;
   return params;
 }
 
