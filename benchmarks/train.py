@@ -11,9 +11,9 @@ underneath, uncompressed unless a method compresses), once per method:
                 maxmin scheme (or hadamard), two-level error feedback (or one-level: each
                 rank's own quantization only; or none); e.g. cgx4, cgx2-hadamard
   cgx-adaptive[-hadamard][-alphaA][-feedback-by-bits | -no-feedback]
-                cgx_hook with L-GreCo bit selection (cgx.AdaptiveBits' defaults: 2..8 bits,
-                buckets 128 or 512, budget 3x (or A x) uniform 4 bits' normalized error);
-                -hadamard: candidates of both schemes (HADAMARD_CANDIDATES); two-level
+                cgx_hook with L-GreCo bit selection (maxmin at 2..8 bits, buckets 128 or
+                512: MAXMIN_CANDIDATES; budget 3x (or A x) uniform 4-bit maxmin's normalized
+                error); -hadamard: cgx.AdaptiveBits' defaults, both schemes; two-level
                 error feedback on every layer (or CGXState's default, two-level only on
                 layers at 2 bits or fewer; or none)
   fsdp          FSDP2 (fully_shard per block and on the root), exact
@@ -87,9 +87,9 @@ DILOCO_METHODS = tuple(f"diloco-h{h}-p{p}-b{b}-o{k}" for h in (16, 32) for p in 
                            "diloco-h32-p4-b4-o1-hadamard",)
 METHODS = DDP_METHODS + FSDP_METHODS + DILOCO_METHODS
 WARMUP_STEPS = 10  # uncompressed first steps, for every compressing method alike
-# Adaptive over both schemes: hadamard at 1-4 bits, maxmin above.
-HADAMARD_CANDIDATES = ((2, 512, "hadamard"), (2, 128, "hadamard"), (3, 512, "hadamard"), (4, 512, "hadamard"),
-                       (4, 512), (6, 512), (8, 512))
+# Adaptive over maxmin alone: cgx.AdaptiveBits' candidates before cgx 0.2 (its defaults
+# since are both schemes', what cgx-adaptive-hadamard measured).
+MAXMIN_CANDIDATES = ((2, 128), (2, 512), (3, 128), (3, 512), (4, 512), (6, 512), (8, 512))
 
 
 # ---- tasks: data and model
@@ -293,7 +293,7 @@ def attach_method(method, ddp, model):
     adaptive = None
     if "adaptive" in parts:
         alpha = next((float(p[5:]) for p in parts if p.startswith("alpha")), 3.0)
-        candidates = {"candidates": HADAMARD_CANDIDATES} if scheme == "hadamard" else {}
+        candidates = {} if scheme == "hadamard" else {"candidates": MAXMIN_CANDIDATES, "default": (4, 512)}
         adaptive = cgx.AdaptiveBits(**candidates, alpha=alpha, interval=50)
     feedback = None if method.endswith("-feedback-by-bits") else "no-feedback" not in method
     state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=bits, bucket_size=bucket_size, scheme=scheme),

@@ -121,9 +121,12 @@ class AdaptiveBits:
     """Periodic L-GreCo selection for :class:`cgx.CGXState` (``adaptive=``).
 
     Args:
-        candidates: (bits, bucket_size) pairs a layer may use, or (bits, bucket_size,
-            scheme) triples ("maxmin" or "hadamard"); smaller buckets cost more bytes (8
-            per bucket, 4 with hadamard) and err less, a second dimension beside the bits.
+        candidates: (bits, bucket_size, scheme) triples a layer may use ("maxmin" or
+            "hadamard"; a (bits, bucket_size) pair is maxmin); smaller buckets cost more
+            bytes (8 per bucket, 4 with hadamard) and err less, a second dimension beside
+            the bits. The default (since cgx 0.2, with the default scheme): hadamard at 2,
+            3 and 4 bits, maxmin at 4, 6 and 8, measured on four tasks
+            (docs/benchmarks.md, "cgx-adaptive-hadamard").
         default: the uniform setting the error budget is measured against; must be a
             candidate.
         alpha: allowed total error as a multiple of the default's. At 1 the choice
@@ -136,9 +139,10 @@ class AdaptiveBits:
 
     def __init__(
         self,
-        candidates: Iterable[tuple[int, int]] = ((2, 128), (2, 512), (3, 128), (3, 512), (4, 512),
-                                                 (6, 512), (8, 512)),
-        default: tuple[int, int] = (4, 512),
+        candidates: Iterable[tuple] = ((2, 512, "hadamard"), (2, 128, "hadamard"), (3, 512, "hadamard"),
+                                       (4, 512, "hadamard"), (4, 512, "maxmin"), (6, 512, "maxmin"),
+                                       (8, 512, "maxmin")),
+        default: tuple = (4, 512, "maxmin"),
         *,
         alpha: float = 3.0,
         interval: int = 100,

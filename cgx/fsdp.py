@@ -60,7 +60,7 @@ class _Unit:
     """One FSDP2 unit: its name, group, parameters' shard sizes and plans."""
 
     def __init__(self, index: int, name: str, module: FSDPModule, parameters: UnitParameters,
-                 settings: dict[int, LayerSetting], weight_bits: int, grad_bits: int) -> None:
+                 weight_settings: dict[int, LayerSetting], grad_settings: dict[int, LayerSetting]) -> None:
         self.index = index
         self.name = name
         self.module = module
@@ -69,9 +69,8 @@ class _Unit:
         grads: list[Segment] = []
         offset = 0
         for param, numel in parameters.shards:
-            setting = settings[id(param)]
-            for plan, bits in ((weights, weight_bits), (grads, grad_bits)):
-                append_segment(plan, offset, numel, setting.with_bits(bits))
+            append_segment(weights, offset, numel, weight_settings[id(param)])
+            append_segment(grads, offset, numel, grad_settings[id(param)])
             offset += numel
         self.shard_numel = offset
         self.plans = {"allgather": weights, "reduce_scatter": grads}
@@ -286,7 +285,7 @@ def qsdp(
             f"cgx.qsdp: {type(module).__name__} has no FSDP2 unit: call "
             f"torch.distributed.fsdp.fully_shard on its blocks and on it first")
     policy = policy or CompressionPolicy()
-    settings = policy.resolve(module)  # also refuses rules that match nothing
+    policy.resolve(module)  # refuses rules that match nothing
     reason = unsupported()
     parameters_of = {}
     if reason is None:
@@ -300,8 +299,8 @@ def qsdp(
         for kind in _KINDS:
             handle.exact_units[kind] = {name: reason for name, _ in fsdp_units}
         return handle
-    units = _units(module, fsdp_units, parameters_of, _every_parameters_setting(module, policy, settings),
-                   weight_bits, grad_bits)
+    units = _units(module, fsdp_units, parameters_of, _every_parameters_setting(module, policy, weight_bits),
+                   _every_parameters_setting(module, policy, grad_bits))
     _agree(units, {"weight_bits": weight_bits, "grad_bits": grad_bits, "weight_rounding": weight_rounding,
                    "error_feedback": bool(error_feedback), "seed": seed})
     handle = QSDP(units, weight_rounding, error_feedback, seed)
@@ -326,16 +325,16 @@ def _check_arguments(weight_bits: int, grad_bits: int, weight_rounding: str, see
 
 
 def _every_parameters_setting(module: torch.nn.Module, policy: CompressionPolicy,
-                              trained: dict[str, LayerSetting]) -> dict[int, LayerSetting]:
-    """id(parameter) -> its setting, for every parameter of `module`: `trained` (the
-    policy resolved on the trainable ones) and the frozen ones, which are gathered too."""
+                              bits: int) -> dict[int, LayerSetting]:
+    """id(parameter) -> its setting at `bits`, for every parameter of `module` (the frozen
+    ones are gathered too)."""
     owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
-    return {id(param): trained.get(name) or policy.setting_for(name, owners[id(param)], param)
+    return {id(param): policy.setting_for(name, owners[id(param)], param, bits)
             for name, param in module.named_parameters()}
 
 
-def _units(module: torch.nn.Module, fsdp_units: list, parameters_of: dict, settings: dict[int, LayerSetting],
-           weight_bits: int, grad_bits: int) -> list[_Unit]:
+def _units(module: torch.nn.Module, fsdp_units: list, parameters_of: dict,
+           weight_settings: dict[int, LayerSetting], grad_settings: dict[int, LayerSetting]) -> list[_Unit]:
     """The units that manage parameters, each on a cgx group (ValueError naming the unit
     otherwise)."""
     units = []
@@ -343,7 +342,7 @@ def _units(module: torch.nn.Module, fsdp_units: list, parameters_of: dict, setti
         parameters = parameters_of[name]
         if parameters is None:
             continue  # a unit that manages no parameter moves nothing
-        unit = _Unit(index, name, unit_module, parameters, settings, weight_bits, grad_bits)
+        unit = _Unit(index, name, unit_module, parameters, weight_settings, grad_settings)
         try:
             get_backend(unit.group)
         except ValueError as e:

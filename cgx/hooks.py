@@ -44,6 +44,7 @@ compress/decompress per step); that form needs round-to-nearest.
 # No `from __future__ import annotations` here: DDP checks cgx_hook's annotations as
 # objects (dist.GradBucket), not strings.
 import gc
+import warnings
 from typing import Any
 
 import torch
@@ -236,6 +237,16 @@ class CGXState:
         self._settings_by_param = {
             id(p): (n, self.layer_settings[n]) for n, p in self._params.items()
         }
+        drifting = sorted(n for n, p in self._params.items()
+                          if _one_bit_maxmin(self.layer_settings[n], p.numel())
+                          and self.feeds_back(self.layer_settings[n]))
+        if drifting:
+            warnings.warn(
+                f"cgx.CGXState: {drifting[:4]}{' ...' if len(drifting) > 4 else ''} quantize values in maxmin "
+                f"buckets at 1 bit with error feedback, which does not converge (the residuals grow "
+                f"without bound; a hadamard layer's shorter last bucket is maxmin): use 2 bits or more, "
+                f"hadamard with layer sizes a multiple of the bucket, or error_feedback=False "
+                f"(docs/error-feedback.md)", RuntimeWarning, stacklevel=3)
 
     def feeds_back(self, setting: LayerSetting) -> bool:
         """Whether a layer compressed with `setting` keeps an error-feedback residual."""
@@ -362,6 +373,11 @@ def _check_state_dict(state: Any) -> dict[str, Any]:
             if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
                 raise ValueError(f"{what}: {key}[{name!r}] must be a float tensor, got {tensor!r}")
     return state
+
+
+def _one_bit_maxmin(setting: LayerSetting, numel: int) -> bool:
+    """Whether a layer of `numel` values in `setting` has maxmin buckets at 1 bit."""
+    return setting.bits == 1 and (setting.scheme == "maxmin" or numel % setting.bucket_size != 0)
 
 
 def _check_fits(layer_settings: dict, residuals: dict[str, torch.Tensor],

@@ -94,10 +94,6 @@ class LayerSetting:
     def compressed(self) -> bool:
         return self.bits != RAW_BITS
 
-    def with_bits(self, bits: int) -> "LayerSetting":
-        """This setting at other bits (raw stays raw), as :func:`fitted` gives it."""
-        return fitted(bits if self.compressed else RAW_BITS, self.bucket_size, self.scheme)
-
 
 @dataclass(frozen=True)
 class LayerRule:
@@ -191,16 +187,23 @@ class CompressionPolicy:
                    scheme=settings.scheme.name,
                    minimal_size=settings.minimal_size if minimal_size is None else minimal_size)
 
-    def setting_for(self, name: str, module: torch.nn.Module, param: torch.Tensor) -> LayerSetting:
+    def setting_for(self, name: str, module: torch.nn.Module, param: torch.Tensor,
+                    bits: int | None = None) -> LayerSetting:
+        """The parameter's setting. With `bits` (cgx.qsdp's weight or gradient bits), a
+        layer the policy compresses takes those bits instead of its own, in the scheme the
+        policy or its rule asks for where that scheme takes them; a raw layer stays raw."""
+        def width(own: int) -> int:
+            return own if bits is None or own == RAW_BITS else bits
+
         for rule in self.rules:
             if rule.matches(name, module, param.numel()):
                 bucket_size = rule.bucket_size or self.bucket_size
                 if rule.scheme is not None:
                     check_setting(rule.bits, bucket_size, rule.scheme, f"cgx.LayerRule for {name!r}")
-                return fitted(rule.bits, bucket_size, rule.scheme or self.scheme)
+                return fitted(width(rule.bits), bucket_size, rule.scheme or self.scheme)
         if param.numel() <= self.minimal_size or (param.dim() <= 1 and not self.compress_1d):
             return LayerSetting(RAW_BITS, self.bucket_size)
-        return fitted(self.bits, self.bucket_size, self.scheme)
+        return fitted(width(self.bits), self.bucket_size, self.scheme)
 
     def resolve(self, model: torch.nn.Module) -> dict[str, LayerSetting]:
         """The setting of every trainable parameter of `model`, by qualified name.

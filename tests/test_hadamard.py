@@ -188,6 +188,46 @@ def test_policy_uses_hadamard_where_it_fits():
         cgx.CompressionPolicy(scheme="x")
 
 
+def test_qsdp_widths_take_the_policy_s_scheme_where_it_fits():
+    """qsdp's weight_bits / grad_bits replace the policy's and the rules' bits: the scheme
+    is then fitted to those bits, not to the replaced ones (8 bits would have made it
+    maxmin)."""
+    from cgx.fsdp import _every_parameters_setting
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    rules = [cgx.LayerRule(pattern="1.weight", bits=8), cgx.LayerRule(pattern="2.weight", bits=6, scheme="maxmin")]
+    for policy in (cgx.CompressionPolicy(bits=8, rules=rules), cgx.CompressionPolicy(bits=5, rules=rules)):
+        names = dict(model.named_parameters())
+        at = {bits: {n: _every_parameters_setting(model, policy, bits)[id(p)] for n, p in names.items()}
+              for bits in (4, 8, 32)}
+        assert at[4]["0.weight"] == at[4]["1.weight"] == cgx.LayerSetting(4, 512, "hadamard")
+        assert at[4]["2.weight"] == cgx.LayerSetting(4, 512, "maxmin")  # the rule's own scheme
+        assert at[8]["0.weight"] == cgx.LayerSetting(8, 512, "maxmin")
+        assert not at[4]["0.bias"].compressed and not at[8]["0.bias"].compressed
+        assert not any(s.compressed for s in at[32].values())
+
+
+def test_one_bit_maxmin_buckets_under_error_feedback_are_warned_about():
+    """At 1 bit a maxmin bucket's residuals grow without bound under feedback
+    (docs/error-feedback.md): a state whose layers have such buckets and feed back says
+    so, naming them; whole hadamard buckets, 2 bits, or no feedback do not."""
+    import warnings
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 10))  # 4096 and 640 values
+    cases = [(cgx.CompressionPolicy(bits=1), None, ["1.weight"]),  # 640 = 512 + a maxmin tail
+             (cgx.CompressionPolicy(bits=1, scheme="maxmin"), None, ["0.weight", "1.weight"]),
+             (cgx.CompressionPolicy(bits=1), False, []),
+             (cgx.CompressionPolicy(bits=2, scheme="maxmin"), None, [])]
+    for policy, feedback, named in cases:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cgx.CGXState(None, model, policy, error_feedback=feedback)
+        messages = [str(w.message) for w in caught if "1 bit with error feedback" in str(w.message)]
+        assert bool(messages) == bool(named), (policy.scheme, policy.bits, feedback, messages)
+        if named:
+            assert str(named) in messages[0]
+
+
 def test_adaptive_candidates_carry_a_scheme():
     """The errors and bytes are the scheme's: 2-bit hadamard errs about 7.5x as much as
     4-bit maxmin on normal values (0.1175 against about 0.016), so a budget of 10x the
@@ -201,6 +241,10 @@ def test_adaptive_candidates_carry_a_scheme():
         assert adaptive.choose() == {"a": expected, "b": expected}, alpha
     with pytest.raises(ValueError, match="candidate.*hadamard scheme quantizes to 1..4 bits, got 6"):
         cgx.AdaptiveBits(candidates=[(6, 512, "hadamard"), (4, 512)], default=(4, 512))
+    # The defaults follow the default scheme: hadamard up to 4 bits, maxmin from 4 up.
+    defaults = cgx.AdaptiveBits()
+    assert {c.scheme for c in defaults.candidates if c.bits < 4} == {"hadamard"}
+    assert defaults.default == cgx.LayerSetting(4, 512, "maxmin")
 
 
 def _allreduce_in_groups(rank, world, configs):
