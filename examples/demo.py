@@ -88,7 +88,9 @@ def run(rank: int, world_size: int, bits: int, device_type: str, store_path: str
         def ratio(s):
             return s["uncompressed_bytes"] / max(1, s["bytes_sent"])
 
-        print(f"cgx demo: {world_size} ranks, {bits}-bit quantization, bucket 512, SRA over "
+        # The group's scheme (hadamard by default) where it takes these bits, else maxmin.
+        scheme = cgx.layers.fitted(bits, 512, cgx.get_backend().settings.scheme.name).scheme
+        print(f"cgx demo: {world_size} ranks, {bits}-bit quantization ({scheme}), bucket 512, SRA over "
               f"shared memory, {device_type} tensors")
         print(f"allreduce of 10M float32: sent {allreduce_stats['bytes_sent'] / 2**20:.1f} MiB "
               f"vs {allreduce_stats['uncompressed_bytes'] / 2**20:.1f} MiB uncompressed "
