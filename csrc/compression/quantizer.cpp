@@ -358,20 +358,38 @@ const GaussianLevels& gaussian_levels(int bits) {
   return tables[bits - 1];
 }
 
-// Rotates one whole bucket of `src` into `y` and writes its levels; returns the bucket's
-// rms, or NaN (levels all 0) for a bucket holding NaN, Inf or a magnitude of
-// kMaxRotatedMagnitude or more.
-CGX_INLINE float encode_rotated(const float* __restrict src, float* __restrict y, int64_t len,
-                                int bits, bool stochastic, uint32_t first_index, uint32_t key,
-                                const float* __restrict signs, uint8_t* __restrict levels) {
+// One bucket's working space on this thread: its values, its levels, the rotation's signs,
+// and the loops (rotated_loops.h) this CPU runs, looked up once per buffer.
+struct Scratch {
+  float* values;
+  uint8_t* levels;
+  const float* signs;
+  const RotatedLoops* loops;
+};
+
+Scratch bucket_scratch(int64_t bucket) {
+  thread_local std::vector<float> values;
+  thread_local std::vector<uint8_t> levels;
+  values.resize(static_cast<size_t>(bucket));
+  levels.resize(static_cast<size_t>(bucket));
+  return {values.data(), levels.data(), rotation_signs(bucket), &rotated_loops()};
+}
+
+// Rotates one whole bucket of `src` into the scratch's values and writes its levels there;
+// returns the bucket's rms, or NaN (levels all 0) for a bucket holding NaN, Inf or a
+// magnitude of kMaxRotatedMagnitude or more.
+CGX_INLINE float encode_rotated(const float* __restrict src, int64_t len, int bits, bool stochastic,
+                                uint32_t first_index, uint32_t key, const Scratch& scratch) {
+  float* __restrict y = scratch.values;
+  uint8_t* __restrict levels = scratch.levels;
+  const RotatedLoops& loops = *scratch.loops;
   int in_range = 1;
   for (int64_t k = 0; k < len; ++k) in_range &= std::fabs(src[k]) < kMaxRotatedMagnitude;
   if (!in_range) {
     std::memset(levels, 0, static_cast<size_t>(len));
     return std::numeric_limits<float>::quiet_NaN();
   }
-  const RotatedLoops& loops = rotated_loops();
-  rotate(src, y, len, signs, loops.low_stages);
+  rotate(src, y, len, scratch.signs, loops.low_stages);
   double lanes[4] = {0, 0, 0, 0};  // a fixed summation order: the same bits everywhere
   for (int64_t k = 0; k < len; k += 4)
     for (int l = 0; l < 4; ++l) lanes[l] += static_cast<double>(y[k + l]) * y[k + l];
@@ -398,31 +416,15 @@ CGX_INLINE float encode_rotated(const float* __restrict src, float* __restrict y
   return rms;
 }
 
-// Decodes one whole bucket into `out` (or adds it where `add`), `y` its scratch.
-CGX_INLINE void decode_rotated(const uint8_t* __restrict levels, int64_t len, int bits, float rms,
-                               const float* __restrict signs, float* __restrict y, bool add,
+// Decodes the whole bucket whose levels are in the scratch into `out` (or adds it where
+// `add`).
+CGX_INLINE void decode_rotated(int64_t len, int bits, float rms, const Scratch& scratch, bool add,
                                float* __restrict out) {
   const GaussianLevels& t = gaussian_levels(bits);
   float scaled[16] = {};  // each level times rms: the product every value of it decodes to
   for (int j = 0; j < (1 << bits); ++j) scaled[j] = t.level[j] * rms;
-  const RotatedLoops& loops = rotated_loops();
-  loops.lookup(levels, len, scaled, y);
-  unrotate(y, len, signs, loops.low_stages, add, out);
-}
-
-// One bucket's working space on this thread: its values, its levels and the rotation's signs.
-struct Scratch {
-  float* values;
-  uint8_t* levels;
-  const float* signs;
-};
-
-Scratch bucket_scratch(int64_t bucket) {
-  thread_local std::vector<float> values;
-  thread_local std::vector<uint8_t> levels;
-  values.resize(static_cast<size_t>(bucket));
-  levels.resize(static_cast<size_t>(bucket));
-  return {values.data(), levels.data(), rotation_signs(bucket)};
+  scratch.loops->lookup(scratch.levels, len, scaled, scratch.values);
+  unrotate(scratch.values, len, scratch.signs, scratch.loops->low_stages, add, out);
 }
 
 // A hadamard buffer's shorter last bucket is a one-bucket maxmin buffer laid inside it: its
@@ -452,15 +454,12 @@ CGX_AVX2_CLONE void encode_hadamard(const QuantizerParams& params, const Layout&
   const uint32_t key = stream_key(seed);
   uint8_t* stream = dst + layout.levels_offset;
   const Scratch scratch = bucket_scratch(bucket);
-  float* values = scratch.values;
-  uint8_t* levels = scratch.levels;
   for (int64_t b = 0; b < layout.rotated_buckets; ++b) {
     const int64_t first = b * bucket;
-    const float rms = encode_rotated(src + first, values, bucket, params.bits, params.stochastic,
-                                     stream_offset + static_cast<uint32_t>(first), key,
-                                     scratch.signs, levels);
+    const float rms = encode_rotated(src + first, bucket, params.bits, params.stochastic,
+                                     stream_offset + static_cast<uint32_t>(first), key, scratch);
     std::memcpy(dst + b * sizeof(float), &rms, sizeof(rms));
-    pack(params.bits, levels, bucket / 8, stream + first / 8 * params.bits);
+    pack(params.bits, scratch.levels, bucket / 8, stream + first / 8 * params.bits);
   }
   const Tail tail = hadamard_tail(params, layout);
   if (tail.layout.quantized > 0)
@@ -473,14 +472,12 @@ CGX_AVX2_CLONE void decode_hadamard(const QuantizerParams& params, const Layout&
   const int64_t bucket = params.bucket_size;
   const uint8_t* stream = src + layout.levels_offset;
   const Scratch scratch = bucket_scratch(bucket);
-  float* values = scratch.values;
-  uint8_t* levels = scratch.levels;
   for (int64_t b = 0; b < layout.rotated_buckets; ++b) {
     const int64_t first = b * bucket;
     float rms;
     std::memcpy(&rms, src + b * sizeof(float), sizeof(rms));
-    unpack(params.bits, stream + first / 8 * params.bits, bucket / 8, levels);
-    decode_rotated(levels, bucket, params.bits, rms, scratch.signs, values, add, dst + first);
+    unpack(params.bits, stream + first / 8 * params.bits, bucket / 8, scratch.levels);
+    decode_rotated(bucket, params.bits, rms, scratch, add, dst + first);
   }
   const Tail tail = hadamard_tail(params, layout);
   if (tail.layout.quantized > 0)
