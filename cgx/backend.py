@@ -4,6 +4,7 @@ behind a group, and lets a caller ask for exact calls on a compressing group."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import socket
@@ -13,10 +14,12 @@ import torch
 import torch.distributed as dist
 
 from cgx import _C, mpi
-from cgx.config import RAW_BITS, VARIABLES, Config, from_env
+from cgx.config import RAW_BITS, VARIABLES, Config, from_env, read
 
-# Settings every rank of a group must share (the host name is each rank's own).
-_SHARED_FIELDS = tuple(v.field for v in VARIABLES if v.field != "hostname")
+# Settings every rank of a group must share (the host name and the segment names' tag are
+# each rank's own).
+_OWN_FIELDS = ("hostname", "shm_name_tag")
+_SHARED_FIELDS = tuple(v.field for v in VARIABLES if v.field not in _OWN_FIELDS)
 
 
 # The settings C++ holds as enums, by the name cgx.config gives them.
@@ -33,6 +36,8 @@ def to_settings(config: Config) -> _C.Settings:
             value = _ENUMS[var.field].__members__[value]
         elif var.field == "hostname":
             value = value or socket.gethostname()
+        elif var.field == "shm_name_tag":
+            value = value or ""
         setattr(settings, var.field, value)
     return settings
 
@@ -66,7 +71,7 @@ def new_backend(store: dist.Store, rank: int, size: int, timeout: datetime.timed
     # A bad CGX_* value on one rank is told to every rank (they would otherwise wait for
     # its settings until the timeout).
     try:
-        config = config if config is not None else from_env()
+        config = from_env() if config is None else _with_process_settings(config)
         problem = None
     except ValueError as e:
         config, problem = None, str(e)
@@ -95,6 +100,14 @@ def new_backend(store: dist.Store, rank: int, size: int, timeout: datetime.timed
     return _C.ProcessGroupCGX(
         cgx_store, rank, size, timeout, exact, exact_cuda, worker_exact, settings
     )
+
+
+def _with_process_settings(config: Config) -> Config:
+    """`config` with the process's own CGX_SHM_NAME_TAG where it names none (ValueError
+    naming the variable on a bad value)."""
+    if config.shm_name_tag is not None:
+        return config
+    return dataclasses.replace(config, shm_name_tag=read("shm_name_tag"))
 
 
 def _this_gpu() -> str:

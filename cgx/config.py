@@ -18,12 +18,12 @@ from typing import Any, Callable, Mapping
 # The limits and the enums' names are C++ constants, each declared once
 # (csrc/backend/settings.h, collectives/phases.h, compression/quantizer.h).
 from cgx._C import (MAX_BITS, MAX_BUCKET_SIZE, MAX_HADAMARD_BITS, MAX_HADAMARD_BUCKET, MAX_MINIMAL_SIZE,
-                    MAX_PIECE_VALUES, MAX_SHM_RING_BYTES, MIN_SHM_RING_BYTES, PIECE_VALUES, RAW_BITS,
+                    MAX_PIECE_VALUES, MAX_SHM_NAME_TAG, MAX_SHM_RING_BYTES, MIN_SHM_RING_BYTES, PIECE_VALUES, RAW_BITS,
                     SCHEMES, CrossCommunicator,
                     InnerCommunicator, ReductionAlgorithm)
 
 __all__ = ["Variable", "VARIABLES", "Config", "from_env", "describe", "markdown_table", "int_range", "is_int",
-           "check_int"]
+           "check_int", "read"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -110,6 +110,12 @@ def _nonempty(text: str) -> str:
     return text
 
 
+def _name_tag(text: str) -> str:
+    if not re.fullmatch(rf"[A-Za-z0-9_-]{{1,{MAX_SHM_NAME_TAG}}}", text):
+        raise ValueError
+    return text
+
+
 _INNER = tuple(InnerCommunicator.__members__)
 _CROSS = tuple(CrossCommunicator.__members__)
 _REDUCTIONS = tuple(ReductionAlgorithm.__members__)
@@ -180,6 +186,12 @@ VARIABLES: tuple[Variable, ...] = (
              _nonempty,
              "Host identity: ranks with the same value share memory. Set it to different "
              "values to force the cross-host path (tests, network namespaces)."),
+    Variable("CGX_SHM_NAME_TAG", "shm_name_tag", None,
+             f"1..{MAX_SHM_NAME_TAG} of A-Z a-z 0-9 _ -", _name_tag,
+             "A tag in the names of the shared-memory segments this process creates "
+             "(/dev/shm/cgx-<tag>-<random>), so that jobs sharing a machine can tell their "
+             "segments apart (a leak check, a clean-up after a crash). Each process's own: "
+             "a cgx.Config without it takes this variable's value."),
     Variable("CGX_SHM_RING_BYTES", "shm_ring_bytes", 4 << 20,
              f"integer in {int_range(MIN_SHM_RING_BYTES, MAX_SHM_RING_BYTES)}",
              _int_in(MIN_SHM_RING_BYTES, MAX_SHM_RING_BYTES),
@@ -240,18 +252,21 @@ Config = dataclasses.make_dataclass(
 
 def from_env(environ: Mapping[str, str] | None = None) -> Config:
     """Reads every ``CGX_*`` variable; raises ValueError naming a bad one."""
+    return Config(**{var.field: read(var.field, environ) for var in VARIABLES})
+
+
+def read(field: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The value of the variable of Config field `field` in `environ` (default
+    os.environ), or its default; ValueError naming the variable on a bad value."""
     environ = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    for var in VARIABLES:
-        text = environ.get(var.name)
-        if text is None:
-            values[var.field] = var.default
-            continue
-        try:
-            values[var.field] = var.parse(text)
-        except ValueError:
-            raise ValueError(_not_valid(var, text)) from None
-    return Config(**values)
+    var = next(v for v in VARIABLES if v.field == field)
+    text = environ.get(var.name)
+    if text is None:
+        return var.default
+    try:
+        return var.parse(text)
+    except ValueError:
+        raise ValueError(_not_valid(var, text)) from None
 
 
 def _not_valid(var: Variable, text: str) -> str:
@@ -275,6 +290,8 @@ def describe(environ: Mapping[str, str] | None = None) -> tuple[str, list[str]]:
                 problems.append(_not_valid(var, text))
         if value is None and var.field == "hostname":
             value = socket.gethostname()
+        elif value is None and var.field == "shm_name_tag":
+            value = "none"
         rows.append((var.name, str(value), source, var.accepted))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
@@ -284,7 +301,7 @@ def describe(environ: Mapping[str, str] | None = None) -> tuple[str, list[str]]:
 def markdown_table() -> str:
     """The table of docs/configuration.md, from the declarations above."""
     def default(var: Variable) -> str:
-        return "the hostname" if var.field == "hostname" else str(var.default)
+        return {"hostname": "the hostname", "shm_name_tag": "none"}.get(var.field, str(var.default))
 
     def cell(text: str) -> str:
         return text.replace("|", "\\|")

@@ -269,6 +269,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_SHM_RING_BYTES") = cgx::backend::kMaxShmRingBytes;
   m.attr("PIECE_VALUES") = cgx::collectives::kPieceValues;  // the default
   m.attr("MAX_PIECE_VALUES") = cgx::backend::kMaxPieceValues;
+  m.attr("MAX_SHM_NAME_TAG") = cgx::backend::kMaxShmNameTag;
 
   // Filled field by field from a cgx.Config (cgx/backend.py to_settings): no defaults.
   py::class_<Settings> settings(m, "Settings");

@@ -3,8 +3,13 @@ tests/test_elastic.py, started by `torchrun --standalone --nproc-per-node=2
 --max-restarts=1` inside its emulated host. argv: host, the run's rendezvous address,
 steps, output path prefix. The host's rank 0 leads (holds the Membership); on host 1,
 rank 1 kills itself (SIGKILL) at inner step 40 of its first incarnation, and torchrun
-restarts the host. Each rank writes a digest of its weights at the end; a lead also its
-global weights' and its fragments' sync counts."""
+restarts the host. Rounds need both hosts: the run starts with both (a host 1 that came
+late would miss its kill), and host 0 waits for host 1's restart. The leads end at the
+first step from `steps` on after host 1 was lost (the same step on both: the restart
+joins the round that counts the loss); each lead tells its host's other rank whether to
+go on. Each rank writes a
+digest of its weights at the end; a lead also its global weights' and its fragments'
+sync counts."""
 
 from __future__ import annotations
 
@@ -14,7 +19,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -40,7 +44,7 @@ inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
 membership = None
 if rank == 0:
     membership = cgx.elastic.Membership(
-        f"{address}:{port}", "per-host", is_host=host == 0, min_replicas=1,
+        f"{address}:{port}", "per-host", is_host=host == 0, min_replicas=2,
         heartbeat=datetime.timedelta(seconds=2), last_call=datetime.timedelta(seconds=1),
         group_timeout=datetime.timedelta(seconds=8))
 diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=4, membership=membership,
@@ -54,19 +58,27 @@ def digest(tensors) -> str:
     return h.hexdigest()
 
 
+def go_on() -> bool:
+    """The lead's verdict, told to the host's other rank."""
+    verdict = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        verdict[0] = diloco.step < steps or (host == 0 and diloco.stats()["replicas_lost"] == 0)
+    dist.broadcast(verdict, 0)
+    return bool(verdict[0])
+
+
 by_step = {}  # the weights after every inner step: the host's ranks must hold the same
-while diloco.step < steps:
+while go_on():
     if host == 1 and rank == 1 and incarnation == 0 and diloco.step == 40:
         os.kill(os.getpid(), signal.SIGKILL)
     _train_step(model, inner, 10 * host + rank, diloco.step)
     by_step[diloco.step] = digest(model.parameters())
-    time.sleep(0.05)
 diloco.close()
 result = {"weights": digest(model.parameters()), "by_step": by_step, "incarnation": incarnation}
 if rank == 0:
     state = diloco.state_dict()
     result.update(globals=digest(state["global_weights"][n] for n in sorted(state["global_weights"])),
-                  syncs=[f.syncs for f in diloco._fragments], stats=dict(diloco.stats()))
+                  syncs=[f.syncs for f in diloco._fragments], stats=dict(diloco.stats()), steps=diloco.step)
 with open(f"{out}.{host}.{rank}", "w") as f:
     json.dump(result, f)
 if rank == 0:  # the run's store lives in host 0's lead: it goes last

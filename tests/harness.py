@@ -71,8 +71,15 @@ class RankError:
     traceback: str
 
 
+# This suite's tag in the names of the segments its ranks create (CGX_SHM_NAME_TAG,
+# inherited by every rank, mpirun's and torchrun's too), so that the leak checks see only
+# this run's segments, not those of another suite running on the machine meanwhile.
+SHM_NAME_TAG = os.environ.setdefault("CGX_SHM_NAME_TAG", f"test{os.getpid()}")
+
+
 def cgx_shm_entries() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith("cgx-")} if os.path.isdir(SHM_DIR) else set()
+    prefix = f"cgx-{SHM_NAME_TAG}-"
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(prefix)} if os.path.isdir(SHM_DIR) else set()
 
 
 def init_cgx(rank: int, world_size: int, timeout_s: float = 60.0, pg_options=None):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import cgx
 from cgx.backend import to_settings
 from cgx.config import VARIABLES, from_env, markdown_table
+from harness import RankError, init_cgx, run_ranks, values
 
 
 def test_defaults_follow_torch_cgx():
@@ -43,6 +44,7 @@ def test_defaults_follow_torch_cgx():
         ("CGX_INNER_REDUCTION_TYPE", "RING", "inner_reduction", "Ring"),
         ("CGX_HOSTNAME", "node7", "hostname", "node7"),
         ("CGX_SHM_RING_BYTES", "65536", "shm_ring_bytes", 65536),
+        ("CGX_SHM_NAME_TAG", "job_7-b", "shm_name_tag", "job_7-b"),
         ("CGX_DEBUG_DEFERRED_EXECUTION", "on", "deferred_execution", True),
         ("CGX_PIPELINE_PIECE_VALUES", "0", "piece_values", 0),
         ("CGX_PIPELINE_PIECE_VALUES", "65536", "piece_values", 65536),
@@ -71,6 +73,9 @@ def test_parses_each_variable(variable, text, field, value):
         ("CGX_HOSTNAME", "  "),
         ("CGX_HOSTNAME", " node7"),
         ("CGX_SHM_RING_BYTES", "1k"),
+        ("CGX_SHM_NAME_TAG", ""),
+        ("CGX_SHM_NAME_TAG", "a/b"),
+        ("CGX_SHM_NAME_TAG", "a" * 33),
         ("CGX_PIPELINE_PIECE_VALUES", "-1"),
         ("CGX_PIPELINE_PIECE_VALUES", "2147483648"),
         # Strict: nothing around the value, ASCII digits only.
@@ -128,14 +133,15 @@ def test_settings_round_trip_field_by_field():
                          cross_communicator="MPI", inner_reduction="Ring", cross_reduction="Ring",
                          intra_broadcast=True, intra_compress=False, hostname="x",
                          shm_ring_bytes=8192, deferred_execution=True, piece_values=0,
-                         compression_auto=False)
+                         compression_auto=False, shm_name_tag="job-7")
     assert all(getattr(changed, v.field) != v.default for v in VARIABLES)
-    for config in (cgx.Config(hostname="x"), changed):
+    for config in (cgx.Config(hostname="x", shm_name_tag="t"), changed):
         settings = to_settings(config)
         for var in VARIABLES:
             value = getattr(settings, var.field)
             value = getattr(value, "name", value)  # the enums by name
             assert value == getattr(config, var.field), var.field
+    assert to_settings(cgx.Config(hostname="x")).shm_name_tag == ""  # no tag
 
 
 def test_the_variables_table_and_the_cpp_settings_declare_the_same_fields_and_choices():
@@ -307,3 +313,50 @@ def test_mpi_without_an_mpi_launch_is_a_value_error(monkeypatch):
 )
 def test_mpi_launcher_variables_map_to_torch_ones(environ, expected):
     assert cgx.mpi.launch_variables(environ) == expected
+
+
+def _segment_names(rank, world, config_tag):
+    """The /dev/shm entries named for this group's tag as this rank announces its segment
+    (they are unlinked once every local rank has opened them), and the allreduce's value."""
+    tag = config_tag or os.environ["CGX_SHM_NAME_TAG"]
+    seen = []
+
+    class ListingStore(dist.Store):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def set(self, key, value):
+            if "/created/" in key:  # this rank's segment exists by now
+                seen.extend(n for n in os.listdir("/dev/shm") if n.startswith(f"cgx-{tag}-"))
+            self.inner.set(key, value)
+
+        def get(self, key):
+            return self.inner.get(key)
+
+    construct = cgx._C.ProcessGroupCGX
+    cgx._C.ProcessGroupCGX = lambda store, *args: construct(ListingStore(store), *args)
+    init_cgx(rank, world, pg_options=cgx.Config(bits=4, scheme="maxmin", shm_name_tag=config_tag))
+    t = torch.ones(1000)
+    dist.all_reduce(t)  # over shared memory, compressed (a constant bucket is exact in maxmin)
+    return sorted(seen), float(t[0])
+
+
+@pytest.mark.parametrize("config_tag", [None, "from-config"])
+def test_shared_memory_segments_carry_the_processs_tag_or_the_configs(config_tag):
+    # A cgx.Config without a tag takes the process's CGX_SHM_NAME_TAG (the suite sets one).
+    tag = f"{os.environ['CGX_SHM_NAME_TAG']}x"
+    results = values(run_ranks(_segment_names, 2, env={"CGX_SHM_NAME_TAG": tag}, args=(config_tag,)))
+    for names, value in results:
+        assert value == 2.0
+        assert names and all(re.fullmatch(rf"cgx-{config_tag or tag}-[0-9a-f]{{32}}.*", n) for n in names), names
+
+
+def _init_with_a_config(rank, world):
+    init_cgx(rank, world, pg_options=cgx.Config(bits=4))
+
+
+def test_a_bad_tag_in_the_environment_fails_init_on_every_rank_also_with_a_config():
+    for r in run_ranks(_init_with_a_config, 2, env={"CGX_SHM_NAME_TAG": "a/b"}):
+        assert isinstance(r, RankError) and r.type == "ValueError", r
+        assert "CGX_SHM_NAME_TAG='a/b'" in r.message, r.message

@@ -226,7 +226,10 @@ def _waits(rank, world, overlap):
     diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=4, overlap=overlap)
     for step in range(16):
         _train_step(model, inner, rank, step)
-        time.sleep(0.1)  # compute far slower than the link: a sync of this model takes milliseconds
+        # Compute slower than the link: the next step begins once the syncs in flight
+        # have arrived (the event a fast link gives, not a time that a loaded machine stretches).
+        while not all(sync.work is None or sync.work.is_completed() for sync in diloco._in_flight):
+            time.sleep(0.001)
         with cgx.exact():
             dist.all_reduce(torch.zeros(1))
     diloco.close()

@@ -246,39 +246,41 @@ def test_bad_environment_value_on_one_rank_raises_on_every_rank_fast():
         assert elapsed < 20, elapsed  # not the 60 s timeout
 
 
-LATE_S, SET_UP_TIMEOUT_S = 2.0, 3  # rank 0 is killed 1 s in, before rank 1's late key
+SET_UP_TIMEOUT_S = 3
 
 
 def _killed_in_set_up(rank, world, how):
-    """Rank 0 is killed while it waits in the shared-memory set-up for rank 1, which
-    announces its segment late (its store delays that key)."""
+    """Rank 0 is killed (signal `how`) as it starts to wait in the shared-memory set-up
+    for rank 1: right after it announced its own segment. Rank 1 announces its segment
+    only once rank 0 is dead. Both orders are events, not times."""
     import signal
-    import threading
 
     import cgx
 
-    class LateStore(dist.Store):
+    class SetUpStore(dist.Store):
         def __init__(self, inner):
             super().__init__()
             self.inner = inner
 
         def set(self, key, value):
-            if "/created/" in key:
-                time.sleep(LATE_S)
+            if "/created/" in key and rank == 1:  # late: after rank 0 is gone
+                pid = int(self.inner.get("test/pid/0"))
+                while os.path.exists(f"/proc/{pid}") and not _is_zombie(pid):
+                    time.sleep(0.01)
             self.inner.set(key, value)
+            if "/created/" in key and rank == 0:  # its segment exists and is announced: it waits now
+                os.kill(os.getpid(), getattr(signal, how))
 
         def get(self, key):
             return self.inner.get(key)
 
     construct = cgx._C.ProcessGroupCGX
 
-    def late_or_killed(store, *args):
-        if rank == 0:
-            threading.Timer(1.0, os.kill, (os.getpid(), getattr(signal, how))).start()
-            return construct(store, *args)
-        return construct(LateStore(store), *args)
+    def watched(store, *args):
+        store.set(f"test/pid/{rank}", str(os.getpid()))
+        return construct(SetUpStore(store), *args)
 
-    cgx._C.ProcessGroupCGX = late_or_killed
+    cgx._C.ProcessGroupCGX = watched
     start = time.monotonic()
     try:
         init_cgx(rank, world, timeout_s=SET_UP_TIMEOUT_S, pg_options=cgx.Config(bits=4))
@@ -287,6 +289,14 @@ def _killed_in_set_up(rank, world, how):
         return str(e), time.monotonic() - start
     finally:
         cgx._C.ProcessGroupCGX = construct
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
@@ -301,7 +311,7 @@ def test_rank_killed_in_set_up_leaves_nothing_in_dev_shm(how):
         assert "cgx shm: rank 0 has no shared memory to open" in message, message
     else:  # rank 0's segment outlived it; rank 1 waited for it, then removed it
         assert "cgx shm: rank 0 has not opened the others' shared memory in time" in message, message
-    assert elapsed < LATE_S + SET_UP_TIMEOUT_S + 5, elapsed
+    assert elapsed < 30, elapsed  # the set-up's timeout (3 s), not the run's limit (60 s)
 
 
 def _dies_mid_collective(rank, world, timeout_s):

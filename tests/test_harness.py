@@ -131,3 +131,28 @@ def test_a_hang_is_killed_at_the_limit_and_errors_and_deaths_are_reported():
     assert run_ranks(_exits, 2, expect_exit={0}) == [None, 1]
     with pytest.raises(AssertionError, match="still running after 3 s"):  # as at a spawned rank's exit
         run_ranks(_hangs_at_exit, 1, timeout_s=3)
+
+
+def _leaves_a_segment(rank, world, tag):
+    """Creates /dev/shm/cgx-<tag>-... and leaves it there (a leak, or another suite's)."""
+    name = f"cgx-{tag}-harness-{os.getpid()}"
+    os.close(os.open(os.path.join("/dev/shm", name), os.O_CREAT | os.O_WRONLY, 0o600))
+    return name
+
+
+def test_the_leak_check_sees_this_suites_segments_and_not_another_suites():
+    from harness import SHM_NAME_TAG
+
+    other = values(run_ranks(_leaves_a_segment, 1, args=(f"{SHM_NAME_TAG}other",)))[0]
+    try:  # another suite's segment, appearing during the call: not this suite's leak
+        assert os.path.exists(os.path.join("/dev/shm", other))
+    finally:
+        os.unlink(os.path.join("/dev/shm", other))
+    leaked = f"cgx-{SHM_NAME_TAG}-harness-"
+    try:
+        with pytest.raises(AssertionError, match=f"left in /dev/shm: \\['{leaked}"):
+            run_ranks(_leaves_a_segment, 1, args=(SHM_NAME_TAG,))
+    finally:
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(leaked):
+                os.unlink(os.path.join("/dev/shm", name))

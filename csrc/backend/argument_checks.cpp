@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cctype>
 #include <stdexcept>
 #include <utility>
 
@@ -32,6 +33,12 @@ void validate(const Settings& o) {
   TORCH_CHECK_VALUE(o.piece_values >= 0 && o.piece_values <= kMaxPieceValues,
                     "cgx: piece_values must be in 0..", kMaxPieceValues, ", got ", o.piece_values);
   TORCH_CHECK_VALUE(!o.hostname.empty(), "cgx: hostname must not be empty");
+  const bool tag_ok = o.shm_name_tag.size() <= kMaxShmNameTag &&
+                      std::all_of(o.shm_name_tag.begin(), o.shm_name_tag.end(), [](char c) {
+                        return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
+                      });
+  TORCH_CHECK_VALUE(tag_ok, "cgx: shm_name_tag must be at most ", kMaxShmNameTag,
+                    " of A-Z a-z 0-9 _ -, got '", o.shm_name_tag, "'");
 }
 
 c10::intrusive_ptr<c10d::Backend> checked_exact(c10::intrusive_ptr<c10d::Backend> exact, int rank,

@@ -17,12 +17,13 @@ namespace cgx::backend {
 
 namespace {
 
-// 128 random bits as hex: shared-memory names nobody else can guess or collide with.
-std::string unguessable_name() {
+// 128 random bits as hex: shared-memory names nobody else can guess or collide with,
+// after the process's tag (which only tells whose they are).
+std::string unguessable_name(const std::string& tag) {
   std::random_device device;
   char hex[33];
   for (int i = 0; i < 4; ++i) std::snprintf(hex + 8 * i, 9, "%08x", device());
-  return std::string("cgx-") + hex;
+  return "cgx-" + (tag.empty() ? std::string() : tag + "-") + hex;
 }
 
 std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
@@ -33,7 +34,7 @@ std::unique_ptr<transport::Transport> shared_memory(KeyValueStore& kv, int rank,
   const auto local_ranks = hosts.ranks_on_host_of(rank);
   // The lowest rank of each host picks the segment names for its host.
   const std::string key = "shm_name/" + std::to_string(hosts.host_of(rank));
-  if (rank == local_ranks.front()) kv.set(key, bytes_of(unguessable_name()));
+  if (rank == local_ranks.front()) kv.set(key, bytes_of(unguessable_name(settings.shm_name_tag)));
   const auto name = kv.get(key);
   return std::make_unique<transport::ShmTransport>(
       rank, local_ranks, std::string(name.begin(), name.end()),

@@ -33,6 +33,7 @@ constexpr int64_t kMaxMinimalSize = int64_t{1} << 62;
 constexpr int64_t kMinShmRingBytes = 4096;
 constexpr int64_t kMaxShmRingBytes = int64_t{1} << 36;
 constexpr int64_t kMaxPieceValues = int64_t{1} << 30;
+constexpr size_t kMaxShmNameTag = 32;
 
 // The fields of Settings, each declared once here: the struct below, its Python binding
 // (bindings.cpp) and signed_settings_digest expand this list, and tests/test_config.py
@@ -60,6 +61,7 @@ constexpr int64_t kMaxPieceValues = int64_t{1} << 30;
   X(bool, intra_broadcast, kSigned)            /* hierarchical: through one leader per host */    \
   X(bool, intra_compress, kSigned)             /* hierarchical: compress inside a host too */     \
   X(std::string, hostname, kNotSigned)         /* ranks with the same name share a host */        \
+  X(std::string, shm_name_tag, kNotSigned)     /* in this rank's segment names; "" for none */    \
   X(int64_t, shm_ring_bytes, kNotSigned)                                                          \
   X(int64_t, piece_values, kNotSigned)         /* pipeline piece (CallOptions); changes no bit */ \
   X(bool, deferred_execution, kNotSigned)      /* debugging: host codec work queued to sync() */
