@@ -2,7 +2,7 @@
 tests/test_elastic.py, started by `torchrun --standalone --nproc-per-node=2
 --max-restarts=1` inside its emulated host. argv: host, the run's rendezvous address,
 steps, output path prefix. The host's rank 0 leads (holds the Membership); on host 1,
-rank 1 kills itself (SIGKILL) at inner step 40 of its first incarnation, and torchrun
+rank 1 kills itself (SIGKILL) at inner step 10 of its first incarnation, and torchrun
 restarts the host. Rounds need both hosts: the run starts with both (a host 1 that came
 late would miss its kill), and host 0 waits for host 1's restart. The leads end at the
 first step from `steps` on after host 1 was lost (the same step on both: the restart
@@ -69,7 +69,7 @@ def go_on() -> bool:
 
 by_step = {}  # the weights after every inner step: the host's ranks must hold the same
 while go_on():
-    if host == 1 and rank == 1 and incarnation == 0 and diloco.step == 40:
+    if host == 1 and rank == 1 and incarnation == 0 and diloco.step == 10:
         os.kill(os.getpid(), signal.SIGKILL)
     _train_step(model, inner, 10 * host + rank, diloco.step)
     by_step[diloco.step] = digest(model.parameters())

@@ -1,7 +1,7 @@
 """A replica of the torchrun test of tests/test_elastic.py: argv slot, rendezvous port,
 output path. Slot 1 runs under torchrun --max-restarts and kills itself (SIGKILL) at inner
-step 40 of its first incarnation; torchrun starts it again and it joins the run. Both
-end at the first step from 60 on after slot 1 was lost (the same step on both: its
+step 10 of its first incarnation; torchrun starts it again and it joins the run. Both
+end at the first step from 24 on after slot 1 was lost (the same step on both: its
 restart joins the round that counts the loss). Each writes the digest of its global
 weights at the end and its stats' joined / lost counts."""
 
@@ -21,15 +21,15 @@ from test_diloco import _model, _train_step  # noqa: E402
 slot, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 # Two replicas or none: the run starts with both (a slot 1 that came late would miss its
-# kill at step 40), and slot 0 waits for slot 1's restart rather than train alone.
+# kill at step 10), and slot 0 waits for slot 1's restart rather than train alone.
 m = cgx.elastic.Membership(f"127.0.0.1:{port}", "trun", is_host=slot == 0, min_replicas=2,
                            heartbeat=datetime.timedelta(seconds=2))
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
 model = _model(slot)
 inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
 d = cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=4, overlap=1, membership=m)
-while d.step < 60 or (slot == 0 and d.stats()["replicas_lost"] == 0):
-    if slot == 1 and incarnation == 0 and d.step == 40:
+while d.step < 24 or (slot == 0 and d.stats()["replicas_lost"] == 0):
+    if slot == 1 and incarnation == 0 and d.step == 10:
         os.kill(os.getpid(), signal.SIGKILL)
     _train_step(model, inner, slot, d.step)
 d.close()

@@ -274,7 +274,7 @@ def test_diloco_on_an_elastic_round_trains_as_on_a_group(bits):
 
 # ---- elastic DiLoCo: replicas that die, come back and join while the others train
 
-_STEPS, _SYNC_EVERY = 60, 4
+_STEPS, _SYNC_EVERY = 24, 4
 
 
 def _global_digest(diloco) -> str:
@@ -339,9 +339,9 @@ def _rendezvous_store(port):
                                                            timeout=datetime.timedelta(seconds=120)))
 
 
-# Killed as inner step 42 begins: the others start that step's sync without it (it is
-# done again among the survivors); as step 45 begins: between two syncs.
-@pytest.mark.parametrize("kill_at", [42, 45])
+# Killed as inner step 10 begins: the others start that step's sync without it (it is
+# done again among the survivors); as step 13 begins: between two syncs.
+@pytest.mark.parametrize("kill_at", [10, 13])
 def test_diloco_goes_on_without_a_killed_replica_and_takes_it_back_restarted(kill_at):
     port = _free_port()
     results = run_ranks(_elastic_replica, 4, args=(port, f"kill-{kill_at}", kill_at),
@@ -520,7 +520,7 @@ def test_diloco_drops_a_replica_whose_link_is_cut_and_takes_it_back_when_the_lin
 
 
 def _survive_hard_failures(replica, replicas, port, how):
-    """Replica 2 dies as inner step 42 begins. "checkpoint": only replica 0 saves
+    """Replica 2 dies as inner step 10 begins. "checkpoint": only replica 0 saves
     state_dict() every step, so it meets the failure there, a step before replica 1
     meets it in a sync. "second death": replica 3 dies too, as the survivors re-form.
     "exact": exact DiLoCo (bits=32); replica 2 dies as its exact (Gloo) average starts,
@@ -542,31 +542,31 @@ def _survive_hard_failures(replica, replicas, port, how):
 
         def agree_first(self, *args):
             agreement = agree(self, *args)
-            if diloco.step == 42:
+            if diloco.step == 10:
                 agreement.work.wait()
             return agreement
 
         def die_in_it(self, flat):
-            if diloco.step == 42:
+            if diloco.step == 10:
                 os.kill(os.getpid(), signal.SIGKILL)
             return exact_average(self, flat)
         replicas_class.agree, replicas_class.exact_average = agree_first, die_in_it
     elif replica == 2:
         def die(*_):
-            if diloco.step == 41:
+            if diloco.step == 9:
                 os.kill(os.getpid(), signal.SIGKILL)
         inner.register_step_pre_hook(die)
     if replica == 3:
         all_gather_object = replicas_class.all_gather_object
 
         def die_in_it(self, value):
-            if diloco.step >= 41:  # the next round's positions
+            if diloco.step >= 9:  # the next round's positions
                 time.sleep(0.5)
                 os.kill(os.getpid(), signal.SIGKILL)
             return all_gather_object(self, value)
         replicas_class.all_gather_object = die_in_it
     digests = {}
-    while diloco.step < 70:
+    while diloco.step < 24:
         _train_step(model, inner, replica, diloco.step)
         digests[diloco.step] = (_global_digest(diloco) if replica == 0 or how != "checkpoint"
                                 else _global_digest_without_a_collective(diloco))
@@ -595,10 +595,10 @@ def test_diloco_survivors_stay_identical_through_failures_met_out_of_step_twice_
                         expect_exit={2, 3}, timeout_s=180)
     (d0, syncs0, stats0), (d1, syncs1, stats1) = values(results[:2])
     # Bit-identical global weights after every step and at the end. (With "checkpoint",
-    # replica 0 meets the failure at step 42 and takes replica 1's state at 43: it has no 42.)
+    # replica 0 meets the failure at step 10 and takes replica 1's state at 11: it has no 10.)
     assert all(d0[step] == d1[step] for step in d0.keys() & d1.keys())
     assert d0["end"] == d1["end"] and len(d0.keys() & d1.keys()) >= len(d1) - 1
-    expected = [sum(1 for t in range(1, 71) if t % _SYNC_EVERY == offset) for offset in (0, 2)]
+    expected = [sum(1 for t in range(1, 25) if t % _SYNC_EVERY == offset) for offset in (0, 2)]
     assert syncs0 == syncs1 == expected
     assert results[2:] == [None] * (replicas - 2)  # killed
     assert stats0["replicas"] == stats1["replicas"] == 2
@@ -683,7 +683,7 @@ def test_a_hosts_ddp_group_is_one_replica_and_torchrun_restarts_it_into_the_run(
     out = str(tmp_path / "rank")
     with netemu.EmulatedHosts(2) as hosts:
         procs = [hosts.popen(h, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                                 "--max-restarts=1", worker, str(h), hosts.address(0), "60", out],
+                                 "--max-restarts=1", worker, str(h), hosts.address(0), "24", out],
                              dict(os.environ, CGX_HOSTNAME=f"emulated-host-{h}", GLOO_SOCKET_IFNAME="eth0"),
                              stdout=subprocess.DEVNULL, stderr=open(f"{out}.log{h}", "w"))
                  for h in range(2)]
@@ -694,7 +694,7 @@ def test_a_hosts_ddp_group_is_one_replica_and_torchrun_restarts_it_into_the_run(
     assert ranks[(1, 0)]["incarnation"] == ranks[(1, 1)]["incarnation"] == 1  # torchrun's restart finished
     assert ranks[(0, 0)]["globals"] == ranks[(1, 0)]["globals"]
     end = ranks[(0, 0)]["steps"]
-    assert end >= 60 and ranks[(1, 0)]["steps"] == end
+    assert end >= 24 and ranks[(1, 0)]["steps"] == end
     expected = [sum(1 for t in range(1, end + 1) if t % _SYNC_EVERY == offset) for offset in (0, 2)]
     assert ranks[(0, 0)]["syncs"] == ranks[(1, 0)]["syncs"] == expected
     for h in range(2):  # the host's ranks alike, after every step and at the end
