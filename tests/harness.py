@@ -73,8 +73,10 @@ class RankError:
 
 # This suite's tag in the names of the segments its ranks create (CGX_SHM_NAME_TAG,
 # inherited by every rank, mpirun's and torchrun's too), so that the leak checks see only
-# this run's segments, not those of another suite running on the machine meanwhile.
-SHM_NAME_TAG = os.environ.setdefault("CGX_SHM_NAME_TAG", f"test{os.getpid()}")
+# this run's segments, not those of another suite running on the machine meanwhile. Its
+# own, whatever the environment holds: a suite started from another one's process (or
+# pytest-xdist's workers, from their controller) inherits that one's tag.
+SHM_NAME_TAG = os.environ["CGX_SHM_NAME_TAG"] = f"test{os.getpid()}"
 
 
 def cgx_shm_entries() -> set[str]:
