@@ -45,7 +45,7 @@ membership = None
 if rank == 0:
     membership = cgx.elastic.Membership(
         f"{address}:{port}", "per-host", is_host=host == 0, min_replicas=2,
-        heartbeat=datetime.timedelta(seconds=2), last_call=datetime.timedelta(seconds=1),
+        heartbeat=datetime.timedelta(seconds=1), last_call=datetime.timedelta(seconds=1),
         group_timeout=datetime.timedelta(seconds=8))
 diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=4, membership=membership,
                     replica_group=dist.group.WORLD)

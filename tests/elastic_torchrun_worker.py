@@ -23,7 +23,7 @@ incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 # Two replicas or none: the run starts with both (a slot 1 that came late would miss its
 # kill at step 10), and slot 0 waits for slot 1's restart rather than train alone.
 m = cgx.elastic.Membership(f"127.0.0.1:{port}", "trun", is_host=slot == 0, min_replicas=2,
-                           heartbeat=datetime.timedelta(seconds=2))
+                           heartbeat=datetime.timedelta(seconds=1))
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
 model = _model(slot)
 inner = torch.optim.AdamW(model.parameters(), lr=1e-2)

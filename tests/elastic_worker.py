@@ -35,7 +35,7 @@ replica, address, steps, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), 
 port = 29400
 membership = cgx.elastic.Membership(
     f"{address}:{port}", "link-cut", is_host=replica == 0, min_replicas=2,
-    heartbeat=datetime.timedelta(seconds=2), last_call=datetime.timedelta(seconds=1),
+    heartbeat=datetime.timedelta(seconds=1), last_call=datetime.timedelta(seconds=1),
     group_timeout=datetime.timedelta(seconds=8))
 store = dist.TCPStore(address, port, is_master=False, timeout=datetime.timedelta(seconds=300))
 store.set(f"link-cut-started/{replica}", "1")  # the first round holds all three, however slow their start

@@ -69,7 +69,11 @@ def _sum_of_ranks(round_) -> float:
 
 
 def _survive_a_death(replica, replicas, port, leave):
-    membership = _membership(replica, port, f"death-{leave}", starting=3, min_replicas=2)
+    # A replica that closes stays alive with its connections open: the survivors' next
+    # collective ends at the group's timeout, the shortest that leaves a loaded machine's
+    # healthy round (a set-up and one allreduce) several times its quiet duration.
+    timeout = datetime.timedelta(seconds=4 if leave == "closes" else 10)
+    membership = _membership(replica, port, f"death-{leave}", starting=3, min_replicas=2, group_timeout=timeout)
     first = membership.next_round()
     sums = [(first.size, _sum_of_ranks(first))]
     if replica == replicas - 1:

@@ -20,7 +20,7 @@ import time
 import pytest
 
 import cgx
-from harness import cgx_shm_entries
+from harness import SHM_NAME_TAG, cgx_shm_entries
 from mpi_cases import cases
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_worker.py")
@@ -98,8 +98,19 @@ def test_a_killed_rank_ends_the_job_with_an_error_not_a_hang():
     assert elapsed < 60, elapsed  # the group's timeout is 4 s
     assert "signal 9" in done.stdout + done.stderr, done.stderr[-2000:]
     assert cgx_shm_entries() == shm_before
-    left = subprocess.run(["pgrep", "-f", WORKER], capture_output=True, text=True).stdout
-    assert left == "", f"worker processes left: {left}"
+    left = [pid for pid in subprocess.run(["pgrep", "-f", WORKER], capture_output=True, text=True).stdout.split()
+            if _of_this_suite(pid)]
+    assert left == [], f"worker processes left: {left}"
+
+
+def _of_this_suite(pid: str) -> bool:
+    """Whether process `pid` was started by this suite (it carries the suite's segment tag;
+    another suite's workers, running beside this one, are not this test's to count)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"CGX_SHM_NAME_TAG={SHM_NAME_TAG}".encode() in f.read().split(b"\0")
+    except OSError:  # gone meanwhile
+        return False
 
 
 def test_a_dead_peer_makes_the_survivor_raise_within_the_timeout():

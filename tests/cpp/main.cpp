@@ -1,4 +1,6 @@
-// Runs the tests registered with CGX_TEST (check.h); arguments select by substring.
+// Runs the tests registered with CGX_TEST (check.h); arguments select by substring, and
+// `--shard=K/N` runs every N-th of the selected tests from the K-th on (0-based), so that
+// N processes run them all side by side.
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -7,11 +9,23 @@
 #include "check.h"
 
 int main(int argc, char** argv) {
-  int run = 0, failed = 0;
+  int shard = 0, shards = 1, patterns = 0;
+  for (int i = 1; i < argc; ++i) {
+    if (std::sscanf(argv[i], "--shard=%d/%d", &shard, &shards) == 2) {
+      if (shards < 1 || shard < 0 || shard >= shards) {
+        std::printf("bad %s: expected --shard=K/N with 0 <= K < N\n", argv[i]);
+        return 2;
+      }
+      argv[i] = nullptr;
+    } else {
+      ++patterns;
+    }
+  }
+  int run = 0, failed = 0, selected_so_far = 0;
   for (const auto& test : cgx::test::registry()) {
-    bool selected = argc < 2;
-    for (int i = 1; i < argc; ++i) selected = selected || std::strstr(test.name, argv[i]);
-    if (!selected) continue;
+    bool selected = patterns == 0;
+    for (int i = 1; i < argc; ++i) selected = selected || (argv[i] && std::strstr(test.name, argv[i]));
+    if (!selected || selected_so_far++ % shards != shard) continue;
     ++run;
     std::printf("[ RUN  ] %s\n", test.name);
     std::fflush(stdout);
