@@ -71,7 +71,7 @@ def new_backend(store: dist.Store, rank: int, size: int, timeout: datetime.timed
     # A bad CGX_* value on one rank is told to every rank (they would otherwise wait for
     # its settings until the timeout).
     try:
-        config = from_env() if config is None else _with_process_settings(config)
+        config = from_env() if config is None else with_process_settings(config)
         problem = None
     except ValueError as e:
         config, problem = None, str(e)
@@ -102,7 +102,7 @@ def new_backend(store: dist.Store, rank: int, size: int, timeout: datetime.timed
     )
 
 
-def _with_process_settings(config: Config) -> Config:
+def with_process_settings(config: Config) -> Config:
     """`config` with the process's own CGX_SHM_NAME_TAG where it names none (ValueError
     naming the variable on a bad value)."""
     if config.shm_name_tag is not None:

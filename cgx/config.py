@@ -188,10 +188,12 @@ VARIABLES: tuple[Variable, ...] = (
              "values to force the cross-host path (tests, network namespaces)."),
     Variable("CGX_SHM_NAME_TAG", "shm_name_tag", None,
              f"1..{MAX_SHM_NAME_TAG} of A-Z a-z 0-9 _ -", _name_tag,
-             "A tag in the names of the shared-memory segments this process creates "
-             "(/dev/shm/cgx-<tag>-<random>), so that jobs sharing a machine can tell their "
-             "segments apart (a leak check, a clean-up after a crash). Each process's own: "
-             "a cgx.Config without it takes this variable's value."),
+             "A tag in the names of the shared-memory segments of this process's groups "
+             "(/dev/shm/cgx-<tag>-<random>-<rank>), so that jobs sharing a machine can tell "
+             "their segments apart (a leak check, a clean-up after a crash). Each process's "
+             "own (a cgx.Config without it takes this variable's value; ranks may differ): "
+             "the segments of a group's ranks on one host carry the tag of the lowest of "
+             "them, which names them all."),
     Variable("CGX_SHM_RING_BYTES", "shm_ring_bytes", 4 << 20,
              f"integer in {int_range(MIN_SHM_RING_BYTES, MAX_SHM_RING_BYTES)}",
              _int_in(MIN_SHM_RING_BYTES, MAX_SHM_RING_BYTES),

@@ -50,7 +50,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from cgx import _C
-from cgx.backend import new_backend
+from cgx.backend import new_backend, with_process_settings
 from cgx.config import Config, check_int
 from cgx.errors import MembershipError
 
@@ -122,6 +122,8 @@ class Membership:
             raise ValueError(f"{what}: run_id must be a non-empty string, got {run_id!r}")
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"{what}: config must be a cgx.Config, got {type(config).__name__}")
+        if config is not None:  # a bad CGX_SHM_NAME_TAG fails here, on this replica alone, not in a round
+            config = with_process_settings(config)
         options: dict[str, Any] = {
             "join_timeout": str(_whole_seconds(join_timeout, "join_timeout")),
             "last_call_timeout": str(_whole_seconds(last_call, "last_call")),

@@ -4,6 +4,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# This pytest process's own tag for the shared-memory segments of everything it starts
+# (tests/harness.py), whatever it inherited: a suite started from another one's process,
+# or pytest-xdist's workers from their controller, would otherwise share that one's.
+os.environ["CGX_SHM_NAME_TAG"] = f"test{os.getpid()}"
 
 from harness import cgx_shm_entries  # noqa: E402
 

@@ -38,8 +38,12 @@ membership = cgx.elastic.Membership(
     heartbeat=datetime.timedelta(seconds=1), last_call=datetime.timedelta(seconds=1),
     group_timeout=datetime.timedelta(seconds=8))
 store = dist.TCPStore(address, port, is_master=False, timeout=datetime.timedelta(seconds=300))
-store.set(f"link-cut-started/{replica}", "1")  # the first round holds all three, however slow their start
+# The first round holds all three, however slow their start: they wait for each other,
+# then form rounds until one holds them all (one late for a round's last call joins the next).
+store.set(f"link-cut-started/{replica}", "1")
 store.wait([f"link-cut-started/{r}" for r in range(3)])
+while membership.next_round().size < 3:
+    pass
 model = _model(replica)
 inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
 diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=4, overlap=1, membership=membership)

@@ -71,16 +71,15 @@ class RankError:
     traceback: str
 
 
-# This suite's tag in the names of the segments its ranks create (CGX_SHM_NAME_TAG,
-# inherited by every rank, mpirun's and torchrun's too), so that the leak checks see only
-# this run's segments, not those of another suite running on the machine meanwhile. Its
-# own, whatever the environment holds: a suite started from another one's process (or
-# pytest-xdist's workers, from their controller) inherits that one's tag.
-SHM_NAME_TAG = os.environ["CGX_SHM_NAME_TAG"] = f"test{os.getpid()}"
+# The suite's tag in the names of the segments its ranks create (CGX_SHM_NAME_TAG, set by
+# tests/conftest.py in each pytest process and inherited by every process it starts: forked
+# and spawned ranks, worker scripts, mpirun's and torchrun's ranks), so that the leak checks
+# see only this run's segments, not those of another suite running on the machine meanwhile.
+SHM_NAME_TAG = os.environ.get("CGX_SHM_NAME_TAG", "")
 
 
 def cgx_shm_entries() -> set[str]:
-    prefix = f"cgx-{SHM_NAME_TAG}-"
+    prefix = f"cgx-{SHM_NAME_TAG}-" if SHM_NAME_TAG else "cgx-"
     return {n for n in os.listdir(SHM_DIR) if n.startswith(prefix)} if os.path.isdir(SHM_DIR) else set()
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import cgx
 from cgx.backend import to_settings
 from cgx.config import VARIABLES, from_env, markdown_table
-from harness import RankError, init_cgx, run_ranks, values
+from harness import SHM_NAME_TAG, RankError, init_cgx, run_ranks, values
 
 
 def test_defaults_follow_torch_cgx():
@@ -342,14 +342,15 @@ def _segment_names(rank, world, config_tag):
     return sorted(seen), float(t[0])
 
 
-@pytest.mark.parametrize("config_tag", [None, "from-config"])
-def test_shared_memory_segments_carry_the_processs_tag_or_the_configs(config_tag):
+@pytest.mark.parametrize("from_config", [False, True])
+def test_shared_memory_segments_carry_the_processs_tag_or_the_configs(from_config):
     # A cgx.Config without a tag takes the process's CGX_SHM_NAME_TAG (the suite sets one).
-    tag = f"{os.environ['CGX_SHM_NAME_TAG']}x"
+    # Tags of this suite's own (another suite's are not this test's to see).
+    tag, config_tag = f"{SHM_NAME_TAG}x", f"{SHM_NAME_TAG}c" if from_config else None
     results = values(run_ranks(_segment_names, 2, env={"CGX_SHM_NAME_TAG": tag}, args=(config_tag,)))
     for names, value in results:
         assert value == 2.0
-        assert names and all(re.fullmatch(rf"cgx-{config_tag or tag}-[0-9a-f]{{32}}.*", n) for n in names), names
+        assert names and all(re.fullmatch(rf"cgx-{config_tag or tag}-[0-9a-f]{{32}}-[01]", n) for n in names), names
 
 
 def _init_with_a_config(rank, world):

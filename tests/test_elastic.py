@@ -35,9 +35,10 @@ def _free_port() -> int:
 
 def _membership(replica: int, port: int, run_id: str, starting: int = 0, **kwargs):
     """Replica `replica`'s membership of run `run_id` (replica 0 serves the store). The
-    replicas below `starting` start the run together: each returns once all of them have
-    their membership, so that its first round holds them all (a replica still starting
-    after the round's last call, 1 s, would join a later round)."""
+    replicas below `starting` start the run together: each returns in a first round that
+    holds them all (membership.round). They wait until all have their membership, then
+    form rounds until one holds all of them: a replica that reached the rendezvous after a
+    round's last call (1 s) joins the next, however slow its start was."""
     import cgx
 
     membership = cgx.elastic.Membership(f"127.0.0.1:{port}", run_id, is_host=replica == 0, **{**_FAST, **kwargs})
@@ -45,6 +46,8 @@ def _membership(replica: int, port: int, run_id: str, starting: int = 0, **kwarg
         store = _rendezvous_store(port)
         store.set(f"started/{run_id}/{replica}", "1")
         store.wait([f"started/{run_id}/{r}" for r in range(starting)])
+        while membership.next_round().size < starting:
+            pass
     return membership
 
 
@@ -74,7 +77,7 @@ def _survive_a_death(replica, replicas, port, leave):
     # healthy round (a set-up and one allreduce) several times its quiet duration.
     timeout = datetime.timedelta(seconds=4 if leave == "closes" else 10)
     membership = _membership(replica, port, f"death-{leave}", starting=3, min_replicas=2, group_timeout=timeout)
-    first = membership.next_round()
+    first, rounds_before = membership.round, membership.rounds
     sums = [(first.size, _sum_of_ranks(first))]
     if replica == replicas - 1:
         if leave == "exits":
@@ -95,7 +98,7 @@ def _survive_a_death(replica, replicas, port, leave):
     sums.append((second.size, _sum_of_ranks(second)))
     membership.close()
     _host_stays_until_the_others_are_done(replica, [1] if leave == "exits" else [1, 2], port, f"death-{leave}")
-    return sums, failed, reformed_s, membership.rounds
+    return sums, failed, reformed_s, membership.rounds - rounds_before
 
 
 @pytest.mark.parametrize("leave", ["exits", "closes"])
@@ -106,7 +109,7 @@ def test_survivors_form_a_new_round_without_a_replica_that_died_or_left(leave):
         assert sums == [(3, 6.0), (2, 3.0)], sums  # 1+2+3 in the first round, 1+2 in the second
         assert failed is not None  # the round's next collective fails on every survivor
         assert reformed_s < 40, reformed_s  # 3 missed 1 s heartbeats and a 1 s last call (about 4 s idle)
-        assert rounds == 2
+        assert rounds == 1  # one round more than the first
 
 
 def _admit_a_joiner(replica, replicas, port):
@@ -118,7 +121,7 @@ def _admit_a_joiner(replica, replicas, port):
         joined = membership.next_round()
         result = [(joined.size, _sum_of_ranks(joined))]
     else:
-        first = membership.next_round()
+        first = membership.round
         result = [(first.size, _sum_of_ranks(first))]
         _rendezvous_store(port).set("join/formed", "1")
         _wait_for_a_joiner(membership)
@@ -186,6 +189,16 @@ def test_bad_arguments_are_refused_by_name():
         cgx.elastic.Membership("127.0.0.1:1", "")
 
 
+def test_a_bad_segment_tag_fails_the_replica_that_has_it_before_it_joins(monkeypatch):
+    # Its own process setting: with a config given, it is read as the Membership is made,
+    # not in a round, where it would fail every member.
+    import cgx
+
+    monkeypatch.setenv("CGX_SHM_NAME_TAG", "bad/tag")
+    with pytest.raises(ValueError, match="CGX_SHM_NAME_TAG='bad/tag'"):
+        cgx.elastic.Membership("127.0.0.1:1", "run", config=cgx.Config(bits=4))
+
+
 def _refuse_a_replica_without_the_secret(replica, replicas, port):
     import cgx
 
@@ -197,7 +210,7 @@ def _refuse_a_replica_without_the_secret(replica, replicas, port):
             membership.next_round()
         _host_stays_until_the_others_are_done(replica, [1, 2], port, "secret")
         return membership.round, membership.rounds
-    first = membership.next_round()
+    first = membership.round
     sums = [(first.size, _sum_of_ranks(first))]
     _rendezvous_store(port).set("secret/formed", "1")
     _wait_for_a_joiner(membership)

@@ -19,7 +19,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_worker
 
 
 def torchrun(scenario: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CGX_", "OMPI_", "PMI"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CGX_", "OMPI_", "PMI")) or k == "CGX_SHM_NAME_TAG"}  # the suite's tag stays
     cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", "2", WORKER, scenario]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)

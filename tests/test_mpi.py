@@ -32,10 +32,11 @@ pytestmark = [
 
 
 def mpirun_command(world: int, *args: str, mpirun_options=()) -> tuple[list[str], dict]:
-    # Only the MPI launch tells ranks who they are: no torch variables from outside.
+    # Only the MPI launch tells ranks who they are: no torch variables from outside, no
+    # CGX_* setting but the suite's segment tag (its leak checks count by it).
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-           and not k.startswith("CGX_")}
+           and (not k.startswith("CGX_") or k == "CGX_SHM_NAME_TAG")}
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", *mpirun_options, "-np",
            str(world), sys.executable, "-P", WORKER, *args]
     return cmd, env
