@@ -7,9 +7,8 @@ restarts the host. Rounds need both hosts: the run starts with both (a host 1 th
 late would miss its kill), and host 0 waits for host 1's restart. The leads end at the
 first step from `steps` on after host 1 was lost (the same step on both: the restart
 joins the round that counts the loss); each lead tells its host's other rank whether to
-go on. Each rank writes a
-digest of its weights at the end; a lead also its global weights' and its fragments'
-sync counts."""
+go on. Each rank writes a digest of its weights at the end; a lead also its global
+weights' and its fragments' sync counts."""
 
 from __future__ import annotations
 

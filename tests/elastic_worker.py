@@ -29,7 +29,7 @@ import cgx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_diloco import _model, _train_step  # noqa: E402
-from test_elastic import _global_digest  # noqa: E402
+from test_elastic import _global_digest, _start_together  # noqa: E402
 
 replica, address, steps, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 port = 29400
@@ -38,12 +38,7 @@ membership = cgx.elastic.Membership(
     heartbeat=datetime.timedelta(seconds=1), last_call=datetime.timedelta(seconds=1),
     group_timeout=datetime.timedelta(seconds=8))
 store = dist.TCPStore(address, port, is_master=False, timeout=datetime.timedelta(seconds=300))
-# The first round holds all three, however slow their start: they wait for each other,
-# then form rounds until one holds them all (one late for a round's last call joins the next).
-store.set(f"link-cut-started/{replica}", "1")
-store.wait([f"link-cut-started/{r}" for r in range(3)])
-while membership.next_round().size < 3:
-    pass
+_start_together(membership, store, "link-cut", replica, 3)  # a first round of all three, however slow their start
 model = _model(replica)
 inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
 diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=4, overlap=1, membership=membership)

@@ -90,6 +90,7 @@ def test_cpp_core(core_tests: Path):
         for p in shards:
             if p.poll() is None:
                 p.kill()
+                p.wait()
     for p, (out, err) in zip(shards, outputs):
         assert p.returncode == 0 and out.rstrip().endswith(" 0 failed"), f"{out[-20000:]}\n{err[-20000:]}"
     ran = [int(out.rstrip().splitlines()[-1].split()[0]) for out, _ in outputs]

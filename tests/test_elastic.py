@@ -35,20 +35,30 @@ def _free_port() -> int:
 
 def _membership(replica: int, port: int, run_id: str, starting: int = 0, **kwargs):
     """Replica `replica`'s membership of run `run_id` (replica 0 serves the store). The
-    replicas below `starting` start the run together: each returns in a first round that
-    holds them all (membership.round). They wait until all have their membership, then
-    form rounds until one holds all of them: a replica that reached the rendezvous after a
-    round's last call (1 s) joins the next, however slow its start was."""
+    replicas below `starting` start the run together (:func:`_start_together`)."""
     import cgx
 
     membership = cgx.elastic.Membership(f"127.0.0.1:{port}", run_id, is_host=replica == 0, **{**_FAST, **kwargs})
     if replica < starting:
-        store = _rendezvous_store(port)
-        store.set(f"started/{run_id}/{replica}", "1")
-        store.wait([f"started/{run_id}/{r}" for r in range(starting)])
-        while membership.next_round().size < starting:
-            pass
+        _start_together(membership, _rendezvous_store(port), run_id, replica, starting)
     return membership
+
+
+def _start_together(membership, store, run_id: str, replica: int, starting: int) -> None:
+    """Replicas 0..starting-1 of run `run_id` return in a first round that holds them all
+    (membership.round): they wait until all have their membership (on `store`), then form
+    rounds until one holds all of them. A replica that reached the rendezvous after a
+    round's last call (1 s) joins the next, however slow its start was."""
+    store.set(f"started/{run_id}/{replica}", "1")
+    store.wait([f"started/{run_id}/{r}" for r in range(starting)])
+    while membership.next_round().size < starting:
+        pass
+
+
+def _syncs_by(end: int) -> list[int]:
+    """Each fragment's syncs in a run of `end` inner steps: one at every step of its turn
+    (sync_every 4, the 2 fragments' offsets 0 and 2), none lost."""
+    return [sum(1 for t in range(1, end + 1) if t % _SYNC_EVERY == offset) for offset in (0, 2)]
 
 
 def _host_stays_until_the_others_are_done(replica: int, others: list[int], port: int, run_id: str) -> None:
@@ -368,7 +378,7 @@ def test_diloco_goes_on_without_a_killed_replica_and_takes_it_back_restarted(kil
     assert d0 == d1  # the survivors' global weights are bit-identical after every step
     assert end >= _STEPS and end1 == end3 == end
     # No sync was lost: each fragment synced at every step of its turn (offsets 0 and 2).
-    expected = [sum(1 for t in range(1, end + 1) if t % _SYNC_EVERY == offset) for offset in (0, 2)]
+    expected = _syncs_by(end)
     assert syncs0 == syncs1 == syncs3 == expected, (syncs0, syncs3, expected)
     first = joined[1]
     assert 0 < first <= end, joined
@@ -441,7 +451,7 @@ def test_diloco_admits_a_joiner_refuses_one_built_otherwise_and_lets_one_leave()
     assert min(k for k in d3 if k != "end") > 10, sorted(d3)[:3]  # joined the running run
     assert all(d3[step] == d0[step] for step in d3)
     assert end >= _STEPS and end1 == end3 == end
-    expected = [sum(1 for t in range(1, end + 1) if t % _SYNC_EVERY == offset) for offset in (0, 2)]
+    expected = _syncs_by(end)
     assert syncs0 == syncs1 == syncs3 == expected
     for stats in (stats0, stats1):
         assert (stats["replicas_joined"], stats["replicas_lost"], stats["replicas"]) == (1, 1, 3), stats
@@ -501,7 +511,8 @@ def test_diloco_drops_a_replica_whose_link_is_cut_and_takes_it_back_when_the_lin
         while True:  # the hang guard is the processes' wait below
             assert all(p.poll() is None for p in procs), f"a replica exited while the test waited for {what}"
             try:
-                status = json.load(open(outs[0] + ".step"))
+                with open(outs[0] + ".step") as f:
+                    status = json.load(f)
             except (FileNotFoundError, ValueError):
                 status = None
             if status is not None and done(status):
@@ -529,7 +540,7 @@ def test_diloco_drops_a_replica_whose_link_is_cut_and_takes_it_back_when_the_lin
     assert all(runs[2]["digests"][step] == runs[0]["digests"][step] for step in runs[2]["digests"]), logs[2]
     end = runs[0]["steps"]
     assert end >= steps and runs[1]["steps"] == runs[2]["steps"] == end
-    expected = [sum(1 for t in range(1, end + 1) if t % _SYNC_EVERY == offset) for offset in (0, 2)]
+    expected = _syncs_by(end)
     assert runs[0]["syncs"] == runs[1]["syncs"] == runs[2]["syncs"] == expected
     for run in runs[:2]:
         assert run["stats"]["replicas_lost"] >= 1 and run["stats"]["replicas_joined"] >= 1, run["stats"]
@@ -615,7 +626,7 @@ def test_diloco_survivors_stay_identical_through_failures_met_out_of_step_twice_
     # replica 0 meets the failure at step 10 and takes replica 1's state at 11: it has no 10.)
     assert all(d0[step] == d1[step] for step in d0.keys() & d1.keys())
     assert d0["end"] == d1["end"] and len(d0.keys() & d1.keys()) >= len(d1) - 1
-    expected = [sum(1 for t in range(1, 25) if t % _SYNC_EVERY == offset) for offset in (0, 2)]
+    expected = _syncs_by(24)
     assert syncs0 == syncs1 == expected
     assert results[2:] == [None] * (replicas - 2)  # killed
     assert stats0["replicas"] == stats1["replicas"] == 2
@@ -712,7 +723,7 @@ def test_a_hosts_ddp_group_is_one_replica_and_torchrun_restarts_it_into_the_run(
     assert ranks[(0, 0)]["globals"] == ranks[(1, 0)]["globals"]
     end = ranks[(0, 0)]["steps"]
     assert end >= 24 and ranks[(1, 0)]["steps"] == end
-    expected = [sum(1 for t in range(1, end + 1) if t % _SYNC_EVERY == offset) for offset in (0, 2)]
+    expected = _syncs_by(end)
     assert ranks[(0, 0)]["syncs"] == ranks[(1, 0)]["syncs"] == expected
     for h in range(2):  # the host's ranks alike, after every step and at the end
         assert ranks[(h, 1)]["by_step"] == ranks[(h, 0)]["by_step"]
