@@ -8,6 +8,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 # (tests/harness.py), whatever it inherited: a suite started from another one's process,
 # or pytest-xdist's workers from their controller, would otherwise share that one's.
 os.environ["CGX_SHM_NAME_TAG"] = f"test{os.getpid()}"
+# One intra-op thread a process, as torchrun gives its ranks, unless the caller chose: the
+# suite's ranks share a few cores, and two ranks of a 2-core machine with a pool of two
+# threads each spent a fifth more time (tests/test_fsdp.py and test_hooks.py: 109 -> 86 s).
+# Set before torch is imported here, so this process, the ranks forked from its server and
+# every process it starts read it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from harness import cgx_shm_entries  # noqa: E402
 

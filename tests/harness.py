@@ -25,7 +25,8 @@ against a fresh interpreter, and what this module does about it:
   server's. A test whose property needs ranks that iterate sets of strings in different
   orders passes `spawn=True`.
 - Thread pools: the server runs no torch operation; OpenBLAS stops its threads before a
-  fork. Each rank makes its own pools at first use, of the default size.
+  fork. Each rank makes its own pools at first use, of the size OMP_NUM_THREADS gives
+  (the suite's tests/conftest.py sets 1 where the caller did not choose).
 - Output: a rank's stdout and stderr (file descriptors 1 and 2) go to files that the
   caller copies to its own sys.stdout and sys.stderr when the ranks end, so that pytest
   shows them with the test that ran them (a fork would otherwise write to wherever the

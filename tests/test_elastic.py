@@ -712,7 +712,10 @@ def test_a_hosts_ddp_group_is_one_replica_and_torchrun_restarts_it_into_the_run(
     with netemu.EmulatedHosts(2) as hosts:
         procs = [hosts.popen(h, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                                  "--max-restarts=1", worker, str(h), hosts.address(0), "24", out],
-                             dict(os.environ, CGX_HOSTNAME=f"emulated-host-{h}", GLOO_SOCKET_IFNAME="eth0"),
+                             # PYTHONFAULTHANDLER: a rank that aborts shows where (seen once,
+                             # 2026-11-28: SIGABRT in a restarted follower after its result was written).
+                             dict(os.environ, CGX_HOSTNAME=f"emulated-host-{h}", GLOO_SOCKET_IFNAME="eth0",
+                                  PYTHONFAULTHANDLER="1"),
                              stdout=subprocess.DEVNULL, stderr=open(f"{out}.log{h}", "w"))
                  for h in range(2)]
         _wait_or_kill(procs, 200)
