@@ -85,9 +85,12 @@ def test_cpp_core(core_tests: Path):
     # tests are single-threaded, the machine has two cores or more, and small shards keep
     # both busy to the end (two shards of every other test ended at 13.7 and 20.6 s).
     shards = 8
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    try:
         done = list(pool.map(lambda k: subprocess.run([str(core_tests), f"--shard={k}/{shards}"], capture_output=True,
                                                       text=True, timeout=300), range(shards)))
+    finally:
+        pool.shutdown(cancel_futures=True)  # a shard that timed out (and was killed) starts no more
     for shard in done:
         assert shard.returncode == 0 and shard.stdout.rstrip().endswith(" 0 failed"), \
             f"{shard.stdout[-20000:]}\n{shard.stderr[-20000:]}"
