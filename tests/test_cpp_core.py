@@ -81,11 +81,11 @@ def core_tests(tmp_path_factory) -> Path:
 
 
 def test_cpp_core(core_tests: Path):
-    # Eight shards (the binary's --shard: every 8th test), two processes at a time: the
-    # tests are single-threaded, the machine has two cores or more, and small shards keep
-    # both busy to the end (two shards of every other test ended at 13.7 and 20.6 s).
+    # Eight shards (the binary's --shard: every 8th test), a process a core at a time (the
+    # tests are single-threaded): small shards keep every core busy to the end (two shards
+    # of every other test ended at 13.7 and 20.6 s on two cores).
     shards = 8
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(shards, max(2, os.cpu_count() or 2)))
     try:
         done = list(pool.map(lambda k: subprocess.run([str(core_tests), f"--shard={k}/{shards}"], capture_output=True,
                                                       text=True, timeout=300), range(shards)))

@@ -125,17 +125,14 @@ def _hook_run(rank, shape, gloo, steps, start=0, saved=None):
     return model, state, ddp, opt, raw_exact and bool(calls), checkpoint
 
 
-# The suite runs one intra-op thread a process (tests/conftest.py); the DDP loops run on a
-# pool of two, as a user's ranks often do, so that cgx's threads (the hook's calls, their
-# callbacks) beside torch's pool stay tested.
-_POOL = 2
-
-
 def _hook_shapes(rank, world):
     import cgx
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(_POOL)
+    # The suite runs one intra-op thread a process (tests/conftest.py); the DDP loops run on
+    # a pool of two, as a user's ranks often do, so that cgx's threads (the hook's calls,
+    # their callbacks) beside torch's pool stay tested.
+    torch.set_num_threads(2)
     init_cgx(rank, world)
     gloo = dist.new_group(backend="gloo")
     out = {}
