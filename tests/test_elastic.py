@@ -536,8 +536,16 @@ def test_diloco_drops_a_replica_whose_link_is_cut_and_takes_it_back_when_the_lin
     logs = [open(o + ".log").read()[-3000:] for o in outs]
     assert all(p.returncode == 0 for p in procs), logs
     runs = [json.load(open(o)) for o in outs]
-    assert runs[0]["digests"] == runs[1]["digests"]
-    assert all(runs[2]["digests"][step] == runs[0]["digests"][step] for step in runs[2]["digests"]), logs[2]
+    d0, d1 = runs[0]["digests"], runs[1]["digests"]
+    # The survivors' sync timeouts start at their own calls, so they may meet the cut at
+    # different steps; the one behind takes the other's state and skips to its step (seen:
+    # replica 1 had no steps 12 and 13). Bit-identical wherever both stepped, no step
+    # missed but just after the cut, and the same at the end.
+    assert all(d0[step] == d1[step] for step in d0.keys() & d1.keys())
+    skipped = {int(step) for step in d0.keys() ^ d1.keys()}
+    assert all(cut_at <= step <= cut_at + 2 * _SYNC_EVERY for step in skipped), (cut_at, sorted(skipped))
+    assert all(runs[2]["digests"][step] == d0[step] for step in runs[2]["digests"] if step in d0), logs[2]
+    assert runs[2]["digests"]["end"] == d0["end"] == d1["end"]
     end = runs[0]["steps"]
     assert end >= steps and runs[1]["steps"] == runs[2]["steps"] == end
     expected = _syncs_by(end)
