@@ -14,6 +14,11 @@ os.environ["CGX_SHM_NAME_TAG"] = f"test{os.getpid()}"
 # Set before torch is imported here, so this process, the ranks forked from its server and
 # every process it starts read it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# What `python -P` does for the README's pytest, for the interpreters it cannot reach:
+# pytest-xdist's workers start fresh ones, and so does the harness's forkserver, whose
+# sys.path would otherwise begin with the current folder, the repository, and preload
+# the source folder cgx/ instead of the installed package.
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 from harness import cgx_shm_entries  # noqa: E402
 

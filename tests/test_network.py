@@ -30,14 +30,19 @@ def run_benchmark(tmp_path, *args):
     out = tmp_path / "allreduce.json"
     cmd = [sys.executable, "-P", os.path.join(BENCHMARKS, "allreduce.py"), "--repeats", "1",
            "--json", str(out), "--plot", str(tmp_path / "allreduce.png"), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as done:
+        try:
+            stdout, stderr = done.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            done.kill()
+            raise
+    assert done.returncode == 0, stdout + stderr
     with open(out) as f:
-        return done.stdout, json.load(f)["results"]
+        return done.pid, stdout, json.load(f)["results"]
 
 
 def test_benchmark_smoke_on_loopback(tmp_path):
-    stdout, results = run_benchmark(tmp_path, "--sizes-mib", "1", "--world-sizes", "2",
+    _, stdout, results = run_benchmark(tmp_path, "--sizes-mib", "1", "--world-sizes", "2",
                                     "--rates", "loopback", "--methods", "gloo", "cgx-4-SRA")
     assert {r["method"] for r in results} == {"gloo", "cgx-4-SRA"}
     assert all(r["median_s"] > 0 and r["world_size"] == 2 for r in results)
@@ -56,7 +61,7 @@ def test_cross_host_bytes_on_the_wire_shrink(tmp_path):
     headers), in the default scheme 4 bits + one rms per 512 values: 32 / 4.0625 = 7.88x
     fewer bytes than Gloo's float32 allreduce (within what headers add on either side)."""
     size_mib, world = 4, 2
-    _, results = run_benchmark(tmp_path, "--sizes-mib", str(size_mib), "--world-sizes", str(world),
+    benchmark, _, results = run_benchmark(tmp_path, "--sizes-mib", str(size_mib), "--world-sizes", str(world),
                                "--rates", "unshaped", "--methods", "gloo", "cgx-4-SRA")
     by_method = {r["method"]: r for r in results}
     gloo, ours = by_method["gloo"], by_method["cgx-4-SRA"]
@@ -79,7 +84,7 @@ def test_cross_host_bytes_on_the_wire_shrink(tmp_path):
                             sum(ours["retransmitted_segments"]) * netemu.RETRANSMIT_BYTES)
     expected = gloo_payload / (world * predicted)  # 32 / 4.0625 = 7.88
     assert expected / 1.05 < ratio <= expected * 1.05, (ratio, expected)
-    assert _our_namespaces() == []
+    assert _namespaces_of(benchmark) == []  # the benchmark's process made its hosts
 
 
 @pytest.mark.skipif(netemu.available() is not None, reason=str(netemu.available()))
@@ -121,11 +126,11 @@ def test_two_hosts_by_two_ranks_take_the_hierarchical_path(tmp_path):
         assert r["hierarchical_error"] <= hier_bound, (r["hierarchical_error"], hier_bound)
         assert r["one_host_error"] <= flat_bound, (r["one_host_error"], flat_bound)
         assert r["difference"] <= hier_bound + flat_bound
-    assert _our_namespaces() == []
+    assert _namespaces_of(os.getpid()) == []
 
 
-def _our_namespaces() -> list[str]:
-    """This process's emulated hosts still in place (another suite's, running beside this
-    one, are theirs to remove)."""
+def _namespaces_of(pid: int) -> list[str]:
+    """The emulated hosts that process `pid` made still in place (another suite's, running
+    beside this one, are theirs to remove)."""
     names = netemu._run("ip", "netns", "list").stdout.split()
-    return [n for n in names if n.startswith(f"cgxemu-{os.getpid()}-")]
+    return [n for n in names if n.startswith(f"cgxemu-{pid}-")]

@@ -4,12 +4,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
 #include "compression/layout_codec.h"
 
 namespace cgx::test {
+
+// Equal to the bit: the same length and the same bytes.
+inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
 
 inline compression::Segment quantized(int64_t numel, int bits, int64_t bucket,
                                       bool skip_incomplete = false, bool stochastic = false) {

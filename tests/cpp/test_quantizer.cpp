@@ -181,10 +181,6 @@ std::vector<float> loop_inputs(const compression::GaussianLevels& t, int bits, i
   return v;
 }
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 // The AVX2 loops write the portable loops' bits, and nearest counts the midpoints reached.
 CGX_TEST(hadamard_avx2_loops_write_the_portable_loops_bits) {
   const compression::RotatedLoops& portable = compression::portable_rotated_loops();

@@ -20,10 +20,6 @@ using collectives::ReductionAlgorithm;
 using compression::LayoutCodec;
 using transport::ShmTransport;
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 // The values of shard `s` of a buffer of shards laid end to end.
 std::vector<float> shard_of(const std::vector<float>& full, int64_t shard_numel, int s) {
   return {full.begin() + s * shard_numel, full.begin() + (s + 1) * shard_numel};
