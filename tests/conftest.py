@@ -15,9 +15,9 @@ os.environ["CGX_SHM_NAME_TAG"] = f"test{os.getpid()}"
 # every process it starts read it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # What `python -P` does for the README's pytest, for the interpreters it cannot reach:
-# pytest-xdist's workers start fresh ones, and so does the harness's forkserver, whose
-# sys.path would otherwise begin with the current folder, the repository, and preload
-# the source folder cgx/ instead of the installed package.
+# pytest-xdist's workers, and the harness's forkserver, which ignores its parent's
+# sys.path (Python 3.11): its path would begin with the current folder, the repository,
+# and its preload take the source folder cgx/ instead of the installed package.
 os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 from harness import cgx_shm_entries  # noqa: E402

@@ -30,20 +30,21 @@ def run_benchmark(tmp_path, *args):
     out = tmp_path / "allreduce.json"
     cmd = [sys.executable, "-P", os.path.join(BENCHMARKS, "allreduce.py"), "--repeats", "1",
            "--json", str(out), "--plot", str(tmp_path / "allreduce.png"), *args]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as done:
+    # Its pid names the emulated hosts it makes (netemu), which the caller checks are gone.
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as benchmark:
         try:
-            stdout, stderr = done.communicate(timeout=300)
+            stdout, stderr = benchmark.communicate(timeout=300)
         except subprocess.TimeoutExpired:
-            done.kill()
+            benchmark.kill()
             raise
-    assert done.returncode == 0, stdout + stderr
+    assert benchmark.returncode == 0, stdout + stderr
     with open(out) as f:
-        return done.pid, stdout, json.load(f)["results"]
+        return benchmark.pid, stdout, json.load(f)["results"]
 
 
 def test_benchmark_smoke_on_loopback(tmp_path):
     _, stdout, results = run_benchmark(tmp_path, "--sizes-mib", "1", "--world-sizes", "2",
-                                    "--rates", "loopback", "--methods", "gloo", "cgx-4-SRA")
+                                       "--rates", "loopback", "--methods", "gloo", "cgx-4-SRA")
     assert {r["method"] for r in results} == {"gloo", "cgx-4-SRA"}
     assert all(r["median_s"] > 0 and r["world_size"] == 2 for r in results)
     assert "| 2 | loopback | 1 |" in stdout
@@ -61,8 +62,9 @@ def test_cross_host_bytes_on_the_wire_shrink(tmp_path):
     headers), in the default scheme 4 bits + one rms per 512 values: 32 / 4.0625 = 7.88x
     fewer bytes than Gloo's float32 allreduce (within what headers add on either side)."""
     size_mib, world = 4, 2
-    benchmark, _, results = run_benchmark(tmp_path, "--sizes-mib", str(size_mib), "--world-sizes", str(world),
-                               "--rates", "unshaped", "--methods", "gloo", "cgx-4-SRA")
+    benchmark, _, results = run_benchmark(tmp_path, "--sizes-mib", str(size_mib),
+                                          "--world-sizes", str(world), "--rates", "unshaped",
+                                          "--methods", "gloo", "cgx-4-SRA")
     by_method = {r["method"]: r for r in results}
     gloo, ours = by_method["gloo"], by_method["cgx-4-SRA"]
     n = int(size_mib * 2**20) // 4
@@ -84,7 +86,7 @@ def test_cross_host_bytes_on_the_wire_shrink(tmp_path):
                             sum(ours["retransmitted_segments"]) * netemu.RETRANSMIT_BYTES)
     expected = gloo_payload / (world * predicted)  # 32 / 4.0625 = 7.88
     assert expected / 1.05 < ratio <= expected * 1.05, (ratio, expected)
-    assert _namespaces_of(benchmark) == []  # the benchmark's process made its hosts
+    assert _namespaces_of(benchmark) == []
 
 
 @pytest.mark.skipif(netemu.available() is not None, reason=str(netemu.available()))
