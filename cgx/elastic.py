@@ -208,9 +208,14 @@ class Membership:
             return True
         if not all(valid):
             # Every member fails; each waits until all have read the proofs, so that the
-            # one serving the store does not take it away from a slower one.
+            # one serving the store does not take it away from a slower one. That one
+            # may leave while this one's wait is in flight: all have read the proofs by
+            # then (this one too), so a lost store changes nothing of the verdict.
             store.set(f"failed/{info.rank}", "1")
-            store.wait([f"failed/{r}" for r in ranks])
+            try:
+                store.wait([f"failed/{r}" for r in ranks])
+            except dist.DistError:
+                pass
             self.close()
             raise MembershipError(
                 f"cgx.elastic: run {self.run_id!r}: the replicas starting it do not hold the same secret "
