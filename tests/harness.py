@@ -79,6 +79,15 @@ class RankError:
 SHM_NAME_TAG = os.environ.get("CGX_SHM_NAME_TAG", "")
 
 
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` has exited (gone from /proc, or a zombie not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between it and the read
+        return True
+
+
 def cgx_shm_entries() -> set[str]:
     prefix = f"cgx-{SHM_NAME_TAG}-" if SHM_NAME_TAG else "cgx-"
     return {n for n in os.listdir(SHM_DIR) if n.startswith(prefix)} if os.path.isdir(SHM_DIR) else set()

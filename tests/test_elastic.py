@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from harness import run_ranks, values
+from harness import process_gone, run_ranks, values
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import netemu  # noqa: E402
@@ -274,7 +274,7 @@ def _start_with_different_secrets_the_host_leaving_first(replica, replicas, port
             def wait(self, keys):
                 with open(host_pid_file) as f:
                     host = f.read()
-                while os.path.exists(f"/proc/{host}"):
+                while not process_gone(int(host)):
                     time.sleep(0.01)
                 return self._store.wait(keys)
 

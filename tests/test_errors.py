@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RankError, init_cgx, run_ranks, values
+from harness import RankError, init_cgx, process_gone, run_ranks, values
 
 
 def _mismatched_sizes(rank, world):
@@ -265,7 +265,7 @@ def _killed_in_set_up(rank, world, how):
         def set(self, key, value):
             if "/created/" in key and rank == 1:  # late: after rank 0 is gone
                 pid = int(self.inner.get("test/pid/0"))
-                while os.path.exists(f"/proc/{pid}") and not _is_zombie(pid):
+                while not process_gone(pid):
                     time.sleep(0.01)
             self.inner.set(key, value)
             if "/created/" in key and rank == 0:  # its segment exists and is announced: it waits now
@@ -291,12 +291,6 @@ def _killed_in_set_up(rank, world, how):
         cgx._C.ProcessGroupCGX = construct
 
 
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between it and the read
-        return True
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
