@@ -14,18 +14,11 @@ int size_class(int64_t numel) {
   return std::min(63 - __builtin_clzll(bytes), kSizeClasses - 1);
 }
 
-float PathChooser::Estimate::median() const {
+float PathChooser::Estimate::low_quantile() const {
   if (count < kMinSamples) return 0;  // not an estimate yet
-  // The sample with as many below it as above (the upper one of an even count).
-  for (int i = 0; i < count; ++i) {
-    int below = 0, equal = 0;
-    for (int j = 0; j < count; ++j) {
-      below += samples[j] < samples[i];
-      equal += samples[j] == samples[i];
-    }
-    if (below <= count / 2 && count / 2 < below + equal) return samples[i];
-  }
-  return 0;  // no samples
+  std::array<float, kSamples> sorted = samples;
+  std::sort(sorted.begin(), sorted.begin() + count);
+  return sorted[count / 4];
 }
 
 Path PathChooser::choose(int size_class, const CallSignature* all, int size) {
@@ -41,36 +34,49 @@ Path PathChooser::choose(int size_class, const CallSignature* all, int size) {
     }
     if (known) c.slowest[p] = slowest;
   }
-  Path path;
-  if (!(c.slowest[kC] > 0)) {
-    path = Path::kCompressed;  // what the user asked for, measured first
-  } else if (!(c.slowest[kE] > 0)) {
-    // Every other call, until every rank has exact timings.
-    path = c.since_probe % 2 == 0 ? Path::kExact : Path::kCompressed;
-    ++c.since_probe;
-  } else {
-    const Path faster = c.slowest[kE] < c.slowest[kC] ? Path::kExact : Path::kCompressed;
-    const Path slower = faster == Path::kExact ? Path::kCompressed : Path::kExact;
-    const double ratio = static_cast<double>(c.slowest[static_cast<int>(slower)]) /
-                         c.slowest[static_cast<int>(faster)];
-    const double every = std::clamp(kProbeEvery * ratio, double{kProbeEvery}, double{kProbeEveryMax});
-    if (++c.since_probe >= static_cast<int64_t>(every)) {
-      c.since_probe = 0;
-      path = slower;
-    } else {
-      path = faster;
-    }
-  }
+  const Path path = next_path(c);
   c.path = path;
   ++c.calls[static_cast<int>(path)];
   return path;
 }
 
+Path PathChooser::next_path(Class& c) {
+  if (c.retry_left > 0) {
+    c.confirm = --c.retry_left == 0;
+    return c.retried;
+  }
+  // The first calls: compressed (what the user asked for) until every rank has timed
+  // kMinSamples of them, then exact until the same: a run of each.
+  if (!(c.slowest[kC] > 0)) return Path::kCompressed;
+  if (!(c.slowest[kE] > 0)) return Path::kExact;
+  const Path faster = c.slowest[kE] < c.slowest[kC] ? Path::kExact : Path::kCompressed;
+  const Path slower = faster == Path::kExact ? Path::kCompressed : Path::kExact;
+  if (c.confirm || faster != c.chosen) {
+    c.chosen = faster;
+    c.chosen_us = c.slowest[static_cast<int>(faster)];
+    c.confirm = false;
+    c.since_retry = 0;
+  }
+  const double ratio = static_cast<double>(c.slowest[static_cast<int>(slower)]) /
+                       c.slowest[static_cast<int>(faster)];
+  const double every = std::clamp(kRetryEvery * ratio, double{kRetryEvery}, double{kRetryEveryMax});
+  const bool drifted = c.slowest[static_cast<int>(faster)] > kDrift * c.chosen_us;
+  if (static_cast<double>(c.since_retry) < every && !drifted) {
+    ++c.since_retry;
+    return faster;
+  }
+  // A run of the slower path, timed afresh on every rank (the same call everywhere).
+  c.local[static_cast<int>(slower)] = Estimate{};
+  c.retried = slower;
+  c.retry_left = kTrialCalls - 1;
+  return slower;
+}
+
 void PathChooser::sign(int size_class, CallSignature& signature) const {
   std::lock_guard<std::mutex> lock(mutex_);
   const Class& c = classes_[size_class];
-  signature.compressed_us = c.local[kC].median();
-  signature.exact_us = c.local[kE].median();
+  signature.compressed_us = c.local[kC].low_quantile();
+  signature.exact_us = c.local[kE].low_quantile();
 }
 
 void PathChooser::record(int size_class, Path path, double microseconds) {

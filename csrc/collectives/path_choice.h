@@ -2,15 +2,21 @@
 // whether a compressed call beats the same call sent unquantized, learnt from the group's
 // own timings, and each call sent the faster way, the same way on every rank.
 //
-// Each rank times its own calls of a class on both paths (the median of its last few).
-// Every auto call's signature carries this rank's two estimates for the call's class, and
-// the path is chosen once the signatures are exchanged and found equal, from every rank's
-// estimates (the slowest rank's: a collective ends when its slowest rank does) and the
-// class's agreed calls so far: the same on every rank however differently their clocks
-// ran. Ranks given different calls fail the agreement before a path is chosen, so a
-// mismatch is the same CallMismatchError on every path and leaves every rank's choices as
-// they were. The slower path is tried again now and then, more rarely the more it loses,
-// so that a link that gets busier changes the answer.
+// Each rank times its own calls of a class on both paths and estimates each path by a low
+// quantile of its last few: a stall in some calls (an idle connection waking, a busy
+// core) does not move it. Every auto call's signature carries this rank's two estimates
+// for the call's class, and the path is chosen once the signatures are exchanged and found
+// equal, from every rank's estimates (the slowest rank's: a collective ends when its
+// slowest rank does) and the class's agreed calls so far: the same on every rank however
+// differently their clocks ran. Ranks given different calls fail the agreement before a
+// path is chosen, so a mismatch is the same CallMismatchError on every path and leaves
+// every rank's choices as they were.
+//
+// A path is always tried in a run of consecutive calls, so that what its first call after
+// the other path pays stays within the quantile's margin. The slower path is tried again
+// now and then (more rarely the more it loses), and at once when the chosen one gets
+// slower than it was when chosen: estimates that a stall spoiled, or a link that got
+// busier, change the answer at the next try.
 #pragma once
 
 #include <array>
@@ -31,15 +37,23 @@ int size_class(int64_t numel);
 
 class PathChooser {
  public:
-  // A rank's estimate of a path is the median of its last kSamples durations, once it has
-  // kMinSamples.
-  static constexpr int kSamples = 5;
-  static constexpr int kMinSamples = 3;
-  // The losing path is tried again after this many calls of the class times how much
-  // slower it was, within [kProbeEvery, kProbeEveryMax]: about 1/kProbeEvery of the
-  // class's time goes to re-checking.
-  static constexpr int kProbeEvery = 32;
-  static constexpr int kProbeEveryMax = 4096;
+  // A rank's estimate of a path: the (n/4)-th smallest of its last n durations, n at most
+  // kSamples, once it has kMinSamples (the second smallest of 4 to 7, the third of 8), so
+  // that up to a quarter of them can be stalled without moving it.
+  static constexpr int kSamples = 8;
+  static constexpr int kMinSamples = 4;
+  // A path is tried in runs of this many calls: the class's first calls (compressed, then
+  // exact) and every re-try of the slower path. A re-try first drops the rank's samples
+  // of that path, so that the run's own timings replace those it had.
+  static constexpr int kTrialCalls = kMinSamples;
+  // The slower path is re-tried after kRetryEvery x (its estimate / the faster one's)
+  // calls on the faster one, at most kRetryEveryMax: a re-try's cost is at most about
+  // kTrialCalls / kRetryEvery of the class's time.
+  static constexpr int kRetryEvery = 64;
+  static constexpr int kRetryEveryMax = 16384;
+  // ... and at once when the chosen path's estimate has grown past kDrift x what it was
+  // when it was chosen (or confirmed by the last re-try).
+  static constexpr float kDrift = 1.5f;
 
   // This rank's estimates for the class (microseconds, 0: not measured), into a call's
   // signature before it is exchanged.
@@ -66,16 +80,23 @@ class PathChooser {
     std::array<float, kSamples> samples{};
     int count = 0;  // samples recorded, up to kSamples
     int next = 0;
-    float median() const;
+    float low_quantile() const;
   };
   struct Class {
     Estimate local[2];              // this rank's, per Path
     // The same on every rank:
     float slowest[2] = {0, 0};      // per Path, the latest every rank had an estimate of
-    Path path = Path::kCompressed;  // the last choice
-    int64_t since_probe = 0;
+    Path path = Path::kCompressed;  // the last call's
+    Path chosen = Path::kCompressed;
+    float chosen_us = 0;            // slowest[chosen] when it was chosen or confirmed
+    bool confirm = true;            // a comparison is due (first, or after a re-try)
+    int64_t since_retry = 0;        // calls on the chosen path since it was confirmed
+    Path retried = Path::kExact;    // the path of the run in progress
+    int retry_left = 0;             // its calls still to come
     uint64_t calls[2] = {0, 0};
   };
+  // The path of the class's next agreed call, its slowest[] just updated.
+  static Path next_path(Class& c);
 
   // The worker chooses and records; stats() reads from the caller's thread.
   mutable std::mutex mutex_;

@@ -1,6 +1,6 @@
 // CGX_COMPRESSION_AUTO's choices (collectives/path_choice.h): the same on every rank however
-// differently the ranks' clocks ran, made from the slowest rank's timings, and the losing
-// path re-tried more rarely the more it loses.
+// differently the ranks' clocks ran, made from the slowest rank's timings, not fooled by
+// stalls, and the losing path re-tried more rarely the more it loses.
 #include <cstdint>
 #include <vector>
 
@@ -72,11 +72,11 @@ CGX_TEST(auto_choices_are_the_same_on_every_rank_and_follow_the_slowest_rank) {
     const auto every = from_every_rank(transport, rank, size, mine);
     for (int r = 0; r < size; ++r) CHECK(every[r] == every[0]);
 
-    // Measured first compressed, then both ways in turn until every rank has both timings.
-    CHECK_EQ(count(paths, Path::kExact, 0, PathChooser::kMinSamples), 0);
-    CHECK(paths[PathChooser::kMinSamples] == Path::kExact);
-    CHECK(paths[PathChooser::kMinSamples + 1] == Path::kCompressed);
-    // Settled on exact, compressed re-tried about once in 32 x (50000 / 3000) calls.
+    // Measured first compressed, then exact, a run of each.
+    const int run = PathChooser::kTrialCalls;
+    CHECK_EQ(count(paths, Path::kExact, 0, run), 0);
+    CHECK_EQ(count(paths, Path::kExact, run, 2 * run), run);
+    // Settled on exact, compressed re-tried after 64 x (50000 / 3000) calls.
     CHECK_EQ(count(paths, Path::kCompressed, 100, 300), 0);
     CHECK(count(paths, Path::kExact, 100, 300) == 200);
     // After the change, the next exact probe brings the slower exact timings: compression
@@ -104,19 +104,116 @@ std::vector<Path> alone(PathChooser& chooser, int calls, double compressed_us, d
   return paths;
 }
 
+// The lengths of the runs of `path` from call `from` on, and the calls between them.
+std::pair<std::vector<int>, std::vector<int>> runs_of(const std::vector<Path>& paths, Path path, size_t from) {
+  std::vector<int> runs, gaps;
+  int gap = 0;
+  for (size_t i = from; i < paths.size(); ++i) {
+    if (paths[i] != path) {
+      ++gap;
+      continue;
+    }
+    if (i == from || paths[i - 1] != path) {
+      runs.push_back(0);
+      gaps.push_back(gap);
+      gap = 0;
+    }
+    ++runs.back();
+  }
+  return {runs, gaps};
+}
+
 CGX_TEST(auto_retries_the_losing_path_more_rarely_the_more_it_loses) {
-  // Exact 2x slower: re-tried every 64 calls once settled.
+  const int run = PathChooser::kTrialCalls;
+  // Exact 2x slower: a run of it after every 2 x 64 compressed calls once settled.
   PathChooser close;
   const std::vector<Path> a = alone(close, 2000, 1000, 2000);
-  CHECK_EQ(count(a, Path::kExact, 1000, 2000), 16);  // 1000 calls, one in 64
-  // 1000x slower: every kProbeEveryMax calls.
+  const auto [a_runs, a_gaps] = runs_of(a, Path::kExact, 2 * run);
+  CHECK_EQ(a_runs.size(), size_t{(2000 - 2 * run) / (128 + run)});
+  for (int r : a_runs) CHECK_EQ(r, run);
+  for (int g : a_gaps) CHECK_EQ(g, 128);
+  // 1000x slower: after every kRetryEveryMax calls.
   PathChooser far;
-  const std::vector<Path> b = alone(far, 2 * PathChooser::kProbeEveryMax + 100, 1000, 1e6);
-  CHECK_EQ(count(b, Path::kExact, 100), 2);
-  // Equal: compression, which the user asked for.
+  const std::vector<Path> b = alone(far, 2 * PathChooser::kRetryEveryMax + 100, 1000, 1e6);
+  CHECK_EQ(count(b, Path::kExact, 2 * run), 2 * run);
+  // Equal: compression, which the user asked for, exact re-tried after every 64 calls.
   PathChooser equal;
-  const std::vector<Path> c = alone(equal, 200, 1000, 1000);
-  CHECK(count(c, Path::kCompressed, 100) >= 96);
+  const std::vector<Path> c = alone(equal, 2 * run + 3 * (64 + run), 1000, 1000);
+  const auto [c_runs, c_gaps] = runs_of(c, Path::kExact, 2 * run);
+  CHECK_EQ(c_runs.size(), size_t{3});
+  for (int g : c_gaps) CHECK_EQ(g, 64);
+}
+
+// Two ranks; exact calls take 500 us and compressed ones 2000 us, except that rank 1's take
+// `stalled(its paths so far, path)` us more. Each rank checks its paths with `check`.
+template <typename Stalled, typename Check>
+void with_stalls(int calls, Stalled stalled, Check check) {
+  run_ranks(2, [&](int rank, KeyValueStore& store, const std::string& prefix) {
+    transport::ShmTransport transport(rank, ranks_below(2), prefix, kRingBytes, store);
+    collectives::Scratch scratch;
+    PathChooser chooser;
+    std::vector<Path> before;  // this rank's paths so far, to tell where a call stands
+    const auto paths = run_calls(chooser, transport, rank, 2, 0, calls, scratch, [&](int, Path path) {
+      const double stall = rank == 1 ? stalled(before, path) : 0.0;
+      before.push_back(path);
+      return (path == Path::kExact ? 500.0 : 2000.0) + stall;
+    });
+    std::vector<float> mine;
+    for (Path p : paths) mine.push_back(static_cast<float>(p));
+    const auto every = from_every_rank(transport, rank, 2, mine);
+    CHECK(every[1] == every[0]);
+    check(paths);
+  });
+}
+
+CGX_TEST(auto_is_not_fooled_by_the_first_call_after_a_switch_stalling) {
+  // Each path's first call after the other (an idle connection waking, say) stalls, on
+  // one rank: a median of alternating trials would see only stalls of the exact path.
+  const int run = PathChooser::kTrialCalls;
+  auto after_a_switch = [](const std::vector<Path>& before, Path path) {
+    return !before.empty() && before.back() != path ? 20000.0 : 0.0;
+  };
+  with_stalls(600, after_a_switch, [&](const std::vector<Path>& paths) {
+    // Exact from the first comparison on; compressed only in its re-try runs, after every
+    // 64 x 2000 / 500 calls.
+    const auto [runs, gaps] = runs_of(paths, Path::kCompressed, 2 * run);
+    CHECK_EQ(runs.size(), size_t{2});
+    for (int r : runs) CHECK_EQ(r, run);
+    for (int g : gaps) CHECK_EQ(g, 256);
+  });
+}
+
+CGX_TEST(auto_takes_a_second_look_when_its_trials_met_a_stall) {
+  // Every exact call of the first trial run stalls, on one rank: compression wins the first
+  // comparison (2000 us against 20000), and the re-try after 64 x 10 calls finds exact
+  // 4x faster.
+  const int run = PathChooser::kTrialCalls;
+  auto in_the_first_trials = [&](const std::vector<Path>& before, Path path) {
+    return path == Path::kExact && before.size() < size_t{2 * run} ? 19500.0 : 0.0;
+  };
+  with_stalls(1000, in_the_first_trials, [&](const std::vector<Path>& paths) {
+    CHECK_EQ(count(paths, Path::kExact, 2 * run, 2 * run + 640), 0);
+    CHECK_EQ(count(paths, Path::kExact, 2 * run + 640, 2 * run + 640 + run), run);
+    CHECK_EQ(count(paths, Path::kCompressed, 2 * run + 640 + run, 1000), run);  // one re-try run
+  });
+}
+
+CGX_TEST(auto_takes_a_second_look_when_the_chosen_path_gets_slower) {
+  // As above, compression wins the first comparison from stalled exact trials; then it
+  // gets 2x slower (still 5x faster than the stalled estimate): exact is re-tried at once
+  // and wins, long before the 640 calls the ratio alone would wait.
+  const int run = PathChooser::kTrialCalls;
+  auto stalls_then_slower = [&](const std::vector<Path>& before, Path path) {
+    if (path == Path::kExact) return before.size() < size_t{2 * run} ? 19500.0 : 0.0;
+    return before.size() >= 100 ? 2000.0 : 0.0;
+  };
+  with_stalls(200, stalls_then_slower, [&](const std::vector<Path>& paths) {
+    CHECK_EQ(count(paths, Path::kExact, 2 * run, 100), 0);
+    // Rank 1's estimate (the 3rd smallest of its last 8) has grown once 6 slower calls are
+    // in: call 106 carries it and begins the re-try.
+    CHECK_EQ(count(paths, Path::kExact, 100, 106), 0);
+    CHECK_EQ(count(paths, Path::kExact, 106, 200), 200 - 106);
+  });
 }
 
 }  // namespace
