@@ -1,4 +1,4 @@
-"""Throughput of the codec (one CPU core, or a GPU), beside a copy of the same buffer.
+"""Throughput of the codec (CPU threads, or a GPU), beside a copy of the same buffer.
 
 Measures cgx.compress and cgx.decompress(..., add=True) in GB/s of float32 input, and
 dst.copy_(src) of the same float32 buffer in the same run, so the ratio to memcpy is
@@ -8,6 +8,11 @@ that a noisy machine slows them alike; the table shows medians.
     python benchmarks/codec_throughput.py
     python benchmarks/codec_throughput.py --sizes-mib 64 --bits 4 --json codec.json
     python benchmarks/codec_throughput.py --device cuda      # CUDA kernels vs a D2D copy
+    python benchmarks/codec_throughput.py --threads 1 2      # the codec on 1, then 2 threads
+
+With several `--threads`, each case is measured at each count in turn (the codec's
+`threads=`), and the table adds the speed-up over the first count. The copy stays on one
+thread: torch's threads would spin on after it and take cores from the codec.
 
 On the GPU each sample is bracketed by torch.cuda.synchronize(), and "memcpy" is a
 device-to-device copy_ of the float32 buffer.
@@ -39,7 +44,8 @@ def parse_args():
                         help="timed samples per operation; the median is reported")
     parser.add_argument("--min-sample-s", type=float, default=0.02,
                         help="each sample repeats the operation until it lasts about this long")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1],
+                        help="codec threads (cgx.compress(threads=)), one run each (default: 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -73,7 +79,7 @@ def median_seconds_per_call(ops, repeats, min_seconds, sync=lambda: None):
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def measure(numel, bits, scheme, args):
+def measure(numel, bits, scheme, threads, args):
     src = torch.randn(numel, dtype=torch.float32).to(args.device)
     copy_dst = torch.empty_like(src)
     accumulator = torch.zeros_like(src)
@@ -84,10 +90,11 @@ def measure(numel, bits, scheme, args):
 
     def compress():
         cgx.compress(src, bits, args.bucket_size, stochastic=args.stochastic, seed=args.seed,
-                     out=compressed, scheme=scheme)
+                     out=compressed, scheme=scheme, threads=threads)
 
     def decompress_add():
-        cgx.decompress(compressed, numel, bits, args.bucket_size, out=accumulator, add=True, scheme=scheme)
+        cgx.decompress(compressed, numel, bits, args.bucket_size, out=accumulator, add=True, scheme=scheme,
+                       threads=threads)
 
     compress()  # decompress_add needs a valid buffer before its first call
     seconds = median_seconds_per_call(
@@ -100,6 +107,7 @@ def measure(numel, bits, scheme, args):
         "size_mib": input_bytes / 2**20,
         "bits": bits,
         "scheme": scheme,
+        "threads": threads,
         "bucket_size": args.bucket_size,
         "stochastic": args.stochastic,
         "compressed_bytes": compressed.numel(),
@@ -113,21 +121,25 @@ def measure(numel, bits, scheme, args):
 
 def markdown_table(rows):
     lines = [
-        "| size (MiB) | bits | scheme | memcpy GB/s | compress GB/s | x memcpy "
-        "| decompress_add GB/s | x memcpy |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| size (MiB) | bits | scheme | threads | memcpy GB/s | compress GB/s | x memcpy "
+        "| decompress_add GB/s | x memcpy | compress, decompress_add x first count |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    first = {}
     for r in rows:
+        base = first.setdefault((r["size_mib"], r["bits"], r["scheme"]), r)
         lines.append(
-            f"| {r['size_mib']:g} | {r['bits']} | {r['scheme']} | {r['memcpy_gbps']:.2f} "
+            f"| {r['size_mib']:g} | {r['bits']} | {r['scheme']} | {r['threads']} | {r['memcpy_gbps']:.2f} "
             f"| {r['compress_gbps']:.2f} | {r['compress_vs_memcpy']:.2f} "
-            f"| {r['decompress_add_gbps']:.2f} | {r['decompress_add_vs_memcpy']:.2f} |")
+            f"| {r['decompress_add_gbps']:.2f} | {r['decompress_add_vs_memcpy']:.2f} "
+            f"| {r['compress_gbps'] / base['compress_gbps']:.2f}, "
+            f"{r['decompress_add_gbps'] / base['decompress_add_gbps']:.2f} |")
     return "\n".join(lines)
 
 
 def main():
     args = parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     rows = []
     for size_mib in args.sizes_mib:
@@ -135,10 +147,10 @@ def main():
         for bits in args.bits:
             for scheme in args.schemes:
                 if scheme == "maxmin" or bits <= cgx._C.MAX_HADAMARD_BITS:
-                    rows.append(measure(numel, bits, scheme, args))
+                    rows.extend(measure(numel, bits, scheme, t, args) for t in args.threads)
     rounding = "stochastic" if args.stochastic else "round-to-nearest"
     where = (torch.cuda.get_device_name() if args.device.startswith("cuda")
-             else f"{args.threads} thread(s)")
+             else "threads " + ", ".join(map(str, args.threads)))
     print(f"cgx codec, {where}, bucket {args.bucket_size}, {rounding}, "
           f"median of {args.repeats}; GB/s of float32 input\n")
     print(markdown_table(rows))

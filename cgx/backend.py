@@ -38,6 +38,8 @@ def to_settings(config: Config) -> _C.Settings:
             value = value or socket.gethostname()
         elif var.field == "shm_name_tag":
             value = value or ""
+        elif var.field == "codec_threads":
+            value = value or min(torch.get_num_threads(), _C.MAX_CODEC_THREADS)
         setattr(settings, var.field, value)
     return settings
 

@@ -17,8 +17,9 @@ from typing import Any, Callable, Mapping
 
 # The limits and the enums' names are C++ constants, each declared once
 # (csrc/backend/settings.h, collectives/phases.h, compression/quantizer.h).
-from cgx._C import (MAX_BITS, MAX_BUCKET_SIZE, MAX_HADAMARD_BITS, MAX_HADAMARD_BUCKET, MAX_MINIMAL_SIZE,
-                    MAX_PIECE_VALUES, MAX_SHM_NAME_TAG, MAX_SHM_RING_BYTES, MIN_SHM_RING_BYTES, PIECE_VALUES, RAW_BITS,
+from cgx._C import (MAX_BITS, MAX_BUCKET_SIZE, MAX_CODEC_THREADS, MAX_HADAMARD_BITS, MAX_HADAMARD_BUCKET,
+                    MAX_MINIMAL_SIZE, MAX_PIECE_VALUES, MAX_SHM_NAME_TAG, MAX_SHM_RING_BYTES, MIN_SHM_RING_BYTES,
+                    PIECE_VALUES, RAW_BITS,
                     SCHEMES, CrossCommunicator,
                     InnerCommunicator, ReductionAlgorithm)
 
@@ -205,6 +206,12 @@ VARIABLES: tuple[Variable, ...] = (
              "travels in pieces of about this many values (at most 64), one on the wire "
              "while the next is encoded. 0: each chunk in one piece, no overlap. The flat "
              "allreduce and the sharded collectives; the hierarchical one cuts its own."),
+    Variable("CGX_CODEC_THREADS", "codec_threads", 0,
+             f"integer in {int_range(0, MAX_CODEC_THREADS)}", _int_in(0, MAX_CODEC_THREADS),
+             "Threads a rank's CPU codec may use on one compressed collective: its buckets "
+             "split over them, the same bytes for any count. 0: what torch allows the rank "
+             "(torch.get_num_threads(), which torchrun makes 1 where it starts several ranks "
+             "a host, so that they do not oversubscribe it)."),
     Variable("CGX_DEBUG_DEFERRED_EXECUTION", "deferred_execution", False,
              "0/1, true/false, yes/no, on/off", _bool,
              "Debugging: run the CPU codec work as a GPU stream would (queued until the "

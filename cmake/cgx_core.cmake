@@ -9,6 +9,7 @@ add_library(cgx_core STATIC
   ${CGX_CSRC}/compression/rotated_loops.cpp
   ${CGX_CSRC}/compression/layout_codec.cpp
   ${CGX_CSRC}/compression/executor.cpp
+  ${CGX_CSRC}/compression/codec_threads.cpp
   ${CGX_CSRC}/compression/deferred_executor.cpp
   ${CGX_CSRC}/transport/shm_transport.cpp
   ${CGX_CSRC}/transport/shm_names.cpp

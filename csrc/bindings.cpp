@@ -117,20 +117,27 @@ std::vector<cgx::compression::Segment> segments(const ProcessGroupCGX& pg, const
 }
 
 // The codec on tensors (backend/tensor_codec.h), its bit count and scheme read here.
+void check_threads(int threads, const char* what) {
+  TORCH_CHECK_VALUE(threads >= 1 && threads <= cgx::backend::kMaxCodecThreads, what, ": threads must be in 1..",
+                    cgx::backend::kMaxCodecThreads, ", got ", threads);
+}
+
 at::Tensor compress(const at::Tensor& input, const py::object& bits, int64_t bucket_size, bool stochastic,
                     uint64_t seed, bool skip_incomplete, std::optional<at::Tensor> out,
-                    const std::string& scheme) {
+                    const std::string& scheme, int threads) {
   const auto p = quantizer(bits, bucket_size, skip_incomplete, stochastic, scheme);
+  check_threads(threads, "cgx.compress");
   py::gil_scoped_release no_gil;
-  return cgx::backend::compress_tensor(input, p, seed, std::move(out));
+  return cgx::backend::compress_tensor(input, p, seed, std::move(out), threads);
 }
 
 at::Tensor decompress(const at::Tensor& buffer, int64_t numel, const py::object& bits, int64_t bucket_size,
                       bool skip_incomplete, std::optional<at::Tensor> out, bool add,
-                      const std::string& scheme) {
+                      const std::string& scheme, int threads) {
   const auto p = quantizer(bits, bucket_size, skip_incomplete, false, scheme);
+  check_threads(threads, "cgx.decompress");
   py::gil_scoped_release no_gil;
-  return cgx::backend::decompress_tensor(buffer, numel, p, std::move(out), add);
+  return cgx::backend::decompress_tensor(buffer, numel, p, std::move(out), add, threads);
 }
 
 // A Python enum whose members are `names`, the C++ enum's values in order.
@@ -190,6 +197,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_SHM_RING_BYTES") = cgx::backend::kMaxShmRingBytes;
   m.attr("PIECE_VALUES") = cgx::collectives::kPieceValues;  // the default
   m.attr("MAX_PIECE_VALUES") = cgx::backend::kMaxPieceValues;
+  m.attr("MAX_CODEC_THREADS") = cgx::backend::kMaxCodecThreads;
   m.attr("MAX_SHM_NAME_TAG") = cgx::backend::kMaxShmNameTag;
 
   // Filled field by field from a cgx.Config (cgx/backend.py to_settings): no defaults.
@@ -326,12 +334,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("compress", &compress, py::arg("input"), py::arg("bits"), py::arg("bucket_size"),
         py::kw_only(), py::arg("stochastic") = false, py::arg("seed") = 0,
         py::arg("skip_incomplete_buckets") = false, py::arg("out") = py::none(),
-        py::arg("scheme") = "maxmin",
-        "Quantizes a float tensor into the cgx wire format (docs/wire-format.md).");
+        py::arg("scheme") = "maxmin", py::arg("threads") = 1,
+        "Quantizes a float tensor into the cgx wire format (docs/wire-format.md); on the CPU "
+        "its buckets split over up to `threads` threads (the same bytes for any count).");
   m.def("decompress", &decompress, py::arg("buffer"), py::arg("numel"), py::arg("bits"),
         py::arg("bucket_size"), py::kw_only(), py::arg("skip_incomplete_buckets") = false,
         py::arg("out") = py::none(), py::arg("add") = false, py::arg("scheme") = "maxmin",
-        "Decodes a cgx buffer into float32 values; add=True adds them into out.");
+        py::arg("threads") = 1,
+        "Decodes a cgx buffer into float32 values; add=True adds them into out; on the CPU "
+        "over up to `threads` threads.");
   m.def(
       "compressed_size",
       [](int64_t numel, const py::object& bits, int64_t bucket_size, bool skip_incomplete,

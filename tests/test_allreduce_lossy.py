@@ -38,7 +38,8 @@ def _reduce_cases(rank, world, cases):
         config = cgx.Config(
             bits=case["bits"],
             bucket_size=case["bucket"],
-            scheme="maxmin",
+            scheme=case.get("scheme", "maxmin"),
+            codec_threads=case.get("threads", 0),
             minimal_size=0,
             inner_reduction=case.get("algorithm", "SRA"),
             stochastic_rounding=case.get("stochastic", False),
@@ -123,6 +124,28 @@ def test_stochastic_rounding_and_raw_partial_buckets():
         for b, alg in itertools.product((1, 4, 8), ("SRA", "Ring"))
     ] + [{"bits": b, "bucket": 2048, "skip": True} for b in (2, 8)]
     check(run_ranks(_reduce_cases, 3, args=(cases,)), 3)
+
+
+def test_codec_threads_change_no_bit():
+    """CGX_CODEC_THREADS: each codec call's buckets split over 3 threads give the bits of
+    one thread, for both algorithms and schemes, stochastic rounding and a raw last bucket."""
+    cases = [
+        {"bits": b, "bucket": k, "algorithm": alg, "scheme": scheme, "stochastic": stochastic, "skip": skip,
+         "threads": threads, "sizes": (1000, 300007)}
+        for alg, (scheme, b, k), stochastic, skip in itertools.product(
+            ("SRA", "Ring"), (("maxmin", 4, 100), ("hadamard", 2, 512)), (False, True), (False, True))
+        for threads in (1, 3)
+    ]
+    results = values(run_ranks(_reduce_cases, 2, args=(cases,)))
+    check([[e for e in r if e[0]["scheme"] == "maxmin"] for r in results], 2)
+    for entries in results:
+        by_threads = {}
+        for case, n, digest_, *_ in entries:
+            key = tuple(sorted((k, v) for k, v in case.items() if k != "threads")) + (n,)
+            by_threads.setdefault(key, {})[case["threads"]] = digest_
+        assert len(by_threads) == len(cases) // 2 * 2
+        for key, digests in by_threads.items():
+            assert digests[1] == digests[3], key
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -151,11 +151,25 @@ def test_stochastic_rounding_is_reproducible_and_unbiased():
         ({"bits": 0, "bucket_size": 64}, "bits"),
         ({"bits": 9, "bucket_size": 64}, "bits"),
         ({"bits": 4, "bucket_size": 0}, "bucket_size"),
+        ({"bits": 4, "bucket_size": 64, "threads": 0}, "threads must be in 1..1024, got 0"),
     ],
 )
 def test_bad_parameters_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         cgx.compress(torch.randn(10), **kwargs)
+
+
+@pytest.mark.parametrize("scheme, bits, bucket", [("maxmin", 3, 100), ("hadamard", 4, 1024)])
+def test_threads_give_the_same_bytes_and_values(scheme, bits, bucket):
+    """threads=: the buckets split over threads (tests/cpp/test_codec_threads.cpp has every
+    shape), through the Python API."""
+    x = torch.randn(300_007)
+    one = cgx.compress(x, bits, bucket, stochastic=True, seed=5, scheme=scheme)
+    assert torch.equal(cgx.compress(x, bits, bucket, stochastic=True, seed=5, scheme=scheme, threads=3), one)
+    decoded = cgx.decompress(one, x.numel(), bits, bucket, scheme=scheme)
+    assert torch.equal(cgx.decompress(one, x.numel(), bits, bucket, scheme=scheme, threads=3), decoded)
+    with pytest.raises(ValueError, match="cgx.decompress: threads must be in 1..1024, got 2000"):
+        cgx.decompress(one, x.numel(), bits, bucket, scheme=scheme, threads=2000)
 
 
 def test_bad_tensors_raise():

@@ -48,6 +48,8 @@ def test_defaults_follow_torch_cgx():
         ("CGX_DEBUG_DEFERRED_EXECUTION", "on", "deferred_execution", True),
         ("CGX_PIPELINE_PIECE_VALUES", "0", "piece_values", 0),
         ("CGX_PIPELINE_PIECE_VALUES", "65536", "piece_values", 65536),
+        ("CGX_CODEC_THREADS", "0", "codec_threads", 0),
+        ("CGX_CODEC_THREADS", "8", "codec_threads", 8),
     ],
 )
 def test_parses_each_variable(variable, text, field, value):
@@ -78,6 +80,8 @@ def test_parses_each_variable(variable, text, field, value):
         ("CGX_SHM_NAME_TAG", "a" * 33),
         ("CGX_PIPELINE_PIECE_VALUES", "-1"),
         ("CGX_PIPELINE_PIECE_VALUES", "2147483648"),
+        ("CGX_CODEC_THREADS", "-1"),
+        ("CGX_CODEC_THREADS", "1025"),
         # Strict: nothing around the value, ASCII digits only.
         ("CGX_COMPRESSION_QUANTIZATION_BITS", " 8 "),
         ("CGX_COMPRESSION_QUANTIZATION_BITS", "\u0664"),  # Arabic-Indic digit four
@@ -105,7 +109,8 @@ def test_every_setting_reaches_the_backend():
     config = cgx.Config(bits=3, bucket_size=77, minimal_size=5, skip_incomplete_buckets=True,
                         stochastic_rounding=True, seed=99, inner_communicator="GLOO",
                         inner_reduction="Ring", cross_reduction="Ring", intra_broadcast=True,
-                        intra_compress=False, hostname="h1", shm_ring_bytes=8192, piece_values=4096)
+                        intra_compress=False, hostname="h1", shm_ring_bytes=8192, piece_values=4096,
+                        codec_threads=3)
     dist.init_process_group("cgx", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=10), pg_options=config)
     try:
@@ -113,7 +118,7 @@ def test_every_setting_reaches_the_backend():
         assert settings.bits == 3 and settings.bucket_size == 77 and settings.minimal_size == 5
         assert settings.skip_incomplete_buckets and settings.stochastic_rounding
         assert settings.seed == 99 and settings.hostname == "h1" and settings.shm_ring_bytes == 8192
-        assert settings.piece_values == 4096
+        assert settings.piece_values == 4096 and settings.codec_threads == 3
         assert settings.inner_communicator == cgx._C.InnerCommunicator.GLOO
         assert settings.inner_reduction == cgx._C.ReductionAlgorithm.Ring
         assert settings.cross_reduction == cgx._C.ReductionAlgorithm.Ring
@@ -133,15 +138,17 @@ def test_settings_round_trip_field_by_field():
                          cross_communicator="MPI", inner_reduction="Ring", cross_reduction="Ring",
                          intra_broadcast=True, intra_compress=False, hostname="x",
                          shm_ring_bytes=8192, deferred_execution=True, piece_values=0,
-                         compression_auto=False, shm_name_tag="job-7")
+                         compression_auto=False, shm_name_tag="job-7", codec_threads=5)
     assert all(getattr(changed, v.field) != v.default for v in VARIABLES)
-    for config in (cgx.Config(hostname="x", shm_name_tag="t"), changed):
+    for config in (cgx.Config(hostname="x", shm_name_tag="t", codec_threads=1), changed):
         settings = to_settings(config)
         for var in VARIABLES:
             value = getattr(settings, var.field)
             value = getattr(value, "name", value)  # the enums by name
             assert value == getattr(config, var.field), var.field
     assert to_settings(cgx.Config(hostname="x")).shm_name_tag == ""  # no tag
+    # No count: what torch allows this process.
+    assert to_settings(cgx.Config(hostname="x")).codec_threads == torch.get_num_threads()
 
 
 def test_the_variables_table_and_the_cpp_settings_declare_the_same_fields_and_choices():

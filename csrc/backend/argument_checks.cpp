@@ -32,6 +32,8 @@ void validate(const Settings& o) {
                     ", got ", o.shm_ring_bytes);
   TORCH_CHECK_VALUE(o.piece_values >= 0 && o.piece_values <= kMaxPieceValues,
                     "cgx: piece_values must be in 0..", kMaxPieceValues, ", got ", o.piece_values);
+  TORCH_CHECK_VALUE(o.codec_threads >= 1 && o.codec_threads <= kMaxCodecThreads,
+                    "cgx: codec_threads must be in 1..", kMaxCodecThreads, ", got ", o.codec_threads);
   TORCH_CHECK_VALUE(!o.hostname.empty(), "cgx: hostname must not be empty");
   const bool tag_ok = o.shm_name_tag.size() <= kMaxShmNameTag &&
                       std::all_of(o.shm_name_tag.begin(), o.shm_name_tag.end(), [](char c) {

@@ -39,7 +39,7 @@ transport::Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
 
 std::unique_ptr<compression::Executor> make_host_executor(const Settings& settings) {
   if (settings.deferred_execution) return std::make_unique<compression::DeferredExecutor>();
-  return std::make_unique<compression::HostExecutor>();
+  return std::make_unique<compression::HostExecutor>(settings.codec_threads);
 }
 
 // The GPU of a call's tensors, for a Work whose future must order streams.

@@ -33,6 +33,7 @@ constexpr int64_t kMaxMinimalSize = int64_t{1} << 62;
 constexpr int64_t kMinShmRingBytes = 4096;
 constexpr int64_t kMaxShmRingBytes = int64_t{1} << 36;
 constexpr int64_t kMaxPieceValues = int64_t{1} << 30;
+constexpr int kMaxCodecThreads = 1024;
 constexpr size_t kMaxShmNameTag = 32;
 
 // The fields of Settings, each declared once here: the struct below, its Python binding
@@ -64,6 +65,7 @@ constexpr size_t kMaxShmNameTag = 32;
   X(std::string, shm_name_tag, kNotSigned)     /* in this rank's segment names; "" for none */    \
   X(int64_t, shm_ring_bytes, kNotSigned)                                                          \
   X(int64_t, piece_values, kNotSigned)         /* pipeline piece (CallOptions); changes no bit */ \
+  X(int, codec_threads, kNotSigned)            /* 1..kMaxCodecThreads; changes no bit */          \
   X(bool, deferred_execution, kNotSigned)      /* debugging: host codec work queued to sync() */
 
 constexpr bool kSigned = true;

@@ -35,7 +35,7 @@ compression::cuda::DType cuda_dtype(at::ScalarType dtype) {
 }  // namespace
 
 at::Tensor compress_tensor(const at::Tensor& input, const compression::QuantizerParams& p, uint64_t seed,
-                           std::optional<at::Tensor> out) {
+                           std::optional<at::Tensor> out, int threads) {
   const at::Device device = input.device();
   check_tensor(input, "input", device);
   TORCH_CHECK_TYPE(is_compressible_dtype(input.scalar_type()),
@@ -59,12 +59,12 @@ at::Tensor compress_tensor(const at::Tensor& input, const compression::Quantizer
   }
 #endif
   compression::compress(p, values.data_ptr<float>(), values.numel(), dst.data_ptr<uint8_t>(), seed,
-                        /*stream_offset=*/0);
+                        /*stream_offset=*/0, threads);
   return dst.narrow(0, 0, bytes);
 }
 
 at::Tensor decompress_tensor(const at::Tensor& buffer, int64_t numel, const compression::QuantizerParams& p,
-                             std::optional<at::Tensor> out, bool add) {
+                             std::optional<at::Tensor> out, bool add, int threads) {
   const at::Device device = buffer.device();
   check_tensor(buffer, "buffer", device);
   TORCH_CHECK_VALUE(numel >= 0, "cgx.decompress: numel must be >= 0, got ", numel);
@@ -90,9 +90,9 @@ at::Tensor decompress_tensor(const at::Tensor& buffer, int64_t numel, const comp
   }
 #endif
   if (add)
-    compression::decompress_add(p, buffer.data_ptr<uint8_t>(), numel, dst.data_ptr<float>());
+    compression::decompress_add(p, buffer.data_ptr<uint8_t>(), numel, dst.data_ptr<float>(), threads);
   else
-    compression::decompress(p, buffer.data_ptr<uint8_t>(), numel, dst.data_ptr<float>());
+    compression::decompress(p, buffer.data_ptr<uint8_t>(), numel, dst.data_ptr<float>(), threads);
   return dst;
 }
 

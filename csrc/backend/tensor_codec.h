@@ -14,13 +14,14 @@
 namespace cgx::backend {
 
 // `input` (float32, float16 or bfloat16, any shape) compressed with `p`; into `out` where
-// given (a contiguous 1-D uint8 tensor large enough), the compressed bytes returned.
+// given (a contiguous 1-D uint8 tensor large enough), the compressed bytes returned. On
+// the CPU over up to `threads` threads (the same bytes for any count).
 at::Tensor compress_tensor(const at::Tensor& input, const compression::QuantizerParams& p, uint64_t seed,
-                           std::optional<at::Tensor> out);
+                           std::optional<at::Tensor> out, int threads);
 
 // `numel` values decoded from `buffer` with `p`, into `out` where given (added to it with
 // `add`), else into a new float32 tensor.
 at::Tensor decompress_tensor(const at::Tensor& buffer, int64_t numel, const compression::QuantizerParams& p,
-                             std::optional<at::Tensor> out, bool add);
+                             std::optional<at::Tensor> out, bool add, int threads);
 
 }  // namespace cgx::backend

@@ -16,9 +16,17 @@ int size_class(int64_t numel) {
 
 float PathChooser::Estimate::low_quantile() const {
   if (count < kMinSamples) return 0;  // not an estimate yet
-  std::array<float, kSamples> sorted = samples;
-  std::sort(sorted.begin(), sorted.begin() + count);
-  return sorted[count / 4];
+  // The sample with count / 4 below it (ties counted with it).
+  const int rank = count / 4;
+  for (int i = 0; i < count; ++i) {
+    int below = 0, equal = 0;
+    for (int j = 0; j < count; ++j) {
+      below += samples[j] < samples[i];
+      equal += samples[j] == samples[i];
+    }
+    if (below <= rank && rank < below + equal) return samples[i];
+  }
+  return 0;  // unreachable: some sample has that rank
 }
 
 Path PathChooser::choose(int size_class, const CallSignature* all, int size) {

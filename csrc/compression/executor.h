@@ -47,34 +47,40 @@ class Executor {
   virtual bool host_values() const { return true; }
 };
 
-// Values in host memory: every operation completes before it returns. Stateless, so one
-// instance serves every thread.
+// Values in host memory: every operation completes before it returns, its buckets split
+// over up to `threads` threads (codec_threads.h). Holds nothing else, so one instance
+// serves every thread.
 class HostExecutor final : public Executor {
  public:
+  explicit HostExecutor(int threads = 1) : threads_(threads) {}
   void compress(const LayoutCodec& codec, const float* data, int64_t begin, int64_t end,
                 uint8_t* dst, uint64_t seed) override {
-    codec.compress(data, begin, end, dst, seed);
+    codec.compress(data, begin, end, dst, seed, threads_);
   }
   void decompress(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
                   float* data) override {
-    codec.decompress(src, begin, end, data);
+    codec.decompress(src, begin, end, data, threads_);
   }
   void decompress_add(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
                       float* data) override {
-    codec.decompress_add(src, begin, end, data);
+    codec.decompress_add(src, begin, end, data, threads_);
   }
   void add_error(const LayoutCodec& codec, const uint8_t* src, int64_t begin, int64_t end,
                  const float* values, float* residual) override {
-    codec.add_error(src, begin, end, values, residual);
+    codec.add_error(src, begin, end, values, residual, threads_);
   }
   void compress_and_decode(const LayoutCodec& codec, float* data, int64_t begin, int64_t end,
                            uint8_t* dst, uint64_t seed, float* residual,
                            bool decode_in_place) override {
-    codec.compress_and_decode(data, begin, end, dst, seed, residual, decode_in_place);
+    codec.compress_and_decode(data, begin, end, dst, seed, residual, decode_in_place, threads_);
   }
   void sync() override {}
+
+ private:
+  const int threads_;
 };
 
+// One thread's: the default of options that name no executor.
 HostExecutor& host_executor();
 
 // How the host memory that holds compressed bytes is allocated: plain (malloc), or in a

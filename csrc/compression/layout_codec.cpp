@@ -107,7 +107,7 @@ std::vector<LayoutCodec::Piece> LayoutCodec::pieces(int64_t begin, int64_t end) 
 }
 
 void LayoutCodec::compress(const float* data, int64_t begin, int64_t end, uint8_t* dst,
-                           uint64_t seed) const {
+                           uint64_t seed, int threads) const {
   for_each_piece(begin, end, [&](size_t i, int64_t from, int64_t n) {
     const auto& s = segments_[i];
     const size_t bytes = piece_bytes(s, n);
@@ -116,7 +116,7 @@ void LayoutCodec::compress(const float* data, int64_t begin, int64_t end, uint8_
       std::memset(dst + n * sizeof(float), 0, bytes - n * sizeof(float));
     } else {
       const size_t used = compression::compressed_bytes(s.params, n);
-      compression::compress(s.params, data + from, n, dst, segment_seed(seed, i), from - s.offset);
+      compression::compress(s.params, data + from, n, dst, segment_seed(seed, i), from - s.offset, threads);
       std::memset(dst + used, 0, bytes - used);
     }
     dst += bytes;
@@ -124,7 +124,8 @@ void LayoutCodec::compress(const float* data, int64_t begin, int64_t end, uint8_
 }
 
 void LayoutCodec::compress_and_decode(float* data, int64_t begin, int64_t end, uint8_t* dst,
-                                      uint64_t seed, float* residual, bool decode_in_place) const {
+                                      uint64_t seed, float* residual, bool decode_in_place,
+                                      int threads) const {
   for_each_piece(begin, end, [&](size_t i, int64_t from, int64_t n) {
     const auto& s = segments_[i];
     const size_t bytes = piece_bytes(s, n);
@@ -132,53 +133,54 @@ void LayoutCodec::compress_and_decode(float* data, int64_t begin, int64_t end, u
       std::memcpy(dst, data + from, n * sizeof(float));
       std::memset(dst + n * sizeof(float), 0, bytes - n * sizeof(float));
     } else if (s.params.scheme != Scheme::kMaxMin) {  // not fused: the calls in turn
-      compress(data, from, from + n, dst, seed);
-      if (residual) add_error(dst, from, from + n, data, residual);
-      if (decode_in_place) decompress(dst, from, from + n, data);
+      compress(data, from, from + n, dst, seed, threads);
+      if (residual) add_error(dst, from, from + n, data, residual, threads);
+      if (decode_in_place) decompress(dst, from, from + n, data, threads);
     } else {
       const size_t used = compression::compressed_bytes(s.params, n);
       compression::compress_and_decode(s.params, data + from, n, dst, segment_seed(seed, i),
                                        from - s.offset, residual ? residual + from : nullptr,
-                                       decode_in_place);
+                                       decode_in_place, threads);
       std::memset(dst + used, 0, bytes - used);
     }
     dst += bytes;
   });
 }
 
-void LayoutCodec::decompress(const uint8_t* src, int64_t begin, int64_t end, float* data) const {
+void LayoutCodec::decompress(const uint8_t* src, int64_t begin, int64_t end, float* data,
+                             int threads) const {
   for_each_piece(begin, end, [&](size_t i, int64_t from, int64_t n) {
     const auto& s = segments_[i];
     if (s.raw)
       std::memcpy(data + from, src, n * sizeof(float));
     else
-      compression::decompress(s.params, src, n, data + from);
+      compression::decompress(s.params, src, n, data + from, threads);
     src += piece_bytes(s, n);
   });
 }
 
-void LayoutCodec::decompress_add(const uint8_t* src, int64_t begin, int64_t end,
-                                 float* data) const {
+void LayoutCodec::decompress_add(const uint8_t* src, int64_t begin, int64_t end, float* data,
+                                 int threads) const {
   for_each_piece(begin, end, [&](size_t i, int64_t from, int64_t n) {
     const auto& s = segments_[i];
     if (s.raw) {
       const auto* values = reinterpret_cast<const float*>(src);  // 16-byte aligned piece
       for (int64_t k = 0; k < n; ++k) data[from + k] += values[k];
     } else {
-      compression::decompress_add(s.params, src, n, data + from);
+      compression::decompress_add(s.params, src, n, data + from, threads);
     }
     src += piece_bytes(s, n);
   });
 }
 
 void LayoutCodec::add_error(const uint8_t* src, int64_t begin, int64_t end, const float* values,
-                            float* residual) const {
+                            float* residual, int threads) const {
   thread_local std::vector<float> decoded;
   for_each_piece(begin, end, [&](size_t i, int64_t from, int64_t n) {
     const auto& s = segments_[i];
     if (!s.raw) {
       decoded.resize(static_cast<size_t>(n));
-      compression::decompress(s.params, src, n, decoded.data());
+      compression::decompress(s.params, src, n, decoded.data(), threads);
       for (int64_t k = 0; k < n; ++k) {
         const float dropped = values[from + k] - decoded[k];
         if (std::isfinite(dropped)) residual[from + k] += dropped;

@@ -55,22 +55,25 @@ class LayoutCodec {
   // The stochastic-rounding seed of segment `segment` in a call seeded `seed`.
   static uint64_t segment_seed(uint64_t seed, size_t segment);
 
-  // `data` is the whole buffer; only [begin, end) is read or written.
-  void compress(const float* data, int64_t begin, int64_t end, uint8_t* dst, uint64_t seed) const;
+  // `data` is the whole buffer; only [begin, end) is read or written. `threads`: as many
+  // as the quantizer may use (quantizer.h), the same bytes and values whatever the count.
+  void compress(const float* data, int64_t begin, int64_t end, uint8_t* dst, uint64_t seed,
+                int threads = 1) const;
   // compress, and in the same pass what the bytes decode to: add_error onto `residual`
   // where set, and the decoded values left in `data` where `decode_in_place`. The same
   // bytes and values as those calls one after the other, in one pass over maxmin layers
   // (hadamard layers run the calls in turn).
   void compress_and_decode(float* data, int64_t begin, int64_t end, uint8_t* dst, uint64_t seed,
-                           float* residual, bool decode_in_place) const;
-  void decompress(const uint8_t* src, int64_t begin, int64_t end, float* data) const;
-  void decompress_add(const uint8_t* src, int64_t begin, int64_t end, float* data) const;
+                           float* residual, bool decode_in_place, int threads = 1) const;
+  void decompress(const uint8_t* src, int64_t begin, int64_t end, float* data, int threads = 1) const;
+  void decompress_add(const uint8_t* src, int64_t begin, int64_t end, float* data,
+                      int threads = 1) const;
   // residual[i] += values[i] - decoded[i] over [begin, end), where `src` holds `values`
   // compressed: what the quantization dropped, for error feedback. Raw pieces drop
   // nothing; a value whose bucket is not finite (decodes to NaN) adds nothing, so that one
   // overflowed step does not poison every later one.
   void add_error(const uint8_t* src, int64_t begin, int64_t end, const float* values,
-                 float* residual) const;
+                 float* residual, int threads = 1) const;
 
  private:
   // Calls fn(segment index, piece begin, piece length) for each piece of [begin, end).

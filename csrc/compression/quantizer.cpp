@@ -11,6 +11,7 @@
 // instead (a rotation needs the whole bucket): rotate, quantize, pack; unpack, dequantize,
 // rotate back.
 #include "quantizer.h"
+#include "codec_threads.h"
 #include "gaussian_levels.h"
 #include "rotated_loops.h"
 #include "rotation.h"
@@ -23,6 +24,7 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -446,53 +448,134 @@ Tail hadamard_tail(const QuantizerParams& params, const Layout& layout) {
   return tail;
 }
 
-// The whole buckets of a hadamard buffer, then its shorter last bucket (if any) as maxmin.
+// Whole buckets [first, last) of a hadamard buffer.
 CGX_AVX2_CLONE void encode_hadamard(const QuantizerParams& params, const Layout& layout,
                                     const float* src, uint64_t seed, uint32_t stream_offset,
-                                    uint8_t* dst) {
+                                    uint8_t* dst, int64_t first, int64_t last) {
   const int64_t bucket = params.bucket_size;
   const uint32_t key = stream_key(seed);
   uint8_t* stream = dst + layout.levels_offset;
   const Scratch scratch = bucket_scratch(bucket);
-  for (int64_t b = 0; b < layout.rotated_buckets; ++b) {
-    const int64_t first = b * bucket;
-    const float rms = encode_rotated(src + first, bucket, params.bits, params.stochastic,
-                                     stream_offset + static_cast<uint32_t>(first), key, scratch);
+  for (int64_t b = first; b < last; ++b) {
+    const int64_t start = b * bucket;
+    const float rms = encode_rotated(src + start, bucket, params.bits, params.stochastic,
+                                     stream_offset + static_cast<uint32_t>(start), key, scratch);
     std::memcpy(dst + b * sizeof(float), &rms, sizeof(rms));
-    pack(params.bits, scratch.levels, bucket / 8, stream + first / 8 * params.bits);
+    pack(params.bits, scratch.levels, bucket / 8, stream + start / 8 * params.bits);
   }
+}
+
+CGX_AVX2_CLONE void decode_hadamard(const QuantizerParams& params, const Layout& layout,
+                                    const uint8_t* src, bool add, float* dst, int64_t first,
+                                    int64_t last) {
+  const int64_t bucket = params.bucket_size;
+  const uint8_t* stream = src + layout.levels_offset;
+  const Scratch scratch = bucket_scratch(bucket);
+  for (int64_t b = first; b < last; ++b) {
+    const int64_t start = b * bucket;
+    float rms;
+    std::memcpy(&rms, src + b * sizeof(float), sizeof(rms));
+    unpack(params.bits, stream + start / 8 * params.bits, bucket / 8, scratch.levels);
+    decode_rotated(bucket, params.bits, rms, scratch, add, dst + start);
+  }
+}
+
+// ---- the work of one buffer, in parts for several threads
+
+// A part of a codec call holds at least this many values (128 KiB of float32, tens of
+// microseconds of work): a smaller one would cost more to hand over than it saves.
+constexpr int64_t kMinPartValues = int64_t{1} << 15;
+// Parts per thread: the threads take them as they come, so that one that starts late (a
+// worker waking up, a core busy for a moment) leaves its share to the others.
+constexpr int64_t kPartsPerThread = 4;
+
+// Calls part(first, last) over [0, count) cut into runs of whole `unit`s, up to `threads`
+// at once; in one run on this thread where count is small.
+template <typename Part>
+void in_parts(int64_t count, int64_t unit, int threads, Part part) {
+  const int64_t wanted = std::min<int64_t>(threads * kPartsPerThread, count / kMinPartValues);
+  if (threads <= 1 || wanted <= 1) {
+    part(int64_t{0}, count);
+    return;
+  }
+  const int64_t units = (count + unit - 1) / unit;
+  const int64_t per_part = (units + wanted - 1) / wanted * unit;
+  const int parts = static_cast<int>((count + per_part - 1) / per_part);
+  run_parts(parts, threads, [&](int k) { part(k * per_part, std::min(count, (k + 1) * per_part)); });
+}
+
+// The maxmin values [first, last) of a buffer laid out as `layout`, with `first` on a
+// bucket and on a byte of the level stream, as a buffer of their own inside it: its meta at
+// the returned offset, and `sub` its layout relative to that offset.
+size_t maxmin_part(const QuantizerParams& params, const Layout& layout, int64_t first, int64_t last,
+                   Layout& sub) {
+  const size_t meta_offset = static_cast<size_t>(first / params.bucket_size) * 2 * sizeof(float);
+  sub = Layout{};
+  sub.quantized = last - first;
+  sub.levels_offset = layout.levels_offset + static_cast<size_t>(first / 8 * params.bits) - meta_offset;
+  return meta_offset;
+}
+
+// Parts start on a bucket and on a byte of the level stream.
+int64_t part_unit(const QuantizerParams& params) { return std::lcm(params.bucket_size, int64_t{8}); }
+
+// The levels and meta of a maxmin buffer (and fed_back), in parts.
+void encode_maxmin(const QuantizerParams& params, const Layout& layout, const float* src,
+                   uint64_t seed, uint32_t stream_offset, uint8_t* dst, FedBack fed_back, int threads) {
+  in_parts(layout.quantized, part_unit(params), threads, [&](int64_t first, int64_t last) {
+    Layout sub;
+    const size_t meta_offset = maxmin_part(params, layout, first, last, sub);
+    FedBack shifted{fed_back.decoded ? fed_back.decoded + first : nullptr,
+                    fed_back.residual ? fed_back.residual + first : nullptr};
+    encode_levels(params, sub, src + first, seed, stream_offset + static_cast<uint32_t>(first),
+                  dst + meta_offset, shifted);
+  });
+}
+
+void decode_maxmin(const QuantizerParams& params, const Layout& layout, const uint8_t* src, bool add,
+                   float* dst, int threads) {
+  in_parts(layout.quantized, part_unit(params), threads, [&](int64_t first, int64_t last) {
+    Layout sub;
+    const size_t meta_offset = maxmin_part(params, layout, first, last, sub);
+    decode_levels(params, sub, src + meta_offset, add, dst + first);
+  });
+}
+
+// A hadamard buffer: its whole buckets in parts, then its shorter last bucket (if any) as
+// maxmin.
+void encode_hadamard_buffer(const QuantizerParams& params, const Layout& layout, const float* src,
+                            uint64_t seed, uint32_t stream_offset, uint8_t* dst, int threads) {
+  const int64_t bucket = params.bucket_size;
+  in_parts(layout.rotated_buckets * bucket, bucket, threads, [&](int64_t first, int64_t last) {
+    encode_hadamard(params, layout, src, seed, stream_offset, dst, first / bucket, last / bucket);
+  });
   const Tail tail = hadamard_tail(params, layout);
   if (tail.layout.quantized > 0)
     encode_levels(params, tail.layout, src + tail.first, seed,
                   stream_offset + static_cast<uint32_t>(tail.first), dst + tail.meta_offset);
 }
 
-CGX_AVX2_CLONE void decode_hadamard(const QuantizerParams& params, const Layout& layout,
-                                    const uint8_t* src, bool add, float* dst) {
+void decode_hadamard_buffer(const QuantizerParams& params, const Layout& layout, const uint8_t* src,
+                            bool add, float* dst, int threads) {
   const int64_t bucket = params.bucket_size;
-  const uint8_t* stream = src + layout.levels_offset;
-  const Scratch scratch = bucket_scratch(bucket);
-  for (int64_t b = 0; b < layout.rotated_buckets; ++b) {
-    const int64_t first = b * bucket;
-    float rms;
-    std::memcpy(&rms, src + b * sizeof(float), sizeof(rms));
-    unpack(params.bits, stream + first / 8 * params.bits, bucket / 8, scratch.levels);
-    decode_rotated(bucket, params.bits, rms, scratch, add, dst + first);
-  }
+  in_parts(layout.rotated_buckets * bucket, bucket, threads, [&](int64_t first, int64_t last) {
+    decode_hadamard(params, layout, src, add, dst, first / bucket, last / bucket);
+  });
   const Tail tail = hadamard_tail(params, layout);
   if (tail.layout.quantized > 0)
     decode_levels(params, tail.layout, src + tail.meta_offset, add, dst + tail.first);
 }
 
-void decode(const QuantizerParams& params, const uint8_t* src, int64_t n, bool add, float* dst) {
+void decode(const QuantizerParams& params, const uint8_t* src, int64_t n, bool add, float* dst,
+            int threads) {
   validate(params);
   check_count(n);
   const Layout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
   if (params.scheme == Scheme::kHadamard)
-    decode_hadamard(params, layout, src, add, dst);
+    decode_hadamard_buffer(params, layout, src, add, dst, threads);
   else
-    decode_levels(params, layout, src, add, dst);
+    decode_maxmin(params, layout, src, add, dst, threads);
 
   const uint8_t* raw = src + layout.raw_offset;
   float* raw_dst = dst + layout.quantized;
@@ -584,38 +667,39 @@ size_t compressed_bytes(const QuantizerParams& params, int64_t n) {
 }
 
 void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_t* dst,
-              uint64_t seed, uint64_t stream_offset) {
+              uint64_t seed, uint64_t stream_offset, int threads) {
   validate(params);
   check_count(n);
   const Layout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
   if (params.scheme == Scheme::kHadamard)
-    encode_hadamard(params, layout, src, seed, static_cast<uint32_t>(stream_offset), dst);
+    encode_hadamard_buffer(params, layout, src, seed, static_cast<uint32_t>(stream_offset), dst, threads);
   else
-    encode_levels(params, layout, src, seed, static_cast<uint32_t>(stream_offset), dst);
+    encode_maxmin(params, layout, src, seed, static_cast<uint32_t>(stream_offset), dst, {}, threads);
   finish_compressed(layout, src, n, dst);
 }
 
 void compress_and_decode(const QuantizerParams& params, float* values, int64_t n, uint8_t* dst,
                          uint64_t seed, uint64_t stream_offset, float* residual,
-                         bool decode_in_place) {
+                         bool decode_in_place, int threads) {
   if (params.scheme != Scheme::kMaxMin)
     throw std::invalid_argument("compress_and_decode: the maxmin scheme only");
   validate(params);
   check_count(n);
   const Layout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
-  encode_levels(params, layout, values, seed, static_cast<uint32_t>(stream_offset), dst,
-                {decode_in_place ? values : nullptr, residual});
+  encode_maxmin(params, layout, values, seed, static_cast<uint32_t>(stream_offset), dst,
+                {decode_in_place ? values : nullptr, residual}, threads);
   finish_compressed(layout, values, n, dst);  // the raw tail decodes to itself, drops nothing
 }
 
-void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst) {
-  decode(params, src, n, /*add=*/false, dst);
+void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst, int threads) {
+  decode(params, src, n, /*add=*/false, dst, threads);
 }
 
-void decompress_add(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst) {
-  decode(params, src, n, /*add=*/true, dst);
+void decompress_add(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst,
+                    int threads) {
+  decode(params, src, n, /*add=*/true, dst, threads);
 }
 
 }  // namespace cgx::compression

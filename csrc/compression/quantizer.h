@@ -77,13 +77,16 @@ WireLayout wire_layout(const QuantizerParams& params, int64_t n);
 // Exact size in bytes of the compressed form of n values.
 size_t compressed_bytes(const QuantizerParams& params, int64_t n);
 
+// Each call below may split its buckets over up to `threads` threads (codec_threads.h):
+// the same bytes and values whatever the count.
+
 // Compresses n float32 values into dst (compressed_bytes(params, n) bytes).
 // With stochastic rounding, `seed` selects the random stream and `stream_offset` is the
 // position of src[0] in it (docs/wire-format.md): the same seed, offset and input give the
 // same bytes, and compressing [0, n) in pieces, each at its own offset, draws as compressing
 // it whole. Round-to-nearest ignores both.
 void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_t* dst,
-              uint64_t seed, uint64_t stream_offset);
+              uint64_t seed, uint64_t stream_offset, int threads = 1);
 
 // compress, and in the same pass what its receivers will decode: residual[i] +=
 // values[i] - decoded value i where `residual` is set and the difference is finite (error
@@ -92,12 +95,14 @@ void compress(const QuantizerParams& params, const float* src, int64_t n, uint8_
 // for another).
 void compress_and_decode(const QuantizerParams& params, float* values, int64_t n, uint8_t* dst,
                          uint64_t seed, uint64_t stream_offset, float* residual,
-                         bool decode_in_place);
+                         bool decode_in_place, int threads = 1);
 
 // dst[i] = decoded value i.
-void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst);
+void decompress(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst,
+                int threads = 1);
 
 // dst[i] += decoded value i (fused: one pass over dst).
-void decompress_add(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst);
+void decompress_add(const QuantizerParams& params, const uint8_t* src, int64_t n, float* dst,
+                    int threads = 1);
 
 }  // namespace cgx::compression
