@@ -16,9 +16,9 @@ import torch.distributed as dist
 from cgx import _C, mpi
 from cgx.config import RAW_BITS, VARIABLES, Config, from_env, read
 
-# Settings every rank of a group must share (the host name and the segment names' tag are
-# each rank's own).
-_OWN_FIELDS = ("hostname", "shm_name_tag")
+# Settings every rank of a group must share (the host name, the segment names' tag and the
+# codec's threads, which change no bit, are each rank's own).
+_OWN_FIELDS = ("hostname", "shm_name_tag", "codec_threads")
 _SHARED_FIELDS = tuple(v.field for v in VARIABLES if v.field not in _OWN_FIELDS)
 
 

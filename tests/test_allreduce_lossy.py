@@ -148,6 +148,23 @@ def test_codec_threads_change_no_bit():
             assert digests[1] == digests[3], key
 
 
+def _threads_per_rank(rank, world):
+    import cgx
+
+    init_cgx(rank, world)
+    group = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=4, minimal_size=0, codec_threads=1 + 2 * rank))
+    t = make_input(rank, 300007, torch.float32)
+    dist.all_reduce(t, group=group)
+    return digest(t)
+
+
+def test_ranks_may_differ_in_codec_threads():
+    """A rank's codec threads are its own (they change no bit): a group whose ranks use 1
+    and 3 is formed and ends bit-identical."""
+    digests = values(run_ranks(_threads_per_rank, 2))
+    assert digests[0] == digests[1]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_cross_host_and_gloo_transports(world):
     cases = [

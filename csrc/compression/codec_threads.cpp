@@ -9,6 +9,7 @@
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 namespace cgx::compression {
@@ -44,14 +45,17 @@ class Pool {
     call.part = &part;
     call.parts = parts;
     call.unfinished = parts;
+    // Up to threads - 1 workers may join in (as many as there are, should starting more
+    // have failed); each takes parts until none is left.
+    int helpers = 0;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      grow(std::min(threads, parts) - 1);
-      // Up to threads - 1 workers may join in; each takes parts until none is left.
-      for (int helpers = std::min(threads, parts) - 1; helpers > 0; --helpers) queue_.push_back(&call);
+      helpers = std::min(grow(std::min(threads, parts) - 1), std::min(threads, parts) - 1);
+      for (int i = 0; i < helpers; ++i) queue_.push_back(&call);
       queued_.store(static_cast<int>(queue_.size()), std::memory_order_relaxed);
     }
-    ready_.notify_all();
+    // One worker a ticket: the pool may hold more (another group's larger count).
+    for (int i = 0; i < helpers; ++i) ready_.notify_one();
     work_through(call, 0);
     std::unique_lock<std::mutex> lock(mutex_);
     // Every part has started. Drop the tickets no worker took, then wait for the parts in
@@ -76,9 +80,15 @@ class Pool {
     return pool;
   }
 
-  // With mutex_ held: at least `count` workers.
-  void grow(int count) {
-    for (; workers_ < count; ++workers_) std::thread([this] { serve(); }).detach();
+  // With mutex_ held: at least `count` workers where the system lets it start them;
+  // returns how many there are.
+  int grow(int count) {
+    try {
+      for (; workers_ < count; ++workers_) std::thread([this] { serve(); }).detach();
+    } catch (const std::system_error&) {
+      // Out of threads or memory for their stacks: the caller runs the parts left over.
+    }
+    return workers_;
   }
 
   void serve() {
