@@ -64,22 +64,26 @@ void check_same_on_threads(const QuantizerParams& params, int64_t n, int threads
 
 CGX_TEST(codec_threads_give_the_bytes_and_values_of_one_thread) {
   // Sizes from one part (below 2 x 32768 values: no split) to parts that end inside a
-  // bucket, with a shorter last bucket and a raw tail.
-  const int64_t sizes[] = {1000, 65536, 65536 * 3 + 8, 200003, 1 << 20};
+  // bucket, with a shorter last bucket and a raw tail; 3 threads (8 parts of unequal
+  // runs of buckets), then other counts on one shape.
+  const int64_t sizes[] = {1000, 65536 * 3 + 8, 200003};
   for (const int64_t n : sizes) {
-    for (const int threads : {2, 3, 8}) {
-      for (const bool stochastic : {false, true}) {
-        for (const bool skip : {false, true}) {
-          for (const int bits : {1, 2, 4, 8}) {
-            for (const int64_t bucket : {int64_t{100}, int64_t{512}, int64_t{4096}}) {
-              QuantizerParams maxmin{bits, bucket, skip, stochastic, Scheme::kMaxMin};
-              check_same_on_threads(maxmin, n, threads);
-              QuantizerParams hadamard{bits, bucket, skip, stochastic, Scheme::kHadamard};
-              if (compression::hadamard_fits(bits, bucket)) check_same_on_threads(hadamard, n, threads);
-            }
+    for (const bool stochastic : {false, true}) {
+      for (const bool skip : {false, true}) {
+        for (const int bits : {1, 2, 4, 8}) {
+          for (const int64_t bucket : {int64_t{100}, int64_t{512}, int64_t{4096}}) {
+            QuantizerParams maxmin{bits, bucket, skip, stochastic, Scheme::kMaxMin};
+            check_same_on_threads(maxmin, n, 3);
+            QuantizerParams hadamard{bits, bucket, skip, stochastic, Scheme::kHadamard};
+            if (compression::hadamard_fits(bits, bucket)) check_same_on_threads(hadamard, n, 3);
           }
         }
       }
+    }
+  }
+  for (const int threads : {2, 8}) {
+    for (const Scheme scheme : {Scheme::kMaxMin, Scheme::kHadamard}) {
+      check_same_on_threads(QuantizerParams{4, 512, false, true, scheme}, 200003, threads);
     }
   }
 }
