@@ -13,6 +13,7 @@ weights' and its fragments' sync counts."""
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import json
 import os
@@ -87,4 +88,11 @@ if rank == 0:  # the run's store lives in host 0's lead: it goes last
     else:
         store.set("per-host-done/1", "1")
     membership.close()
+# Drop what holds the host's Gloo group (DDP, DiLoCo) so that destroy_process_group()
+# destroys it, its threads joined, while the interpreter is alive: a Gloo worker thread
+# that lets go of its last work's tensors once finalization has begun aborts the process
+# (std::terminate in a forced unwind: pytorch/pytorch#190489; seen twice here, in a lead
+# and in a restarted follower, after their results were written).
+del model, inner, diloco
+gc.collect()
 dist.destroy_process_group()
