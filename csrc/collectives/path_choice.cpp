@@ -67,7 +67,8 @@ Path PathChooser::next_path(Class& c) {
   }
   const double ratio = static_cast<double>(c.slowest[static_cast<int>(slower)]) /
                        c.slowest[static_cast<int>(faster)];
-  const double every = std::clamp(kRetryEvery * ratio, double{kRetryEvery}, double{kRetryEveryMax});
+  const double every = c.retried_once ? std::clamp(kRetryEvery * ratio, double{kRetryEvery}, double{kRetryEveryMax})
+                                      : double{kRetryEvery};
   const bool drifted = c.slowest[static_cast<int>(faster)] > kDrift * c.chosen_us;
   if (static_cast<double>(c.since_retry) < every && !drifted) {
     ++c.since_retry;
@@ -76,6 +77,7 @@ Path PathChooser::next_path(Class& c) {
   // A run of the slower path, timed afresh on every rank (the same call everywhere).
   c.local[static_cast<int>(slower)] = Estimate{};
   c.retried = slower;
+  c.retried_once = true;
   c.retry_left = kTrialCalls - 1;
   return slower;
 }

@@ -48,7 +48,10 @@ class PathChooser {
   static constexpr int kTrialCalls = kMinSamples;
   // The slower path is re-tried after kRetryEvery x (its estimate / the faster one's)
   // calls on the faster one, at most kRetryEveryMax: a re-try's cost is at most about
-  // kTrialCalls / kRetryEvery of the class's time.
+  // kTrialCalls / kRetryEvery of the class's time. The first re-try comes after
+  // kRetryEvery calls whatever the ratio: the first trials are the likeliest to have met
+  // a stall (a class's first calls, connections still cold), and a ratio a stall
+  // inflated would delay its own correction.
   static constexpr int kRetryEvery = 64;
   static constexpr int kRetryEveryMax = 16384;
   // ... and at once when the chosen path's estimate has grown past kDrift x what it was
@@ -91,6 +94,7 @@ class PathChooser {
     float chosen_us = 0;            // slowest[chosen] when it was chosen or confirmed
     bool confirm = true;            // a comparison is due (first, or after a re-try)
     int64_t since_retry = 0;        // calls on the chosen path since it was confirmed
+    bool retried_once = false;      // the first re-try has begun
     Path retried = Path::kExact;    // the path of the run in progress
     int retry_left = 0;             // its calls still to come
     uint64_t calls[2] = {0, 0};

@@ -76,7 +76,8 @@ CGX_TEST(auto_choices_are_the_same_on_every_rank_and_follow_the_slowest_rank) {
     const int run = PathChooser::kTrialCalls;
     CHECK_EQ(count(paths, Path::kExact, 0, run), 0);
     CHECK_EQ(count(paths, Path::kExact, run, 2 * run), run);
-    // Settled on exact, compressed re-tried after 64 x (50000 / 3000) calls.
+    // Settled on exact, compressed re-tried once after 64 calls (calls 72-75), then after
+    // 64 x (50000 / 3000).
     CHECK_EQ(count(paths, Path::kCompressed, 100, 300), 0);
     CHECK(count(paths, Path::kExact, 100, 300) == 200);
     // After the change, the next exact probe brings the slower exact timings: compression
@@ -125,17 +126,19 @@ std::pair<std::vector<int>, std::vector<int>> runs_of(const std::vector<Path>& p
 
 CGX_TEST(auto_retries_the_losing_path_more_rarely_the_more_it_loses) {
   const int run = PathChooser::kTrialCalls;
-  // Exact 2x slower: a run of it after every 2 x 64 compressed calls once settled.
+  // Exact 2x slower: a run of it after the first 64 compressed calls, then after every
+  // 2 x 64 (calls 72, 204, 336, ..., 1920).
   PathChooser close;
   const std::vector<Path> a = alone(close, 2000, 1000, 2000);
   const auto [a_runs, a_gaps] = runs_of(a, Path::kExact, 2 * run);
-  CHECK_EQ(a_runs.size(), size_t{(2000 - 2 * run) / (128 + run)});
+  CHECK_EQ(a_runs.size(), size_t{15});
   for (int r : a_runs) CHECK_EQ(r, run);
-  for (int g : a_gaps) CHECK_EQ(g, 128);
-  // 1000x slower: after every kRetryEveryMax calls.
+  CHECK_EQ(a_gaps[0], 64);
+  for (size_t i = 1; i < a_gaps.size(); ++i) CHECK_EQ(a_gaps[i], 128);
+  // 1000x slower: after the first 64 calls, then after every kRetryEveryMax.
   PathChooser far;
   const std::vector<Path> b = alone(far, 2 * PathChooser::kRetryEveryMax + 100, 1000, 1e6);
-  CHECK_EQ(count(b, Path::kExact, 2 * run), 2 * run);
+  CHECK_EQ(count(b, Path::kExact, 2 * run), 3 * run);
   // Equal: compression, which the user asked for, exact re-tried after every 64 calls.
   PathChooser equal;
   const std::vector<Path> c = alone(equal, 2 * run + 3 * (64 + run), 1000, 1000);
@@ -174,41 +177,48 @@ CGX_TEST(auto_is_not_fooled_by_the_first_call_after_a_switch_stalling) {
     return !before.empty() && before.back() != path ? 20000.0 : 0.0;
   };
   with_stalls(600, after_a_switch, [&](const std::vector<Path>& paths) {
-    // Exact from the first comparison on; compressed only in its re-try runs, after every
-    // 64 x 2000 / 500 calls.
+    // Exact from the first comparison on; compressed only in its re-try runs, after the
+    // first 64 calls, then after every 64 x 2000 / 500.
     const auto [runs, gaps] = runs_of(paths, Path::kCompressed, 2 * run);
-    CHECK_EQ(runs.size(), size_t{2});
+    CHECK_EQ(runs.size(), size_t{3});
     for (int r : runs) CHECK_EQ(r, run);
-    for (int g : gaps) CHECK_EQ(g, 256);
+    CHECK_EQ(gaps[0], 64);
+    for (size_t i = 1; i < gaps.size(); ++i) CHECK_EQ(gaps[i], 256);
   });
 }
 
 CGX_TEST(auto_takes_a_second_look_when_its_trials_met_a_stall) {
   // Every exact call of the first trial run stalls, on one rank: compression wins the first
-  // comparison (2000 us against 20000), and the re-try after 64 x 10 calls finds exact
-  // 4x faster.
+  // comparison (2000 us against 20000), and the first re-try, 64 calls later (not the
+  // 64 x 10 the stalled ratio gives), finds exact 4x faster.
   const int run = PathChooser::kTrialCalls;
   auto in_the_first_trials = [&](const std::vector<Path>& before, Path path) {
     return path == Path::kExact && before.size() < size_t{2 * run} ? 19500.0 : 0.0;
   };
   with_stalls(1000, in_the_first_trials, [&](const std::vector<Path>& paths) {
-    CHECK_EQ(count(paths, Path::kExact, 2 * run, 2 * run + 640), 0);
-    CHECK_EQ(count(paths, Path::kExact, 2 * run + 640, 2 * run + 640 + run), run);
-    CHECK_EQ(count(paths, Path::kCompressed, 2 * run + 640 + run, 1000), run);  // one re-try run
+    CHECK_EQ(count(paths, Path::kExact, 2 * run, 2 * run + 64), 0);
+    CHECK_EQ(count(paths, Path::kExact, 2 * run + 64, 2 * run + 64 + run), run);
+    // Exact from then on; compressed re-tried after every 64 x 2000 / 500 calls.
+    const auto [runs, gaps] = runs_of(paths, Path::kCompressed, 2 * run + 64 + run);
+    CHECK_EQ(runs.size(), size_t{3});
+    for (int g : gaps) CHECK_EQ(g, 256);
   });
 }
 
 CGX_TEST(auto_takes_a_second_look_when_the_chosen_path_gets_slower) {
-  // As above, compression wins the first comparison from stalled exact trials; then it
-  // gets 2x slower (still 5x faster than the stalled estimate): exact is re-tried at once
-  // and wins, long before the 640 calls the ratio alone would wait.
+  // As above, compression wins the first comparison from stalled exact trials, and the
+  // first re-try (calls 72-75) is stalled too; then compression gets 2x slower (still 5x
+  // faster than the stalled estimate): exact is re-tried at once and wins, long before
+  // the 640 calls the ratio alone would wait.
   const int run = PathChooser::kTrialCalls;
   auto stalls_then_slower = [&](const std::vector<Path>& before, Path path) {
-    if (path == Path::kExact) return before.size() < size_t{2 * run} ? 19500.0 : 0.0;
+    if (path == Path::kExact) return before.size() < 80 ? 19500.0 : 0.0;
     return before.size() >= 100 ? 2000.0 : 0.0;
   };
   with_stalls(200, stalls_then_slower, [&](const std::vector<Path>& paths) {
-    CHECK_EQ(count(paths, Path::kExact, 2 * run, 100), 0);
+    CHECK_EQ(count(paths, Path::kExact, 2 * run, 72), 0);
+    CHECK_EQ(count(paths, Path::kExact, 72, 76), run);
+    CHECK_EQ(count(paths, Path::kExact, 76, 100), 0);
     // Rank 1's estimate (the 3rd smallest of its last 8) has grown once 6 slower calls are
     // in: call 106 carries it and begins the re-try.
     CHECK_EQ(count(paths, Path::kExact, 100, 106), 0);
