@@ -25,6 +25,7 @@ import cgx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from allreduce import _auto_calls  # noqa: E402
 from launch import join_worker, run_worker  # noqa: E402
 
 WAYS = ("compressed", "exact", "gloo")
@@ -39,14 +40,6 @@ def parse_args(argv=None):
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--world-size", type=int, default=2)
     return parser.parse_args(argv)
-
-
-def _calls_per_way(group, numel):
-    min_bytes = 1 << (4 * numel).bit_length() - 1
-    for entry in cgx.stats(group)["auto"]:
-        if entry["min_bytes"] == min_bytes:
-            return entry["compressed_calls"], entry["exact_calls"]
-    return 0, 0
 
 
 def _timed(x, group):
@@ -64,9 +57,9 @@ def worker(config_path):
     paths = {n: "" for n in cfg["values"]}
     for _ in range(cfg["calls"]):
         for n in cfg["values"]:
-            exact_before = _calls_per_way(group, n)[1]
+            exact_before = _auto_calls("cgx", group, n)["exact"]
             took = _timed(torch.randn(n), group)
-            way = "exact" if _calls_per_way(group, n)[1] > exact_before else "compressed"
+            way = "exact" if _auto_calls("cgx", group, n)["exact"] > exact_before else "compressed"
             times[n][way].append(took)
             paths[n] += way[0]
             times[n]["gloo"].append(_timed(torch.randn(n), gloo))

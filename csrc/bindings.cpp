@@ -116,12 +116,12 @@ std::vector<cgx::compression::Segment> segments(const ProcessGroupCGX& pg, const
   return out;
 }
 
-// The codec on tensors (backend/tensor_codec.h), its bit count and scheme read here.
 void check_threads(int threads, const char* what) {
   TORCH_CHECK_VALUE(threads >= 1 && threads <= cgx::backend::kMaxCodecThreads, what, ": threads must be in 1..",
                     cgx::backend::kMaxCodecThreads, ", got ", threads);
 }
 
+// The codec on tensors (backend/tensor_codec.h), its bit count, scheme and threads read here.
 at::Tensor compress(const at::Tensor& input, const py::object& bits, int64_t bucket_size, bool stochastic,
                     uint64_t seed, bool skip_incomplete, std::optional<at::Tensor> out,
                     const std::string& scheme, int threads) {

@@ -429,23 +429,33 @@ CGX_INLINE void decode_rotated(int64_t len, int bits, float rms, const Scratch& 
   unrotate(scratch.values, len, scratch.signs, scratch.loops->low_stages, add, out);
 }
 
-// A hadamard buffer's shorter last bucket is a one-bucket maxmin buffer laid inside it: its
-// (min, scale) after the whole buckets' rms, its levels after theirs.
-struct Tail {
+// Values [first, last) of a buffer laid out as `layout`, quantized as maxmin, seen as a
+// maxmin buffer of their own laid inside it: its (min, scale) pairs at meta_offset, its
+// levels where theirs lie in the buffer's level stream (`first` on a byte of it). A
+// hadamard buffer's shorter last bucket is one; so is each part of a maxmin buffer split
+// over threads.
+struct MaxminRun {
   Layout layout;       // relative to meta_offset
-  size_t meta_offset;  // in the hadamard buffer
+  size_t meta_offset;  // in the buffer
   int64_t first;       // its first value
 };
 
-Tail hadamard_tail(const QuantizerParams& params, const Layout& layout) {
-  Tail tail;
-  tail.first = layout.rotated_buckets * params.bucket_size;
-  tail.meta_offset = static_cast<size_t>(layout.rotated_buckets) * sizeof(float);
-  tail.layout.quantized = layout.quantized - tail.first;
-  tail.layout.buckets = tail.layout.quantized > 0 ? 1 : 0;
-  tail.layout.levels_offset = layout.levels_offset +
-                              static_cast<size_t>(tail.first / 8 * params.bits) - tail.meta_offset;
-  return tail;
+MaxminRun maxmin_run(const QuantizerParams& params, const Layout& layout, int64_t first, int64_t last,
+                     size_t meta_offset) {
+  MaxminRun run;
+  run.first = first;
+  run.meta_offset = meta_offset;
+  run.layout.quantized = last - first;
+  run.layout.buckets = (last - first + params.bucket_size - 1) / params.bucket_size;
+  run.layout.levels_offset = layout.levels_offset + static_cast<size_t>(first / 8 * params.bits) - meta_offset;
+  return run;
+}
+
+// A hadamard buffer's shorter last bucket: its (min, scale) after the whole buckets' rms.
+MaxminRun hadamard_tail(const QuantizerParams& params, const Layout& layout) {
+  const int64_t first = layout.rotated_buckets * params.bucket_size;
+  return maxmin_run(params, layout, first, layout.quantized,
+                    static_cast<size_t>(layout.rotated_buckets) * sizeof(float));
 }
 
 // Whole buckets [first, last) of a hadamard buffer.
@@ -504,16 +514,9 @@ void in_parts(int64_t count, int64_t unit, int threads, Part part) {
   run_parts(parts, threads, [&](int k) { part(k * per_part, std::min(count, (k + 1) * per_part)); });
 }
 
-// The maxmin values [first, last) of a buffer laid out as `layout`, with `first` on a
-// bucket and on a byte of the level stream, as a buffer of their own inside it: its meta at
-// the returned offset, and `sub` its layout relative to that offset.
-size_t maxmin_part(const QuantizerParams& params, const Layout& layout, int64_t first, int64_t last,
-                   Layout& sub) {
-  const size_t meta_offset = static_cast<size_t>(first / params.bucket_size) * 2 * sizeof(float);
-  sub = Layout{};
-  sub.quantized = last - first;
-  sub.levels_offset = layout.levels_offset + static_cast<size_t>(first / 8 * params.bits) - meta_offset;
-  return meta_offset;
+// A part of a maxmin buffer, `first` on a bucket: its pairs after those of the buckets before.
+MaxminRun maxmin_part(const QuantizerParams& params, const Layout& layout, int64_t first, int64_t last) {
+  return maxmin_run(params, layout, first, last, static_cast<size_t>(first / params.bucket_size) * 2 * sizeof(float));
 }
 
 // Parts start on a bucket and on a byte of the level stream.
@@ -523,21 +526,19 @@ int64_t part_unit(const QuantizerParams& params) { return std::lcm(params.bucket
 void encode_maxmin(const QuantizerParams& params, const Layout& layout, const float* src,
                    uint64_t seed, uint32_t stream_offset, uint8_t* dst, FedBack fed_back, int threads) {
   in_parts(layout.quantized, part_unit(params), threads, [&](int64_t first, int64_t last) {
-    Layout sub;
-    const size_t meta_offset = maxmin_part(params, layout, first, last, sub);
+    const MaxminRun part = maxmin_part(params, layout, first, last);
     FedBack shifted{fed_back.decoded ? fed_back.decoded + first : nullptr,
                     fed_back.residual ? fed_back.residual + first : nullptr};
-    encode_levels(params, sub, src + first, seed, stream_offset + static_cast<uint32_t>(first),
-                  dst + meta_offset, shifted);
+    encode_levels(params, part.layout, src + first, seed, stream_offset + static_cast<uint32_t>(first),
+                  dst + part.meta_offset, shifted);
   });
 }
 
 void decode_maxmin(const QuantizerParams& params, const Layout& layout, const uint8_t* src, bool add,
                    float* dst, int threads) {
   in_parts(layout.quantized, part_unit(params), threads, [&](int64_t first, int64_t last) {
-    Layout sub;
-    const size_t meta_offset = maxmin_part(params, layout, first, last, sub);
-    decode_levels(params, sub, src + meta_offset, add, dst + first);
+    const MaxminRun part = maxmin_part(params, layout, first, last);
+    decode_levels(params, part.layout, src + part.meta_offset, add, dst + first);
   });
 }
 
@@ -549,7 +550,7 @@ void encode_hadamard_buffer(const QuantizerParams& params, const Layout& layout,
   in_parts(layout.rotated_buckets * bucket, bucket, threads, [&](int64_t first, int64_t last) {
     encode_hadamard(params, layout, src, seed, stream_offset, dst, first / bucket, last / bucket);
   });
-  const Tail tail = hadamard_tail(params, layout);
+  const MaxminRun tail = hadamard_tail(params, layout);
   if (tail.layout.quantized > 0)
     encode_levels(params, tail.layout, src + tail.first, seed,
                   stream_offset + static_cast<uint32_t>(tail.first), dst + tail.meta_offset);
@@ -561,7 +562,7 @@ void decode_hadamard_buffer(const QuantizerParams& params, const Layout& layout,
   in_parts(layout.rotated_buckets * bucket, bucket, threads, [&](int64_t first, int64_t last) {
     decode_hadamard(params, layout, src, add, dst, first / bucket, last / bucket);
   });
-  const Tail tail = hadamard_tail(params, layout);
+  const MaxminRun tail = hadamard_tail(params, layout);
   if (tail.layout.quantized > 0)
     decode_levels(params, tail.layout, src + tail.meta_offset, add, dst + tail.first);
 }
