@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cgx import _C, mpi
-from cgx.config import RAW_BITS, VARIABLES, Config, from_env, read
+from cgx.config import VARIABLES, Config, from_env, read
 
 # Settings every rank of a group must share (the host name, the segment names' tag and the
 # codec's threads, which change no bit, are each rank's own).
@@ -87,21 +87,7 @@ def new_backend(store: dist.Store, rank: int, size: int, timeout: datetime.timed
         options._timeout = timeout
         nccl_store = dist.PrefixStore(f"nccl/{incarnation}/", store)
         exact_cuda = dist.ProcessGroupNCCL(nccl_store, rank, size, options)
-    # The calls auto sends the exact way run on cgx's worker thread, after their agreement.
-    # Where every peer is reached over shared memory (one host name, as the C++ host map
-    # counts hosts) they travel raw through cgx's own allreduce; elsewhere through a Gloo
-    # backend of their own, whose collectives then come in the worker's order on every
-    # rank whatever the caller threads do on `exact`.
-    settings = to_settings(config)
-    worker_exact = None
-    if config.compression_auto and config.bits != RAW_BITS:
-        hosts = _gather(cgx_store, "hostname", rank, size, settings.hostname)
-        if not (len(set(hosts)) == 1 and config.inner_communicator == "SHM"):
-            worker_exact = dist.ProcessGroupGloo(dist.PrefixStore(f"gloo-worker/{incarnation}/", store), rank,
-                                                 size, timeout)
-    return _C.ProcessGroupCGX(
-        cgx_store, rank, size, timeout, exact, exact_cuda, worker_exact, settings
-    )
+    return _C.ProcessGroupCGX(cgx_store, rank, size, timeout, exact, exact_cuda, to_settings(config))
 
 
 def with_process_settings(config: Config) -> Config:

@@ -21,6 +21,7 @@ add_library(cgx_core STATIC
   ${CGX_CSRC}/collectives/ring_allreduce.cpp
   ${CGX_CSRC}/collectives/hierarchical_allreduce.cpp
   ${CGX_CSRC}/collectives/call_signature.cpp
+  ${CGX_CSRC}/collectives/call_agreement.cpp
   ${CGX_CSRC}/collectives/path_choice.cpp
   ${CGX_CSRC}/collectives/sharded.cpp
   ${CGX_CSRC}/transport/routed_transport.cpp)

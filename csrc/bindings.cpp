@@ -11,7 +11,7 @@
 #include "backend/argument_checks.h"
 #include "backend/process_group_cgx.h"
 #include "backend/tensor_codec.h"
-#include "collectives/call_signature.h"
+#include "collectives/call_agreement.h"
 #include "collectives/path_choice.h"
 #include "compression/quantizer.h"
 #ifdef CGX_WITH_MPI
@@ -211,23 +211,16 @@ PYBIND11_MODULE(_C, m) {
       m, "ProcessGroupCGX")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> exact,
-                       const py::object& exact_cuda, const py::object& worker_exact, Settings settings) {
-             auto optional_backend = [](const py::object& backend) {
-               return backend.is_none() ? c10::intrusive_ptr<c10d::Backend>()
-                                        : backend.cast<c10::intrusive_ptr<c10d::Backend>>();
-             };
-             auto cuda = optional_backend(exact_cuda);
-             auto worker = optional_backend(worker_exact);
+                       const py::object& exact_cuda, Settings settings) {
+             auto cuda = exact_cuda.is_none() ? c10::intrusive_ptr<c10d::Backend>()
+                                              : exact_cuda.cast<c10::intrusive_ptr<c10d::Backend>>();
              py::gil_scoped_release no_gil;
              return GilFreeRelease<ProcessGroupCGX>(c10::make_intrusive<ProcessGroupCGX>(
-                 store, rank, size, timeout, std::move(exact), std::move(cuda), std::move(worker),
-                 std::move(settings)));
+                 store, rank, size, timeout, std::move(exact), std::move(cuda), std::move(settings)));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("exact"), py::arg("exact_cuda"), py::arg("worker_exact"), py::arg("settings"),
-           "exact: the Gloo backend of the exact path; worker_exact: a Gloo backend of its own "
-           "for the calls CGX_COMPRESSION_AUTO sends the exact way across hosts, or None; "
-           "exact_cuda: the backend for CUDA tensors "
+           py::arg("exact"), py::arg("exact_cuda"), py::arg("settings"),
+           "exact: the Gloo backend of the exact path; exact_cuda: the backend for CUDA tensors "
            "on the exact path (NCCL), or None for Gloo.")
       .def_property_readonly("cuda_exact_backend", &ProcessGroupCGX::cuda_exact_backend,
                              "The backend CUDA tensors take on the exact path: gloo or nccl.")
@@ -357,7 +350,7 @@ PYBIND11_MODULE(_C, m) {
   // MPI runtime, for the mpirun launch (cgx/mpi.py). Absent functions: built without MPI.
   m.attr("mpi_built") = cgx::backend::kWithMpi;
   // Bytes each compressed call sends every peer to compare calls before data moves.
-  m.attr("call_signature_bytes") = sizeof(cgx::collectives::CallSignature);
+  m.attr("call_header_bytes") = cgx::collectives::AgreedCall::kHeaderBytes;
   m.attr("cuda_built") = cgx::backend::kWithCuda;
 #ifdef CGX_WITH_MPI
   auto mpi = m.def_submodule("mpi", "The process's MPI library, as cgx uses it.");

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from bounds import allreduce_error_bound
 from harness import init_cgx, run_ranks, values
 
-CALLS = 40  # the first 4 calls of a class are compressed, the next 4 exact, then the faster way
+CALLS = 40  # the first 5 calls of a class are compressed, the next 5 exact, then the faster way
 
 
 def _path_of_last_call(group) -> str:
@@ -55,7 +55,7 @@ def test_every_rank_takes_the_same_path_and_ends_bit_identical(world):
     assert all(p == paths[0] for p in paths)
     # Measured first compressed, then exact, a run of each (the choices that follow are
     # tested in tests/cpp/test_path_choice.cpp).
-    assert paths[0][:8] == ["compressed"] * 4 + ["exact"] * 4
+    assert paths[0][:10] == ["compressed"] * 5 + ["exact"] * 5
     for call in range(CALLS):
         tensors = [calls[call][1] for calls in per_rank]
         assert all(torch.equal(t, tensors[0]) for t in tensors), f"call {call}"
@@ -236,7 +236,7 @@ def test_16_bit_averages_do_not_overflow_on_any_path(inner):
 
 
 def _hook_counts_what_was_sent(rank, world):
-    """A class's first four calls are compressed and its fifth goes the exact way,
+    """A class's first five calls are compressed and its sixth goes the exact way,
     whatever the timings: the hook's payload count follows the way each bucket went."""
     import cgx
     from test_hooks import make_model, train
@@ -248,7 +248,7 @@ def _hook_counts_what_was_sent(rank, world):
     state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=4))
     ddp.register_comm_hook(state, cgx.cgx_hook)
     sent = []
-    for step in range(5):
+    for step in range(6):
         train(ddp, model, rank, 1, start=step)
         sent.append(state.stats()["payload_bytes"])
     numel = sum(p.numel() for p in model.parameters())
@@ -258,8 +258,8 @@ def _hook_counts_what_was_sent(rank, world):
 
 def test_the_hook_counts_a_bucket_sent_exactly_as_float32():
     for sent, numel, compressed_calls, exact_calls in values(run_ranks(_hook_counts_what_was_sent, 2)):
-        assert (compressed_calls, exact_calls) == (4, 1)
+        assert (compressed_calls, exact_calls) == (5, 1)
         compressed = sent[0]
         assert 0 < compressed < numel  # 4 bits: about an eighth of float32
-        assert sent[:4] == [compressed, 2 * compressed, 3 * compressed, 4 * compressed]
-        assert sent[4] - sent[3] == 4 * numel
+        assert sent[:5] == [compressed * (step + 1) for step in range(5)]
+        assert sent[5] - sent[4] == 4 * numel

@@ -282,7 +282,7 @@ def test_the_backend_checks_the_same_limits(field, last, refused):
     timeout = datetime.timedelta(seconds=10)
     exact = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), 0, 1, timeout)
     with pytest.raises(ValueError, match=f"cgx: {field} must be in"):
-        cgx._C.ProcessGroupCGX(store, 0, 1, timeout, exact, None, None, settings)
+        cgx._C.ProcessGroupCGX(store, 0, 1, timeout, exact, None, settings)
 
 
 def test_layer_policy_checks_the_same_limits():

@@ -105,7 +105,7 @@ def test_two_hosts_by_two_ranks_take_the_hierarchical_path(tmp_path):
     # its half of the piece sends one compressed quarter in the scatter, one in the gather.
     pieces = 4
     quarter = cgx.compressed_size(N_HIERARCHY // pieces // 4, 4, 512)
-    signatures = 2 * cgx._C.call_signature_bytes  # the per-call check, to each rank of the other host
+    signatures = 2 * cgx._C.call_header_bytes  # the call's agreement, to each rank of the other host
     for host in (0, 1):
         on_host = ranks[2 * host:2 * host + 2]
         payload = sum(r["hierarchical_cross"] for r in on_host)

@@ -51,7 +51,8 @@ std::unique_ptr<Pending> C10dTransport::post(const std::vector<Send>& sends,
                                              const std::vector<Recv>& recvs) {
   auto posted = std::make_unique<PostedWorks>();
   try {
-    // Zero-byte messages are skipped on both sides (both know the size).
+    // Zero-byte messages are skipped on both sides (both know the size). Gloo takes a
+    // shorter message into a larger receive as it is, so Recv::up_to needs nothing more.
     for (const auto& r : recvs) {
       if (r.bytes == 0) continue;
       std::vector<at::Tensor> t{as_bytes(r.data, r.bytes)};

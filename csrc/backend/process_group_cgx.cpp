@@ -12,6 +12,7 @@
 #include "backend/argument_checks.h"
 #include "backend/cgx_work.h"
 #include "backend/connect.h"
+#include "collectives/call_agreement.h"
 #include "collectives/call_signature.h"
 #include "collectives/hierarchical_allreduce.h"
 #include "collectives/sharded.h"
@@ -53,15 +54,13 @@ std::vector<c10::Device> gpu_of(const std::vector<at::Tensor>& tensors) {
 ProcessGroupCGX::ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                  int size, std::chrono::milliseconds timeout,
                                  c10::intrusive_ptr<c10d::Backend> exact,
-                                 c10::intrusive_ptr<c10d::Backend> exact_cuda,
-                                 c10::intrusive_ptr<c10d::Backend> worker_exact, Settings settings)
+                                 c10::intrusive_ptr<c10d::Backend> exact_cuda, Settings settings)
     : c10d::Backend(rank, size),
       settings_((validate(settings), std::move(settings))),
       settings_digest_(signed_settings_digest(settings_)),
       timeout_(timeout),
       exact_(checked_exact(std::move(exact), rank, size)),
       exact_cuda_(exact_cuda ? checked_exact(std::move(exact_cuda), rank, size) : exact_),
-      worker_exact_(worker_exact ? checked_exact(std::move(worker_exact), rank, size) : nullptr),
       connection_(connect(store, rank, size, exact_, settings_)),
       executor_(make_host_executor(settings_)),
       cross_executor_(make_host_executor(settings_)) {}
@@ -218,20 +217,34 @@ float* fold_residual(at::Tensor& flat, const std::optional<at::Tensor>& residual
 }  // namespace
 
 template <typename CollectiveOptions, typename Run>
-void ProcessGroupCGX::agree_and_run(CollectiveOptions& options, uint64_t seed, const Lane& lane,
-                                    const collectives::CallSignature& signature, at::Tensor& flat,
-                                    const std::optional<at::Tensor>& residual, Counters Stats::*counters,
-                                    double bytes_per_value, Run run) {
+const collectives::CallSignature* ProcessGroupCGX::agree_and_run(
+    CollectiveOptions& options, uint64_t seed, const Lane& lane, const collectives::CallSignature& signature,
+    uint32_t way, at::Tensor& flat, const std::optional<at::Tensor>& residual, Counters Stats::*counters,
+    double bytes_per_value, Run run) {
   collectives::CallOptions& call = options;
   call.seed = seed;
   call.deadline = deadline_after(timeout_);
   call.executor = lane.executor;
   call.scratch = lane.scratch;
   call.piece_values = settings_.piece_values;
-  const collectives::CallSignature* all = collectives::check_same_on_all_ranks(
-      *connection_.transport, getRank(), getSize(), signature, call.deadline, *lane.scratch);
-  call.residual = fold_residual(flat, residual);  // once the call is known to go ahead
-  count(counters, run(options, all), bytes_per_value);
+  collectives::AgreedCall transport(*connection_.transport, getRank(), getSize(), signature, way, call.deadline,
+                                    *lane.scratch);
+  // The first bytes go out with the signature, so the residual is in them; a call the
+  // ranks disagree on gives it back (the values by subtraction: up to rounding).
+  const std::optional<at::Tensor> carried = residual ? std::optional<at::Tensor>(residual->clone()) : std::nullopt;
+  call.residual = fold_residual(flat, residual);
+  try {
+    const collectives::Traffic traffic = run(options, transport);
+    const collectives::CallSignature* all = transport.agree();
+    count(counters, traffic, bytes_per_value);
+    return all;
+  } catch (const collectives::CallMismatchError&) {
+    if (carried) {
+      residual->copy_(*carried);
+      flat.sub_(carried->view(-1));
+    }
+    throw;
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
@@ -264,10 +277,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_layout(
     collectives::AllgatherOptions options;
     options.shard = codec.get();
     options.algorithm = flat_algorithm();
-    agree_and_run(options, seed, lane, signature_of(sequence, {input}, flat.numel(), *codec, "gather"),
-                  flat, std::nullopt, &Stats::allgather, input.element_size(), [&](const auto& o, const auto*) {
-                    return collectives::compressed_allgather(*connection_.transport, getRank(), getSize(),
-                                                             flat.data_ptr<float>(), o);
+    agree_and_run(options, seed, lane, signature_of(sequence, {input}, flat.numel(), *codec, "gather"), 0,
+                  flat, std::nullopt, &Stats::allgather, input.element_size(),
+                  [&](const auto& o, collectives::AgreedCall& transport) {
+                    return collectives::compressed_allgather(transport, getRank(), getSize(), flat.data_ptr<float>(), o);
                   });
     if (!in_place) output.detach().view(-1).copy_(flat);
   };
@@ -292,9 +305,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_layout(
     options.shard = codec.get();
     const double scale = op == c10d::ReduceOp::PREMUL_SUM ? factor : 1.0;
     agree_and_run(options, call_seed(sequence), lane,
-                  signature_of(sequence, {output}, flat.numel(), *codec, op_text, scale), flat, residual,
-                  &Stats::reduce_scatter, input.element_size(), [&](const auto& o, const auto*) {
-                    return collectives::compressed_reduce_scatter(*connection_.transport, getRank(), getSize(),
+                  signature_of(sequence, {output}, flat.numel(), *codec, op_text, scale), 0, flat, residual,
+                  &Stats::reduce_scatter, input.element_size(), [&](const auto& o, collectives::AgreedCall& transport) {
+                    return collectives::compressed_reduce_scatter(transport, getRank(), getSize(),
                                                                   flat.data_ptr<float>(), o);
                   });
     at::Tensor own = flat.narrow(0, getRank() * shard, shard);
@@ -476,25 +489,27 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   options.run_cross = [this](std::function<void()> job) { cross_worker_.enqueue(std::move(job)); };
   collectives::CallSignature signature = signature_of(sequence, tensors, flat.numel(), *codec, op_name(op));
   const int size_class = collectives::size_class(flat.numel());
-  // Auto's way is chosen once the signatures have met: it needs every rank's timings.
+  // Auto's way is known before the call moves anything (the agreed calls before it set
+  // it, alike on every rank); the signature carries this rank's timings for the next.
   const bool choose_path = route == Route::kAuto;
+  const collectives::Path path = choose_path ? paths_.next(size_class) : collectives::Path::kCompressed;
   if (choose_path) paths_.sign(size_class, signature);
+  const auto raw = compression::LayoutCodec::raw(flat.numel());
+  if (path == collectives::Path::kExact) options.codec = &raw;  // summed in float32, unquantized
   // Counted in the callers' dtypes (2 bytes a value for float16 / bfloat16).
-  agree_and_run(options, call_seed(sequence), lane, signature, flat, residual, &Stats::allreduce,
-                static_cast<double>(input_bytes) / flat.numel(),
-                [&](collectives::AllreduceOptions& o, const collectives::CallSignature* all) {
-                  const auto path = choose_path ? paths_.choose(size_class, all, getSize())
-                                                : collectives::Path::kCompressed;
-                  if (path == collectives::Path::kExact) work.mark_sent_exactly();
-                  const auto started = std::chrono::steady_clock::now();
-                  const auto traffic = path == collectives::Path::kExact
-                                           ? exact_sum(flat, o)
-                                           : collectives::allreduce(*connection_.transport, getRank(),
-                                                                    connection_.hosts, flat.data_ptr<float>(), o);
-                  const std::chrono::duration<double, std::micro> took = std::chrono::steady_clock::now() - started;
-                  if (choose_path) paths_.record(size_class, path, took.count());
-                  return traffic;
-                });
+  const auto started = std::chrono::steady_clock::now();
+  const collectives::CallSignature* all = agree_and_run(
+      options, call_seed(sequence), lane, signature, static_cast<uint32_t>(path), flat, residual, &Stats::allreduce,
+      static_cast<double>(input_bytes) / flat.numel(),
+      [&](collectives::AllreduceOptions& o, collectives::AgreedCall& transport) {
+        return collectives::allreduce(transport, getRank(), connection_.hosts, flat.data_ptr<float>(), o);
+      });
+  if (choose_path) {
+    const std::chrono::duration<double, std::micro> took = std::chrono::steady_clock::now() - started;
+    paths_.record(size_class, path, took.count());
+    paths_.agreed(size_class, all, getSize());
+  }
+  if (path == collectives::Path::kExact) work.mark_sent_exactly();
   if (op == c10d::ReduceOp::AVG) flat.div_(getSize());
   if (in_place) return;
   int64_t offset = 0;
@@ -502,27 +517,6 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
     t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
     offset += t.numel();
   }
-}
-
-collectives::Traffic ProcessGroupCGX::exact_sum(at::Tensor& flat, collectives::AllreduceOptions& options) {
-  // Summed in float32, like the compressed way, so that no way overflows where the other
-  // does not. Over shared memory (one host) cgx's own allreduce with every value raw is
-  // the faster; across hosts Gloo's, whose ring costs fewer round trips than cgx's
-  // exchanges over Gloo's pairs (create_backend gives a worker_exact_ only there).
-  if (!worker_exact_) {
-    const auto raw = compression::LayoutCodec::raw(flat.numel());
-    options.codec = &raw;
-    return collectives::allreduce(*connection_.transport, getRank(), connection_.hosts, flat.data_ptr<float>(),
-                                  options);
-  }
-  std::vector<at::Tensor> tensors{flat};
-  c10d::AllreduceOptions sum;
-  sum.reduceOp = c10d::ReduceOp::SUM;
-  sum.timeout = timeout_;
-  worker_exact_->allreduce(tensors, sum)->wait();
-  // Gloo's ring: each rank sends 2 (size - 1) / size of the values.
-  const auto values = static_cast<uint64_t>(flat.numel());
-  return {2 * (getSize() - 1) * values * sizeof(float) / getSize(), values};
 }
 
 // ---- Exact path: Gloo (or NCCL for CUDA tensors), called from the caller's thread (program order on every rank).

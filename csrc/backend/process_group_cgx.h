@@ -45,15 +45,10 @@ class ProcessGroupCGX final : public c10d::Backend {
  public:
   // `exact`: a Gloo backend for this group, created on its own prefix of `store`.
   // `exact_cuda`: the backend for CUDA tensors on the exact path (NCCL), or null for Gloo,
-  // which stages them through host memory. `worker_exact`: a Gloo backend of its own for
-  // the calls CGX_COMPRESSION_AUTO sends the exact way, used from the worker thread only
-  // (so its collectives are in the worker's order on every rank, apart from the caller
-  // threads' calls on `exact`); null (cgx.backend gives none where every peer is on
-  // shared memory): those calls travel raw through cgx's transports.
+  // which stages them through host memory.
   ProcessGroupCGX(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> exact,
-                  c10::intrusive_ptr<c10d::Backend> exact_cuda,
-                  c10::intrusive_ptr<c10d::Backend> worker_exact, Settings settings);
+                  c10::intrusive_ptr<c10d::Backend> exact_cuda, Settings settings);
   ~ProcessGroupCGX() override;
 
   const std::string getBackendName() const override { return "cgx"; }
@@ -212,12 +207,9 @@ class ProcessGroupCGX final : public c10d::Backend {
       std::vector<at::Tensor> tensors, c10d::ReduceOp::RedOpType op, c10d::OpType op_type, Route route,
       std::shared_ptr<const compression::LayoutCodec> codec,
       std::optional<at::Tensor> residual = std::nullopt);
-  // The exact way of an agreed call (CGX_COMPRESSION_AUTO): `flat`'s float32 values summed
-  // unquantized, on the worker.
-  collectives::Traffic exact_sum(at::Tensor& flat, collectives::AllreduceOptions& options);
   // The worker's part of compressed_allreduce. With route kAuto, CGX_COMPRESSION_AUTO
-  // picks the way once the call is agreed: compressed, or exact_sum
-  // (collectives/path_choice.h).
+  // picks the way (collectives/path_choice.h): compressed, or exact (every value raw, the
+  // sum in float32, through the same agreed collective).
   void run_compressed(std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op, Route route,
                       uint64_t sequence, const compression::LayoutCodec* codec, const Lane& lane,
                       const std::optional<at::Tensor>& residual, CGXWork& work);
@@ -228,16 +220,16 @@ class ProcessGroupCGX final : public c10d::Backend {
                                           int64_t numel, const compression::LayoutCodec& codec,
                                           const char* op, double scale = 1.0) const;
   // The skeleton of every compressed call's body, once its values are in `flat` (float32):
-  // the call options (`seed`, the deadline, the lane's executor and scratch), agreement with
-  // every rank on `signature`, the residual folded in once the call is known to go ahead,
-  // `run(options, all)` (the collective, given every rank's signature), its traffic
-  // counted in `counters`. The body before it flattens the call's tensors; after it,
-  // writes the results back.
+  // the call options (`seed`, the deadline, the lane's executor and scratch), the residual
+  // folded in, `run(options, transport)` (the collective, on a transport that carries
+  // `signature` and `way` in its first exchange: collectives/call_agreement.h), its
+  // traffic counted in `counters`. Returns every rank's signature. The body before it
+  // flattens the call's tensors; after it, writes the results back.
   template <typename CollectiveOptions, typename Run>
-  void agree_and_run(CollectiveOptions& options, uint64_t seed, const Lane& lane,
-                     const collectives::CallSignature& signature, at::Tensor& flat,
-                     const std::optional<at::Tensor>& residual, Counters Stats::*counters,
-                     double bytes_per_value, Run run);
+  const collectives::CallSignature* agree_and_run(CollectiveOptions& options, uint64_t seed, const Lane& lane,
+                                                  const collectives::CallSignature& signature, uint32_t way,
+                                                  at::Tensor& flat, const std::optional<at::Tensor>& residual,
+                                                  Counters Stats::*counters, double bytes_per_value, Run run);
   // Stochastic rounding's seed for the call numbered `sequence`.
   uint64_t call_seed(uint64_t sequence) const;
   // Adds a call's traffic to `counters`; `bytes_per_value`: the caller's element size.
@@ -251,7 +243,6 @@ class ProcessGroupCGX final : public c10d::Backend {
   const std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Backend> exact_;
   c10::intrusive_ptr<c10d::Backend> exact_cuda_;  // exact_ when there is no NCCL
-  c10::intrusive_ptr<c10d::Backend> worker_exact_;  // may be null
   Connection connection_;  // which ranks share a host, and the transports to reach them
   collectives::Scratch scratch_;        // used by the worker thread only
   collectives::Scratch cross_scratch_;  // the hierarchical cross phases (their own thread)

@@ -111,29 +111,15 @@ CallSignature::CallSignature(uint64_t sequence, const std::vector<std::vector<in
   set_text(this->op, op);
 }
 
-const CallSignature* check_same_on_all_ranks(transport::Transport& transport, int rank, int size,
-                             const CallSignature& mine, transport::Clock::time_point deadline,
-                             Scratch& scratch) {
-  auto* theirs = reinterpret_cast<CallSignature*>(
-      scratch.buffers({size * sizeof(CallSignature)}).front());
-  theirs[rank] = mine;
-  std::vector<transport::Send> sends;
-  std::vector<transport::Recv> recvs;
-  for (int p = 0; p < size; ++p) {
-    if (p == rank) continue;
-    sends.push_back({p, &theirs[rank], sizeof(CallSignature)});
-    recvs.push_back({p, &theirs[p], sizeof(CallSignature)});
-  }
-  transport.exchange(sends, recvs, deadline);
-  // Compare everyone against rank 0 so that every rank reports the same mismatch.
+void check_same(const CallSignature* all, int size) {
+  // Everyone against rank 0, so that every rank reports the same mismatch.
   for (int p = 1; p < size; ++p) {
-    auto [zero, other] = first_difference(theirs[0], theirs[p]);
+    auto [zero, other] = first_difference(all[0], all[p]);
     if (!zero.empty())
-      throw CallMismatchError("cgx: ranks were given different calls: rank 0 has " +
-                                  zero + ", rank " + std::to_string(p) + " has " + other,
-                              theirs[0].sequence != theirs[p].sequence);
+      throw CallMismatchError("cgx: ranks were given different calls: rank 0 has " + zero + ", rank " +
+                                  std::to_string(p) + " has " + other,
+                              all[0].sequence != all[p].sequence);
   }
-  return theirs;
 }
 
 }  // namespace cgx::collectives

@@ -1,4 +1,4 @@
-// Before a compressed collective moves data, ranks compare what they were asked to do.
+// Before a compressed collective sums data, ranks compare what they were asked to do.
 // A mismatch (different sizes, dtypes, settings, or ranks out of step) then fails on
 // every rank with the same message instead of hanging or reducing garbage.
 #pragma once
@@ -8,8 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "collectives/phases.h"
-#include "transport/transport.h"
+#include "compression/layout_codec.h"
 
 namespace cgx::collectives {
 
@@ -65,12 +64,9 @@ class CallMismatchError : public std::runtime_error {
   const bool out_of_step;
 };
 
-// Sends our signature to every peer and reads theirs (into `scratch`, which outlives a
-// failed exchange). Throws CallMismatchError naming the first field that differs and the
-// ranks involved; all ranks see all signatures, so all of them throw. Returns every rank's
-// signature, [0, size), valid until `scratch` is used again.
-const CallSignature* check_same_on_all_ranks(transport::Transport& transport, int rank, int size,
-                             const CallSignature& mine, transport::Clock::time_point deadline,
-                             Scratch& scratch);
+// Throws CallMismatchError naming the first field in which a rank's signature differs from
+// rank 0's, and the ranks involved: given every rank's signatures, [0, size), every rank
+// throws the same. The exchange that brings them is AgreedCall's (call_agreement.h).
+void check_same(const CallSignature* all, int size);
 
 }  // namespace cgx::collectives

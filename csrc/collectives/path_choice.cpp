@@ -29,9 +29,16 @@ float PathChooser::Estimate::low_quantile() const {
   return 0;  // unreachable: some sample has that rank
 }
 
-Path PathChooser::choose(int size_class, const CallSignature* all, int size) {
+Path PathChooser::next(int size_class) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return classes_[size_class].next;
+}
+
+void PathChooser::agreed(int size_class, const CallSignature* all, int size) {
   std::lock_guard<std::mutex> lock(mutex_);
   Class& c = classes_[size_class];
+  c.path = c.next;
+  ++c.calls[static_cast<int>(c.path)];
   for (int p : {kC, kE}) {
     float slowest = 0;
     bool known = true;
@@ -42,10 +49,7 @@ Path PathChooser::choose(int size_class, const CallSignature* all, int size) {
     }
     if (known) c.slowest[p] = slowest;
   }
-  const Path path = next_path(c);
-  c.path = path;
-  ++c.calls[static_cast<int>(path)];
-  return path;
+  c.next = next_path(c);
 }
 
 Path PathChooser::next_path(Class& c) {

@@ -5,12 +5,13 @@
 // Each rank times its own calls of a class on both paths and estimates each path by a low
 // quantile of its last few: a stall in some calls (an idle connection waking, a busy
 // core) does not move it. Every auto call's signature carries this rank's two estimates
-// for the call's class, and the path is chosen once the signatures are exchanged and found
-// equal, from every rank's estimates (the slowest rank's: a collective ends when its
-// slowest rank does) and the class's agreed calls so far: the same on every rank however
-// differently their clocks ran. Ranks given different calls fail the agreement before a
-// path is chosen, so a mismatch is the same CallMismatchError on every path and leaves
-// every rank's choices as they were.
+// for the call's class; once a call is agreed (its signatures exchanged and found equal,
+// collectives/call_agreement.h) every rank's estimates (the slowest rank's: a collective
+// ends when its slowest rank does) and the class's agreed calls so far set the path of
+// the class's next call: the same on every rank however differently their clocks ran,
+// and known before that call moves anything, so that it carries its agreement in its own
+// first exchange. A call the ranks disagree on changes nothing: every rank's choices stay
+// as they were.
 //
 // A path is always tried in a run of consecutive calls, so that what its first call after
 // the other path pays stays within the quantile's margin. The slower path is tried again
@@ -44,8 +45,10 @@ class PathChooser {
   static constexpr int kMinSamples = 4;
   // A path is tried in runs of this many calls: the class's first calls (compressed, then
   // exact) and every re-try of the slower path. A re-try first drops the rank's samples
-  // of that path, so that the run's own timings replace those it had.
-  static constexpr int kTrialCalls = kMinSamples;
+  // of that path, so that the run's own timings replace those it had. One more call than
+  // an estimate needs: a call's own timing reaches the other ranks with the class's next
+  // call's signature.
+  static constexpr int kTrialCalls = kMinSamples + 1;
   // The slower path is re-tried after kRetryEvery x (its estimate / the faster one's)
   // calls on the faster one, at most kRetryEveryMax: a re-try's cost is at most about
   // kTrialCalls / kRetryEvery of the class's time. The first re-try comes after
@@ -58,12 +61,15 @@ class PathChooser {
   // when it was chosen (or confirmed by the last re-try).
   static constexpr float kDrift = 1.5f;
 
+  // The path of the class's next call.
+  Path next(int size_class) const;
   // This rank's estimates for the class (microseconds, 0: not measured), into a call's
   // signature before it is exchanged.
   void sign(int size_class, CallSignature& signature) const;
-  // The path of an agreed call of class `size_class`, given every rank's signature of it
-  // (`all[0, size)`). Called once per agreed call, in the group's call order.
-  Path choose(int size_class, const CallSignature* all, int size);
+  // A call of class `size_class` was agreed, with every rank's signature of it
+  // (`all[0, size)`), and went the way next() said: sets the class's next path. Called
+  // once per agreed call, in the group's call order.
+  void agreed(int size_class, const CallSignature* all, int size);
   // Records how long this rank's call of the class took on `path`.
   void record(int size_class, Path path, double microseconds);
 
@@ -90,6 +96,7 @@ class PathChooser {
     // The same on every rank:
     float slowest[2] = {0, 0};      // per Path, the latest every rank had an estimate of
     Path path = Path::kCompressed;  // the last call's
+    Path next = Path::kCompressed;  // the next call's
     Path chosen = Path::kCompressed;
     float chosen_us = 0;            // slowest[chosen] when it was chosen or confirmed
     bool confirm = true;            // a comparison is due (first, or after a re-try)
@@ -99,7 +106,7 @@ class PathChooser {
     int retry_left = 0;             // its calls still to come
     uint64_t calls[2] = {0, 0};
   };
-  // The path of the class's next agreed call, its slowest[] just updated.
+  // The path of the class's next call, its slowest[] just updated.
   static Path next_path(Class& c);
 
   // The worker chooses and records; stats() reads from the caller's thread.

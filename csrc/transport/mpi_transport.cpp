@@ -42,6 +42,8 @@ std::unique_ptr<Pending> MpiTransport::post(const std::vector<Send>& sends,
   if (comm == MPI_COMM_NULL) fail("MPI was finalized");
   for (const auto& r : recvs) {
     if (!reaches(r.peer)) fail("rank " + std::to_string(r.peer) + " is not reachable over MPI");
+    // A receive of a stated length (up_to) takes a shorter message as one MPI receive does.
+    if (r.up_to && r.bytes > kMaxPiece) fail("a receive of a stated length above " + std::to_string(kMaxPiece) + " bytes");
     for (size_t done = 0; done < r.bytes; done += kMaxPiece) {
       MPI_Request request;
       const int n = static_cast<int>(std::min(kMaxPiece, r.bytes - done));

@@ -274,21 +274,40 @@ void cpu_relax() {
 template <typename Byte>
 struct OpQueue {
   std::vector<std::span<Byte>> ops;
+  std::vector<bool> up_to;  // per op: a receive whose message states its length (Recv::up_to)
   size_t next = 0;    // first unfinished op
   size_t offset = 0;  // bytes of ops[next] already moved
   size_t total_bytes = 0;
   size_t moved_bytes = 0;
 
-  void add(Byte* data, size_t bytes) {
+  void add(Byte* data, size_t bytes, bool stated_length = false) {
     if (bytes == 0) return;  // nothing to move, so already complete
+    if (stated_length && bytes < kLengthBytes)
+      throw std::invalid_argument("cgx shm: a receive of at most " + std::to_string(bytes) +
+                                  " bytes cannot hold a message's length");
     ops.emplace_back(data, bytes);
+    up_to.push_back(stated_length);
     total_bytes += bytes;
   }
   bool done() const { return next == ops.size(); }
-  std::span<Byte> unmoved() const { return ops[next].subspan(offset); }
+  // Of an up_to receive, the length field alone first: the stream holds the next message
+  // right behind a short one.
+  std::span<Byte> unmoved() const {
+    if (up_to[next] && offset < kLengthBytes) return ops[next].subspan(offset, kLengthBytes - offset);
+    return ops[next].subspan(offset);
+  }
   void advance(size_t bytes) {
     moved_bytes += bytes;
     offset += bytes;
+    if (up_to[next] && offset == kLengthBytes) {
+      uint64_t length = 0;
+      std::memcpy(&length, ops[next].data(), kLengthBytes);
+      if (length < kLengthBytes || length > ops[next].size())
+        throw TransportError("cgx shm: a message of " + std::to_string(length) + " bytes for a receive of at most " +
+                             std::to_string(ops[next].size()));
+      total_bytes -= ops[next].size() - length;
+      ops[next] = ops[next].first(length);
+    }
     if (offset == ops[next].size()) {
       ++next;
       offset = 0;
@@ -572,7 +591,7 @@ struct ShmTransport::Impl {
     }
     for (const Recv& recv : recvs) {
       work[peer_index(recv.peer, "receive from")].recvs.add(static_cast<std::byte*>(recv.data),
-                                                            recv.bytes);
+                                                            recv.bytes, recv.up_to);
     }
     auto pending = std::make_unique<Posted>(*this, std::move(work));
     posted.push_back(pending.get());

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -23,7 +24,14 @@ struct Recv {
   int peer;
   void* data;
   size_t bytes;
+  // The message may be shorter than `bytes`: its sender wrote its whole length (a
+  // uint64_t of at least kLengthBytes, in this machine's order) in its first kLengthBytes
+  // bytes, and exactly that many arrive. A longer message fails the transport.
+  bool up_to = false;
 };
+
+// The length field that starts a message received with Recv::up_to.
+constexpr size_t kLengthBytes = sizeof(uint64_t);
 
 // A transport failed: a peer closed its connection, MPI is being finalized, a send was
 // refused. The transport is unusable afterwards (messages may be half delivered).
@@ -54,8 +62,8 @@ class Transport {
   // Starts delivering every send to its peer and filling every recv from its peer. All
   // of them make progress together (two ranks sending each other large messages cannot
   // deadlock). Messages between two ranks arrive in the order they were posted, across
-  // exchanges too; the receiver names the exact size; a rank never sends to itself. The
-  // buffers must stay valid, the sends unchanged, until wait() returns. How much moves
+  // exchanges too; the receiver names the exact size (or, Recv::up_to, the most it takes);
+  // a rank never sends to itself. The buffers must stay valid, the sends unchanged, until wait() returns. How much moves
   // before wait() is the transport's affair (Gloo and MPI move everything in the
   // background; shared memory moves what its rings hold and the rest in wait()).
   virtual std::unique_ptr<Pending> post(const std::vector<Send>& sends,

@@ -1,12 +1,13 @@
-// The agreement before every compressed call (collectives/call_signature.h) over
-// ShmTransport between forked processes: every rank raises the same message naming the
-// first field that differs, and the transport stays usable after a mismatch.
+// The agreement of every compressed call (collectives/call_signature.h, exchanged by
+// call_agreement.h) over ShmTransport between forked processes: every rank raises the same
+// message naming the first field that differs, and the transport stays usable after a
+// mismatch.
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "check.h"
-#include "collectives/call_signature.h"
+#include "collectives/call_agreement.h"
 #include "fixtures.h"
 #include "ranks.h"
 #include "transport/shm_transport.h"
@@ -18,12 +19,12 @@ using collectives::CallMismatchError;
 using collectives::CallSignature;
 using transport::ShmTransport;
 
-// The message check_same_on_all_ranks throws, or "" when the ranks agree; `out_of_step`
-// receives the error's flag.
+// The message a call that moves nothing but its agreement throws, or "" when the ranks
+// agree; `out_of_step` receives the error's flag.
 std::string mismatch(ShmTransport& transport, int rank, int size, const CallSignature& mine,
                      collectives::Scratch& scratch, bool* out_of_step = nullptr) {
   try {
-    collectives::check_same_on_all_ranks(transport, rank, size, mine, soon(), scratch);
+    collectives::AgreedCall(transport, rank, size, mine, 0, soon(), scratch).agree();
     return "";
   } catch (const CallMismatchError& e) {
     if (out_of_step) *out_of_step = e.out_of_step;

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "check.h"
-#include "collectives/call_signature.h"
+#include "collectives/call_agreement.h"
 #include "collectives/path_choice.h"
 #include "fixtures.h"
 #include "ranks.h"
@@ -20,9 +20,10 @@ using collectives::PathChooser;
 
 constexpr int kClass = 20;  // 1 MiB calls
 
-// Runs `calls` calls of kClass on this rank's chooser as the backend does: each call signs,
-// exchanges signatures with every rank, and its path is chosen from them; then its
-// duration is recorded as `took(call, path)` says. Returns the paths, in order.
+// Runs `calls` calls of kClass on this rank's chooser as the backend does: each call goes
+// the way the chooser says, signs, exchanges signatures with every rank (an agreed call
+// that moves nothing else), records its duration as `took(call, path)` says, and tells
+// the chooser it was agreed. Returns the paths, in order.
 template <typename Took>
 std::vector<Path> run_calls(PathChooser& chooser, transport::Transport& transport, int rank, int size,
                             int first, int calls, collectives::Scratch& scratch, Took took) {
@@ -30,11 +31,12 @@ std::vector<Path> run_calls(PathChooser& chooser, transport::Transport& transpor
   std::vector<Path> paths;
   for (int call = first; call < first + calls; ++call) {
     CallSignature signature(call, {{1000}}, 1000, codec, "Float", "SUM", 4, 512, 0);
+    const Path path = chooser.next(kClass);
     chooser.sign(kClass, signature);
-    const CallSignature* all = collectives::check_same_on_all_ranks(transport, rank, size, signature,
-                                                                    soon(), scratch);
-    const Path path = chooser.choose(kClass, all, size);
+    collectives::AgreedCall agreement(transport, rank, size, signature, static_cast<uint32_t>(path), soon(), scratch);
+    const CallSignature* all = agreement.agree();
     chooser.record(kClass, path, took(call, path));
+    chooser.agreed(kClass, all, size);
     paths.push_back(path);
   }
   return paths;
@@ -76,7 +78,7 @@ CGX_TEST(auto_choices_are_the_same_on_every_rank_and_follow_the_slowest_rank) {
     const int run = PathChooser::kTrialCalls;
     CHECK_EQ(count(paths, Path::kExact, 0, run), 0);
     CHECK_EQ(count(paths, Path::kExact, run, 2 * run), run);
-    // Settled on exact, compressed re-tried once after 64 calls (calls 72-75), then after
+    // Settled on exact, compressed re-tried once after 64 calls (calls 74-78), then after
     // 64 x (50000 / 3000).
     CHECK_EQ(count(paths, Path::kCompressed, 100, 300), 0);
     CHECK(count(paths, Path::kExact, 100, 300) == 200);
@@ -97,9 +99,10 @@ std::vector<Path> alone(PathChooser& chooser, int calls, double compressed_us, d
   std::vector<Path> paths;
   for (int call = 0; call < calls; ++call) {
     CallSignature signature;
+    const Path path = chooser.next(kClass);
     chooser.sign(kClass, signature);
-    const Path path = chooser.choose(kClass, &signature, 1);
     chooser.record(kClass, path, path == Path::kExact ? exact_us : compressed_us);
+    chooser.agreed(kClass, &signature, 1);
     paths.push_back(path);
   }
   return paths;
@@ -127,7 +130,7 @@ std::pair<std::vector<int>, std::vector<int>> runs_of(const std::vector<Path>& p
 CGX_TEST(auto_retries_the_losing_path_more_rarely_the_more_it_loses) {
   const int run = PathChooser::kTrialCalls;
   // Exact 2x slower: a run of it after the first 64 compressed calls, then after every
-  // 2 x 64 (calls 72, 204, 336, ..., 1920).
+  // 2 x 64 (calls 74, 207, 340, ..., 1936).
   PathChooser close;
   const std::vector<Path> a = alone(close, 2000, 1000, 2000);
   const auto [a_runs, a_gaps] = runs_of(a, Path::kExact, 2 * run);
@@ -176,7 +179,7 @@ CGX_TEST(auto_is_not_fooled_by_the_first_call_after_a_switch_stalling) {
   auto after_a_switch = [](const std::vector<Path>& before, Path path) {
     return !before.empty() && before.back() != path ? 20000.0 : 0.0;
   };
-  with_stalls(600, after_a_switch, [&](const std::vector<Path>& paths) {
+  with_stalls(2 * run + 64 + 2 * 256 + 3 * run, after_a_switch, [&](const std::vector<Path>& paths) {
     // Exact from the first comparison on; compressed only in its re-try runs, after the
     // first 64 calls, then after every 64 x 2000 / 500.
     const auto [runs, gaps] = runs_of(paths, Path::kCompressed, 2 * run);
@@ -207,7 +210,7 @@ CGX_TEST(auto_takes_a_second_look_when_its_trials_met_a_stall) {
 
 CGX_TEST(auto_takes_a_second_look_when_the_chosen_path_gets_slower) {
   // As above, compression wins the first comparison from stalled exact trials, and the
-  // first re-try (calls 72-75) is stalled too; then compression gets 2x slower (still 5x
+  // first re-try (calls 74-78) is stalled too; then compression gets 2x slower (still 5x
   // faster than the stalled estimate): exact is re-tried at once and wins, long before
   // the 640 calls the ratio alone would wait.
   const int run = PathChooser::kTrialCalls;
@@ -216,13 +219,13 @@ CGX_TEST(auto_takes_a_second_look_when_the_chosen_path_gets_slower) {
     return before.size() >= 100 ? 2000.0 : 0.0;
   };
   with_stalls(200, stalls_then_slower, [&](const std::vector<Path>& paths) {
-    CHECK_EQ(count(paths, Path::kExact, 2 * run, 72), 0);
-    CHECK_EQ(count(paths, Path::kExact, 72, 76), run);
-    CHECK_EQ(count(paths, Path::kExact, 76, 100), 0);
+    CHECK_EQ(count(paths, Path::kExact, 2 * run, 74), 0);
+    CHECK_EQ(count(paths, Path::kExact, 74, 79), run);
+    CHECK_EQ(count(paths, Path::kExact, 79, 100), 0);
     // Rank 1's estimate (the 3rd smallest of its last 8) has grown once 6 slower calls are
-    // in: call 106 carries it and begins the re-try.
-    CHECK_EQ(count(paths, Path::kExact, 100, 106), 0);
-    CHECK_EQ(count(paths, Path::kExact, 106, 200), 200 - 106);
+    // in: call 106's signature carries it, and the re-try begins with the next call.
+    CHECK_EQ(count(paths, Path::kExact, 100, 107), 0);
+    CHECK_EQ(count(paths, Path::kExact, 107, 200), 200 - 107);
   });
 }
 

@@ -1,8 +1,10 @@
 // transport::ShmTransport between forked processes, with a store made of files.
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -113,6 +115,40 @@ CGX_TEST(shm_exchanges_messages_larger_than_the_ring_3_ranks) { exchange_large_m
 // a message rank 0 never sends. Both raise TimeoutError at their deadline, not much after
 // (rank 2 maybe a little before, told by rank 0 that it timed out), and their transports
 // refuse further use.
+// Recv::up_to: a message that states its length is taken whole into a larger receive,
+// and the one right behind it in the stream (past the ring's size) arrives intact; a
+// message longer than the receive fails the exchange.
+CGX_TEST(shm_takes_a_shorter_message_of_a_stated_length) {
+  run_ranks(2, [&](int rank, KeyValueStore& store, const std::string& prefix) {
+    ShmTransport transport(rank, ranks_below(2), prefix, kRingBytes, store);
+    const int peer = 1 - rank;
+    for (const uint64_t length : {uint64_t{8}, uint64_t{100}, uint64_t{3 * kRingBytes + 5}}) {
+      std::vector<uint8_t> stated = message(rank, peer, static_cast<int>(length), length);
+      std::memcpy(stated.data(), &length, sizeof length);
+      const std::vector<uint8_t> behind = message(rank, peer, 7, 2 * kRingBytes);
+      std::vector<uint8_t> got_stated(length + 5 * kRingBytes), got_behind(behind.size());
+      transport.exchange({{peer, stated.data(), stated.size()}, {peer, behind.data(), behind.size()}},
+                         {{peer, got_stated.data(), got_stated.size(), /*up_to=*/true},
+                          {peer, got_behind.data(), got_behind.size()}},
+                         Clock::now() + 10s);
+      std::vector<uint8_t> expected = message(peer, rank, static_cast<int>(length), length);
+      std::memcpy(expected.data(), &length, sizeof length);
+      CHECK(std::equal(expected.begin(), expected.end(), got_stated.begin()));
+      CHECK(got_behind == message(peer, rank, 7, 2 * kRingBytes));
+    }
+    uint64_t too_long[4] = {sizeof too_long, 1, 2, 3};
+    uint64_t room[2] = {};
+    bool failed = false;
+    try {
+      transport.exchange({{peer, too_long, sizeof too_long}}, {{peer, room, sizeof room, /*up_to=*/true}},
+                         Clock::now() + 10s);
+    } catch (const transport::TransportError& e) {
+      failed = std::string(e.what()).find("a message of 32 bytes for a receive of at most 16") != std::string::npos;
+    }
+    CHECK(failed);
+  });
+}
+
 CGX_TEST(shm_times_out_when_a_peer_never_sends_or_receives) {
   run_ranks(3, [](int rank, KeyValueStore& store, const std::string& prefix) {
     ShmTransport transport(rank, {0, 1, 2}, prefix, kRingBytes, store);
