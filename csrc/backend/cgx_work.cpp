@@ -27,8 +27,27 @@ void CGXWork::settle(std::exception_ptr error) {
   finish(error);
 }
 
+c10::intrusive_ptr<c10::ivalue::Future> CGXWork::getFuture() {
+  std::lock_guard<std::mutex> lock(future_mutex_);
+  future_taken_ = true;
+  return future_;
+}
+
 void CGXWork::settle_async(c10::intrusive_ptr<CGXWork> work, std::exception_ptr error,
                            std::optional<c10::Stream> stream, std::function<void()> then) {
+  {
+    // Under the lock, a getFuture() waits for the settling and gets a completed future.
+    std::unique_lock<std::mutex> lock(work->future_mutex_);
+    if (!work->future_taken_) {
+      {
+        const c10::OptionalStreamGuard guard(stream);
+        work->settle(error);
+      }
+      lock.unlock();
+      if (then) then();
+      return;
+    }
+  }
   run_on_callback_thread([work = std::move(work), error, stream, then = std::move(then)] {
     {
       const c10::OptionalStreamGuard guard(stream);

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <functional>
+#include <mutex>
 #include <optional>
 
 namespace cgx::backend {
@@ -24,9 +25,11 @@ class CGXWork final : public c10d::Work {
   void settle(std::exception_ptr error);
   // The same on a callback thread (callback_threads.h): future callbacks may then start,
   // or wait for, collectives of the group without blocking the group's worker thread or
-  // other completions. `stream`:
-  // the stream the results are complete on (current while the future is settled).
-  // `then` runs once the Work is complete.
+  // other completions. Where nobody has taken the future yet (so no callback can be on
+  // it: a plain wait()), settles on this thread instead, saving a hand-over between
+  // threads (a wake-up, which a VM's idle vCPUs can take milliseconds to serve).
+  // `stream`: the stream the results are complete on (current while the future is
+  // settled). `then` runs once the Work is complete.
   static void settle_async(c10::intrusive_ptr<CGXWork> work, std::exception_ptr error,
                            std::optional<c10::Stream> stream = std::nullopt,
                            std::function<void()> then = {});
@@ -35,7 +38,7 @@ class CGXWork final : public c10d::Work {
   // stream wait for it.
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
   // Whether CGX_COMPRESSION_AUTO sent the call with every value raw (set before it
   // completes): what it put on the wire is then its values in float32, not its layout's
@@ -45,6 +48,8 @@ class CGXWork final : public c10d::Work {
 
  private:
   std::atomic<bool> sent_exactly_{false};
+  std::mutex future_mutex_;   // settle_async's choice against getFuture
+  bool future_taken_ = false;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };

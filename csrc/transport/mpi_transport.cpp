@@ -77,6 +77,7 @@ void MpiTransport::wait(Pending& pending, Clock::time_point deadline) {
     requests.clear();  // MPI finalises with them: nothing may touch them any more
     throw TransportError("cgx transport over MPI failed: MPI is being finalized");
   }
+  if (requests.empty()) return;  // nothing posted (empty messages are not sent): done
   std::vector<int> indices(requests.size());
   std::string error;
   bool timed_out = false;
