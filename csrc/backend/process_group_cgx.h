@@ -223,13 +223,16 @@ class ProcessGroupCGX final : public c10d::Backend {
   // the call options (`seed`, the deadline, the lane's executor and scratch), the residual
   // folded in, `run(options, transport)` (the collective, on a transport that carries
   // `signature` and `way` in its first exchange: collectives/call_agreement.h), its
-  // traffic counted in `counters`. Returns every rank's signature. The body before it
-  // flattens the call's tensors; after it, writes the results back.
+  // traffic counted in `counters`. Returns every rank's signature. A call the ranks
+  // disagree on leaves the residual and `preserved` (a caller's tensor the collective
+  // writes before the agreement is known; undefined: none) as they were. The body before
+  // it flattens the call's tensors; after it, writes the results back.
   template <typename CollectiveOptions, typename Run>
   const collectives::CallSignature* agree_and_run(CollectiveOptions& options, uint64_t seed, const Lane& lane,
                                                   const collectives::CallSignature& signature, uint32_t way,
                                                   at::Tensor& flat, const std::optional<at::Tensor>& residual,
-                                                  Counters Stats::*counters, double bytes_per_value, Run run);
+                                                  Counters Stats::*counters, double bytes_per_value,
+                                                  const at::Tensor& preserved, Run run);
   // Stochastic rounding's seed for the call numbered `sequence`.
   uint64_t call_seed(uint64_t sequence) const;
   // Adds a call's traffic to `counters`; `bytes_per_value`: the caller's element size.

@@ -112,13 +112,18 @@ CallSignature::CallSignature(uint64_t sequence, const std::vector<std::vector<in
 }
 
 void check_same(const CallSignature* all, int size) {
-  // Everyone against rank 0, so that every rank reports the same mismatch.
-  for (int p = 1; p < size; ++p) {
+  // Everyone against rank 0, so that every rank reports the same mismatch. Ranks at
+  // different calls of the group first, whichever rank they are: that one makes the group
+  // unusable (its other calls are out of step too), whatever else differs before it.
+  int out_of_step = 0;
+  for (int p = 1; p < size && !out_of_step; ++p)
+    if (all[p].sequence != all[0].sequence) out_of_step = p;
+  for (int p = out_of_step ? out_of_step : 1; p < size; ++p) {
     auto [zero, other] = first_difference(all[0], all[p]);
     if (!zero.empty())
       throw CallMismatchError("cgx: ranks were given different calls: rank 0 has " + zero + ", rank " +
                                   std::to_string(p) + " has " + other,
-                              all[0].sequence != all[p].sequence);
+                              out_of_step != 0);
   }
 }
 

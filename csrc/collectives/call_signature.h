@@ -65,7 +65,8 @@ class CallMismatchError : public std::runtime_error {
 };
 
 // Throws CallMismatchError naming the first field in which a rank's signature differs from
-// rank 0's, and the ranks involved: given every rank's signatures, [0, size), every rank
+// rank 0's, and the ranks involved (the first rank at another call of the group, if any:
+// the error is then out_of_step): given every rank's signatures, [0, size), every rank
 // throws the same. The exchange that brings them is AgreedCall's (call_agreement.h).
 void check_same(const CallSignature* all, int size);
 

@@ -72,6 +72,17 @@ CGX_TEST(call_signatures_that_differ_raise_the_same_message_on_every_rank) {
         fail(__FILE__, __LINE__, "rank " + std::to_string(rank) + ": " + message);
       CHECK_EQ(out_of_step, c.out_of_step);
     }
+    // Rank 1 given other arguments, rank 2 a call ahead: the group is out of step, whatever
+    // rank 1's difference (named first, it would leave the group usable and pair the
+    // others' next calls with rank 2's stale one).
+    {
+      bool out_of_step = false;
+      const CallSignature mine = rank == 1 ? signature(8, codec, 3, shape, 1.0)
+                                 : rank == 2 ? signature(9, codec, 4, shape, 1.0) : same;
+      const std::string message = mismatch(transport, rank, size, mine, scratch, &out_of_step);
+      CHECK(message.find("rank 0 has call #8 of the group, rank 2 has call #9 of the group") != std::string::npos);
+      CHECK(out_of_step);
+    }
     // Only signatures moved: the next call agrees.
     CHECK_EQ(mismatch(transport, rank, size, signature(10, codec, 4, shape, 1.0), scratch), std::string());
   });
