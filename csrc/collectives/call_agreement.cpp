@@ -13,7 +13,6 @@ using transport::Recv;
 using transport::Send;
 
 // What starts every first message.
-// What starts every first message.
 struct AgreedCall::Header {
   uint64_t length = 0;  // of the whole message, this header included (Recv::up_to)
   // The whole of the first send to the receiver whose first bytes follow (kNone: the
