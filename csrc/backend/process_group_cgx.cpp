@@ -220,7 +220,7 @@ template <typename CollectiveOptions, typename Run>
 const collectives::CallSignature* ProcessGroupCGX::agree_and_run(
     CollectiveOptions& options, uint64_t seed, const Lane& lane, const collectives::CallSignature& signature,
     uint32_t way, at::Tensor& flat, const std::optional<at::Tensor>& residual, Counters Stats::*counters,
-    double bytes_per_value, const at::Tensor& preserved, Run run) {
+    double bytes_per_value, Run run) {
   collectives::CallOptions& call = options;
   call.seed = seed;
   call.deadline = deadline_after(timeout_);
@@ -229,22 +229,16 @@ const collectives::CallSignature* ProcessGroupCGX::agree_and_run(
   call.piece_values = settings_.piece_values;
   collectives::AgreedCall transport(*connection_.transport, getRank(), getSize(), signature, way, call.deadline,
                                     *lane.scratch);
-  // The collective encodes its first pieces (the residual folded in, an own shard
-  // quantized in place) before the agreement is known: a call the ranks disagree on
-  // gives back what it changed, bit for bit.
-  const at::Tensor kept_residual = residual ? residual->clone() : at::Tensor();
-  const at::Tensor kept = preserved.defined() ? preserved.clone() : at::Tensor();
+  // With a residual the agreement goes first, alone: the collective's first pieces fold
+  // it in and rewrite it, and a call the ranks disagree on must leave it as it was (qsdp
+  // keeps its residuals in the tensors it passes). A round trip, where keeping a copy
+  // would cost a pass over the buffer every call.
+  if (residual) transport.agree();
   call.residual = fold_residual(flat, residual);
-  try {
-    const collectives::Traffic traffic = run(options, transport);
-    const collectives::CallSignature* all = transport.agree();
-    count(counters, traffic, bytes_per_value);
-    return all;
-  } catch (const collectives::CallMismatchError&) {
-    if (residual) residual->copy_(kept_residual);
-    if (kept.defined()) preserved.copy_(kept);
-    throw;
-  }
+  const collectives::Traffic traffic = run(options, transport);
+  const collectives::CallSignature* all = transport.agree();
+  count(counters, traffic, bytes_per_value);
+  return all;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_layout(
@@ -277,11 +271,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_layout(
     collectives::AllgatherOptions options;
     options.shard = codec.get();
     options.algorithm = flat_algorithm();
-    // The own shard is quantized in place before the agreement: the caller's input where
-    // it is that shard (FSDP2 lays it out so).
-    const at::Tensor preserved = own.data_ptr() == input.data_ptr() ? own : at::Tensor();
     agree_and_run(options, seed, lane, signature_of(sequence, {input}, flat.numel(), *codec, "gather"), 0,
-                  flat, std::nullopt, &Stats::allgather, input.element_size(), preserved,
+                  flat, std::nullopt, &Stats::allgather, input.element_size(),
                   [&](const auto& o, collectives::AgreedCall& transport) {
                     return collectives::compressed_allgather(transport, getRank(), getSize(), flat.data_ptr<float>(), o);
                   });
@@ -309,8 +300,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_layout(
     const double scale = op == c10d::ReduceOp::PREMUL_SUM ? factor : 1.0;
     agree_and_run(options, call_seed(sequence), lane,
                   signature_of(sequence, {output}, flat.numel(), *codec, op_text, scale), 0, flat, residual,
-                  &Stats::reduce_scatter, input.element_size(), at::Tensor(),  // `flat` is a copy
-                  [&](const auto& o, collectives::AgreedCall& transport) {
+                  &Stats::reduce_scatter, input.element_size(), [&](const auto& o, collectives::AgreedCall& transport) {
                     return collectives::compressed_reduce_scatter(transport, getRank(), getSize(),
                                                                   flat.data_ptr<float>(), o);
                   });
@@ -505,7 +495,6 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
   const collectives::CallSignature* all = agree_and_run(
       options, call_seed(sequence), lane, signature, static_cast<uint32_t>(path), flat, residual, &Stats::allreduce,
       static_cast<double>(input_bytes) / flat.numel(),
-      residual && in_place ? flat : at::Tensor(),  // the caller's, the residual folded into it
       [&](collectives::AllreduceOptions& o, collectives::AgreedCall& transport) {
         return collectives::allreduce(transport, getRank(), connection_.hosts, flat.data_ptr<float>(), o);
       });

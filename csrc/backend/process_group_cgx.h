@@ -224,15 +224,13 @@ class ProcessGroupCGX final : public c10d::Backend {
   // folded in, `run(options, transport)` (the collective, on a transport that carries
   // `signature` and `way` in its first exchange: collectives/call_agreement.h), its
   // traffic counted in `counters`. Returns every rank's signature. A call the ranks
-  // disagree on leaves the residual and `preserved` (a caller's tensor the collective
-  // writes before the agreement is known; undefined: none) as they were. The body before
-  // it flattens the call's tensors; after it, writes the results back.
+  // disagree on leaves the residual as it was. The body before it flattens the call's
+  // tensors; after it, writes the results back.
   template <typename CollectiveOptions, typename Run>
   const collectives::CallSignature* agree_and_run(CollectiveOptions& options, uint64_t seed, const Lane& lane,
                                                   const collectives::CallSignature& signature, uint32_t way,
                                                   at::Tensor& flat, const std::optional<at::Tensor>& residual,
-                                                  Counters Stats::*counters, double bytes_per_value,
-                                                  const at::Tensor& preserved, Run run);
+                                                  Counters Stats::*counters, double bytes_per_value, Run run);
   // Stochastic rounding's seed for the call numbered `sequence`.
   uint64_t call_seed(uint64_t sequence) const;
   // Adds a call's traffic to `counters`; `bytes_per_value`: the caller's element size.

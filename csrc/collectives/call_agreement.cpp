@@ -214,9 +214,7 @@ std::vector<Recv> AgreedCall::deliver(const std::vector<Recv>& recvs) {
 }
 
 void AgreedCall::check(const Header* headers) const {
-  std::vector<CallSignature> all(size_);
-  for (int p = 0; p < size_; ++p) all[p] = headers[p].signature;
-  check_same(all.data(), size_);
+  check_same(signatures_, size_);
   // Equal calls take equal ways; a difference here is cgx's own fault (auto's choices out
   // of step), so the group stops.
   for (int p = 1; p < size_; ++p)
