@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from cgx import _C, mpi
 from cgx.config import VARIABLES, Config, from_env, read
+from cgx.gloo_group import new_gloo_group
 
 # Settings every rank of a group must share (the host name, the segment names' tag and the
 # codec's threads, which change no bit, are each rank's own).
@@ -80,7 +81,7 @@ def new_backend(store: dist.Store, rank: int, size: int, timeout: datetime.timed
     config = _check_same_config(cgx_store, rank, size, config, problem)
     if config.uses_mpi:
         mpi.require(config)
-    exact = dist.ProcessGroupGloo(dist.PrefixStore(f"gloo/{incarnation}/", store), rank, size, timeout)
+    exact = new_gloo_group(dist.PrefixStore(f"gloo/{incarnation}/", store), rank, size, timeout)
     exact_cuda = None
     if cuda_exact_backend(_gather(cgx_store, "gpu", rank, size, _this_gpu())) == "nccl":
         options = dist.ProcessGroupNCCL.Options()
