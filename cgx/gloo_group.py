@@ -1,5 +1,5 @@
 """The Gloo process group that carries a cgx group's exact path and its links to other
-hosts, with its socket thread kept from preempting the threads that feed it.
+hosts, with its threads kept from preempting the threads that feed them.
 
 Gloo's TCP transport moves data on a device thread ("gloo_tcp_loop") that handles each
 socket's events under the connection's lock, and skips the event when it cannot take the
@@ -16,43 +16,41 @@ core, and at its fair share otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from typing import Iterator
 
 import torch.distributed as dist
 
-__all__ = ["new_gloo_group", "loop_threads"]
-
-_LOOP_THREAD = "gloo_tcp_loop"
+__all__ = ["new_gloo_group"]
 
 
 def new_gloo_group(store: dist.Store, rank: int, size: int,
                    timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
-    """A ProcessGroupGloo on `store` whose device threads (the ones its creation started)
-    are scheduled SCHED_BATCH, where Linux allows it; elsewhere a plain one."""
-    before = loop_threads()
-    group = dist.ProcessGroupGloo(store, rank, size, timeout)
-    if hasattr(os, "sched_setscheduler"):
-        for tid in loop_threads() - before:
-            try:
-                os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
-            except OSError:
-                pass  # a seccomp profile that refuses it: the group works as Gloo's default
-    return group
+    """A ProcessGroupGloo on `store` whose threads (Gloo's device thread and the group's
+    workers) are scheduled SCHED_BATCH where Linux allows it; elsewhere a plain one."""
+    with _threads_started_here_batch():
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def loop_threads() -> set[int]:
-    """This process's Gloo device threads, by thread id (none where /proc is absent)."""
+@contextlib.contextmanager
+def _threads_started_here_batch() -> Iterator[None]:
+    """Threads this thread starts meanwhile are SCHED_BATCH: Linux threads take their
+    creator's policy, so none started by another thread is touched, and none is found by
+    name (Gloo names its device thread after it starts). This thread's own policy is put
+    back after; a thread scheduled otherwise than SCHED_OTHER is left alone."""
+    if not hasattr(os, "sched_setscheduler"):
+        yield
+        return
     try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return set()
-    found = set()
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() == _LOOP_THREAD:
-                    found.add(int(tid))
-        except OSError:
-            continue  # the thread ended meanwhile
-    return found
+        switched = os.sched_getscheduler(0) == os.SCHED_OTHER
+        if switched:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError:  # a seccomp profile that refuses it: the group is Gloo's default
+        switched = False
+    try:
+        yield
+    finally:
+        if switched:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
