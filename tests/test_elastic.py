@@ -605,7 +605,7 @@ def _survive_hard_failures(replica, replicas, port, how):
     import signal
 
     import cgx
-    import cgx.outer_sync
+    import cgx.diloco.outer_sync
     from test_diloco import _model, _train_step
 
     model = _model(replica)
@@ -613,7 +613,7 @@ def _survive_hard_failures(replica, replicas, port, how):
     membership = _membership(replica, port, f"hard-{how}", starting=replicas, min_replicas=2)
     diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=32 if how == "exact" else 4,
                         overlap=1, membership=membership)
-    replicas_class = cgx.outer_sync._Replicas
+    replicas_class = cgx.diloco.outer_sync._Replicas
     if replica == 2 and how == "exact":
         agree, exact_average = replicas_class.agree, replicas_class.exact_average
 
@@ -683,7 +683,7 @@ def test_diloco_survivors_stay_identical_through_failures_met_out_of_step_twice_
 
 
 def test_a_joiner_is_refused_for_the_first_construction_difference_its_trained_parameters_too():
-    from cgx.elastic_replica import _refused
+    from cgx.diloco.elastic_replica import _refused
 
     def position(established, **construction):
         run = {"sync_every": 4, "trained parameters": [("0.weight", (32, 8)), ("0.bias", (32,))]}

@@ -1,4 +1,4 @@
-"""The pieces of Streaming DiLoCo's outer syncs (cgx/diloco.py holds the class that runs
+"""The pieces of Streaming DiLoCo's outer syncs (diloco.py holds the class that runs
 them): the schedule's settings, a synced parameter (member) with its global copy, the
 replicas' agreement that rides on each sync, a sync in flight, the replicas (a group or an
 elastic round) with their collectives, and a fragment of whole layers with its outer
@@ -17,10 +17,10 @@ import torch.distributed as dist
 from cgx import _C
 from cgx.backend import exact, get_backend
 from cgx.config import check_int
+from cgx.diloco.replica_host import move_by_dtype
 from cgx.elastic import Round
 from cgx.errors import CallMismatchError, CollectiveTimeoutError, PeerError
 from cgx.layers import RAW, LayerSetting, Segment, all_raw, append_segment, layout_bytes
-from cgx.replica_host import move_by_dtype
 from cgx.residuals import Residuals, place
 
 _PATTERNS = ("strided", "sequential")

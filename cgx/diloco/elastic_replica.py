@@ -2,7 +2,7 @@
 run's members change. A failure makes the members re-form and do again only what is left;
 in each new round they compare positions and pick the reference, those that differ take
 its layout and state point to point, and syncs in flight are settled. cgx.DiLoCo inherits
-these methods (cgx/diloco.py); the pieces they work on are cgx/outer_sync.py's."""
+these methods (diloco.py); the pieces they work on are outer_sync.py's."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from cgx.diloco.outer_sync import _ROW, _SYNC, _Agreement, _local, _Replicas, _Sync, _trained
 from cgx.elastic import Round
 from cgx.errors import CallMismatchError, MembershipError
-from cgx.outer_sync import _ROW, _SYNC, _Agreement, _local, _Replicas, _Sync, _trained
 
 _log = logging.getLogger("cgx.diloco")
 

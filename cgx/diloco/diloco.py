@@ -40,12 +40,13 @@ import torch.distributed as dist
 from cgx.agreement import first_difference
 from cgx.backend import resolve_group
 from cgx.counters import Stats
+from cgx.diloco.elastic_replica import ElasticReplica, _TookState
+from cgx.diloco.outer_sync import (_CLOSE, _SYNC, _Agreement, _assign, _current_rows, _Fragment, _layers, _local,
+                                   _Member, _member, _Replicas, _restore, _Schedule, _Sync, _synced_parameters,
+                                   _trained)
+from cgx.diloco.replica_host import CHANGED, CLOSED, FAILED, LEFT, UNCHANGED, ReplicaHost
 from cgx.elastic import Membership
-from cgx.elastic_replica import ElasticReplica, _TookState
 from cgx.layers import CompressionPolicy, LayerSetting, check_bits, check_bucket_size
-from cgx.outer_sync import (_CLOSE, _SYNC, _Agreement, _assign, _current_rows, _Fragment, _layers, _local, _Member,
-                            _member, _Replicas, _restore, _Schedule, _Sync, _synced_parameters, _trained)
-from cgx.replica_host import CHANGED, CLOSED, FAILED, LEFT, UNCHANGED, ReplicaHost
 from cgx.residuals import Residuals, check_same_place
 
 __all__ = ["DiLoCo"]
@@ -211,7 +212,7 @@ class DiLoCo(ElasticReplica):
 
     def _init_follower(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer) -> None:
         """A rank of a host's replica other than its lead: takes the lead's step and
-        weights after every inner step (cgx/replica_host.py)."""
+        weights after every inner step (replica_host.py)."""
         self._model, self._optimizer = model, inner_optimizer
         self.step, self._closed = 0, False
         self._hook = inner_optimizer.register_step_post_hook(lambda *_: self._hear_the_lead())
