@@ -683,7 +683,7 @@ def test_diloco_survivors_stay_identical_through_failures_met_out_of_step_twice_
 
 
 def test_a_joiner_is_refused_for_the_first_construction_difference_its_trained_parameters_too():
-    from cgx.diloco.elastic_replica import _refused
+    from cgx.diloco.recovery import _refused
 
     def position(established, **construction):
         run = {"sync_every": 4, "trained parameters": [("0.weight", (32, 8)), ("0.bias", (32,))]}
@@ -740,7 +740,7 @@ def _take_a_position(rank, world):
             inner.add_param_group({"params": list(model[2].parameters())})
         _train_step(model, inner, 0, step)
     run.sync_every = 8
-    taker._take_position({"step": run.step, "layout": run._layout()})
+    taker._take_layout(run._layout(), run.step)
     return ([list(d._joining) for d in (run, taker)], [[f.offset for f in d._fragments] for d in (run, taker)])
 
 

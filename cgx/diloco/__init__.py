@@ -1,5 +1,5 @@
 """Streaming DiLoCo (:class:`DiLoCo`) and its machinery: the fragments and their sync
-(`outer_sync`), an elastic run's recovery (`elastic_replica`), a host's DDP group as one
+(`outer_sync`), an elastic run's recovery (`recovery`), a host's DDP group as one
 replica (`replica_host`). The modules here share private names; nothing outside this
 package imports one (tests/test_layout.py)."""
 

@@ -40,10 +40,10 @@ import torch.distributed as dist
 from cgx.agreement import first_difference
 from cgx.backend import resolve_group
 from cgx.counters import Stats
-from cgx.diloco.elastic_replica import ElasticReplica, _TookState
-from cgx.diloco.outer_sync import (_CLOSE, _SYNC, _Agreement, _assign, _current_rows, _Fragment, _layers, _local,
-                                   _Member, _member, _Replicas, _restore, _Schedule, _Sync, _synced_parameters,
-                                   _trained)
+from cgx.diloco.outer_sync import (_CLOSE, _ROW, _SYNC, _Agreement, _assign, _current_rows, _Fragment, _layers,
+                                   _local, _Member, _member, _Replicas, _restore, _Schedule, _Sync,
+                                   _synced_parameters, _trained)
+from cgx.diloco.recovery import Recovery
 from cgx.diloco.replica_host import CHANGED, CLOSED, FAILED, LEFT, UNCHANGED, ReplicaHost
 from cgx.elastic import Membership
 from cgx.layers import CompressionPolicy, LayerSetting, check_bits, check_bucket_size
@@ -67,7 +67,7 @@ def _schedule_field(name: str) -> property:
     return property(lambda self: getattr(self._schedule, name), set_field)
 
 
-class DiLoCo(ElasticReplica):
+class DiLoCo:
     """Streaming DiLoCo on the inner optimizer of `model`.
 
     Args:
@@ -145,7 +145,7 @@ class DiLoCo(ElasticReplica):
             if self._host is None:
                 raise
             problem, built = e, {}
-        self._membership = membership  # held: the membership's heartbeats stop once nothing does
+        self._recovery: Recovery | None = None  # an elastic run's (it holds the membership)
         self._weights_changed = False  # this step (the lead tells its host)
         self.step = 0
         if self._host is not None:
@@ -170,7 +170,8 @@ class DiLoCo(ElasticReplica):
                                 f"{type(membership).__name__}")
             if group is not None:
                 raise ValueError("cgx.DiLoCo: give either group or membership, not both")
-            self._replicas = _Replicas.of_round(membership.round or membership.next_round())
+            self._recovery = Recovery(self, membership)
+            self._replicas = self._recovery.first_replicas()
         self._model = model
         self._optimizer = inner_optimizer
         self._policy = policy or CompressionPolicy.from_settings(self._replicas.backend.settings, bits=bits,
@@ -184,16 +185,11 @@ class DiLoCo(ElasticReplica):
             self._start_together()
             self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
             return
-        self._established = False  # holds the run's state (the run started with it, or it took it)
-        self._took_state = False  # took it from a live member: a checkpoint would set it apart
-        self._ids: list[str] = []  # the replicas of the current round, by Membership.replica_id
-        self._elastic_stats = {"rounds": 0, "replicas_lost": 0, "replicas_joined": 0, "syncs_redone": 0,
-                               "reform_seconds": 0.0, "bytes_to_joiners": 0}
         if self._host is not None:
             self._warn_if_the_host_waits_less(membership)
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
         try:
-            self._join_the_run()
+            self._recovery.join()
         except BaseException:
             self._closed = True
             self._hook.remove()  # a DiLoCo that failed to join trains nothing
@@ -322,9 +318,13 @@ class DiLoCo(ElasticReplica):
             raise
         self._tell_host(event)
 
+    def _with_recovery(self, action: Callable[[], Any]) -> Any:
+        """Runs `action`; in an elastic run, with recovery (Recovery.run)."""
+        return action() if self._recovery is None else self._recovery.run(action)
+
     def _syncs_of_this_step(self) -> None:
         """Finishes the syncs due at this step and starts the one whose turn it is. Run
-        again after the replicas re-formed (_with_recovery), it does what is left: an
+        again after the replicas re-formed (Recovery.run), it does what is left: an
         applied sync has left the in-flight list, and a fragment's sync starts once."""
         admit = False
         for sync in [s for s in self._in_flight if s.due == self.step]:
@@ -333,17 +333,15 @@ class DiLoCo(ElasticReplica):
             if self.step % self.sync_every == fragment.offset and fragment.last_start != self.step:
                 self._change_members(fragment)
                 trained, strangers = _trained(self._model, self._optimizer)
-                joiners = 0 if self._membership is None else self._membership.joiners_waiting()
-                if joiners and self._replicas.size >= self._membership.max_replicas:
-                    joiners = 0  # the round is full: a joiner waits for a place
+                joiners = 0 if self._recovery is None else self._recovery.joiners_to_admit(self._replicas.size)
                 sync = fragment.start(self._replicas, self.step, self.step + self.overlap, self.error_feedback,
-                                      trained, strangers, joiners, keep=self._membership is not None)
+                                      trained, strangers, joiners, keep=self._recovery is not None)
                 self._in_flight.append(sync)
                 fragment.last_start = self.step
                 if self.overlap == 0:
                     admit |= self._finish(sync)
-        if admit and self._reform(cause=None):
-            raise _TookState
+        if admit and self._recovery is not None:
+            self._recovery.admit()
 
     def _finish(self, sync: _Sync, follow: bool = True) -> bool:
         """Waits for the sync's allreduce, checks the agreement it carried, then applies it;
@@ -351,7 +349,7 @@ class DiLoCo(ElasticReplica):
         on. A failed allreduce or agreement raises here and changes nothing (on a group its
         sync is dropped; in an elastic run it stays in flight, to be done again). Returns
         whether a replica saw replicas waiting to join."""
-        if self._membership is None:
+        if self._recovery is None:
             self._in_flight.remove(sync)
         stats = self._replicas.stats
         started = time.perf_counter()
@@ -367,7 +365,7 @@ class DiLoCo(ElasticReplica):
             stats["waits"] += waits  # without overlap the step always waits
             sync.fragment.complete(sync, self._replicas)
             stats["wait_seconds"] += time.perf_counter() - started
-        if self._membership is not None:
+        if self._recovery is not None:
             self._in_flight.remove(sync)
         self._weights_changed = True
         if sync.outer_gradient is not None:
@@ -432,6 +430,88 @@ class DiLoCo(ElasticReplica):
     def _member_setting(self, name: str, param: torch.Tensor) -> LayerSetting:
         return self._policy.setting_for(name, self._model.get_submodule(name.rpartition(".")[0]), param)
 
+    # ---- what recovery reads and sets (an elastic run's Recovery, recovery.py)
+
+    def _use_replicas(self, replicas: _Replicas) -> _Replicas:
+        """Syncs from now on go to `replicas` (a new round's). Residuals start over: they
+        belong to a rank of a round; the traffic counts go on."""
+        replicas.stats = self._replicas.stats
+        self._replicas = replicas
+        self._weights_changed = True
+        return replicas
+
+    def _stop(self) -> None:
+        """Trains on without syncing: this replica was refused by the run."""
+        self._closed = True
+        self._hook.remove()
+
+    def _layout(self) -> dict[str, Any]:
+        """The run's state but its tensors: what a replica taking it needs."""
+        return {
+            "fragments": [f.names for f in self._fragments],
+            "offsets": [f.offset for f in self._fragments],  # fixed at construction (sync_every may change)
+            "syncs": [f.syncs for f in self._fragments],
+            "last_start": [f.last_start for f in self._fragments],
+            "momentum": [sorted(f.outer_momentum()) if f.outer is not None else [] for f in self._fragments],
+            # In the order members join a fragment (model order, as _follow adds them).
+            "joining": [(name, index) for name, (index, _) in self._joining.items()],
+            "leaving": sorted(self._leaving),
+            "in_flight": [(s.key, s.agreement.trained) for s in self._in_flight],
+            "frozen": self._frozen(),
+        }
+
+    def _frozen(self) -> list[str]:
+        """The parameters neither synced nor trained here: equal on every replica."""
+        synced = {m.name for f in self._fragments for m in f.members} | set(self._joining)
+        synced |= {name for name, _ in _trained(self._model, self._optimizer)[0]}
+        return [name for name, _ in self._model.named_parameters() if name not in synced]
+
+    def _state_tensors(self, frozen: list[str]) -> list[torch.Tensor]:
+        """The run's state that a replica taking it receives, in an order every replica
+        with the same layout shares: global weights, outer momentum buffers, and the
+        `frozen` parameters (the reference's list)."""
+        members = [m for f in self._fragments for m in f.members]
+        members += [self._joining[name][1] for name in sorted(self._joining)]
+        momentum = [f.outer.state[m.global_weight]["momentum_buffer"] for f in self._fragments for m in f.members
+                    if f.outer is not None and f.outer.state[m.global_weight].get("momentum_buffer") is not None]
+        params = dict(self._model.named_parameters())
+        return [m.global_weight for m in members] + momentum + [params[name] for name in frozen]
+
+    def _take_layout(self, layout: dict[str, Any], step: int) -> None:
+        """Takes another replica's layout (its _layout()), step, schedule and syncs in
+        flight (the tensors follow, _state_tensors' order). A sync in flight here that it
+        also has keeps what this replica sent into it, so that it can be done again with it."""
+        params = dict(self._model.named_parameters())
+        mine = {s.key: s for s in self._in_flight}
+        with torch.no_grad():
+            for fragment, names, offset, syncs, last_start, momentum in zip(
+                    self._fragments, layout["fragments"], layout["offsets"], layout["syncs"], layout["last_start"],
+                    layout["momentum"]):
+                fragment.set_members([self._member(n, params[n]) for n in names], self._schedule.outer_options,
+                                     momentum={})
+                fragment.offset, fragment.syncs, fragment.last_start = offset, syncs, last_start
+                for m in fragment.members:
+                    if m.name in momentum:
+                        fragment.outer.state[m.global_weight] = {"momentum_buffer": torch.zeros_like(m.global_weight)}
+            self._joining = {name: (index, self._member(name, params[name])) for name, index in layout["joining"]}
+        self._leaving = set(layout["leaving"])
+        self.step = step
+        self._in_flight = []
+        for key, trained in layout["in_flight"]:
+            index, start, due = key
+            fragment = self._fragments[index]
+            own = mine.get(tuple(key))
+            sent = own.sent if own is not None and own.sent is not None and own.sent.numel() == fragment.numel else None
+            device = fragment.members[0].global_weight.device if fragment.members else torch.device("cpu")
+            gradient = torch.zeros(fragment.numel, device=device) if fragment.members else None
+            agreement = _Agreement(_SYNC, start, trained, torch.zeros(1, _ROW), None)
+            self._in_flight.append(_Sync(fragment, due, agreement, gradient, None, None, sent, checked=True))
+
+    def _restart_local_weights(self) -> None:
+        with torch.no_grad():
+            for m in [m for f in self._fragments for m in f.members] + [m for _, m in self._joining.values()]:
+                _local(m.param).copy_(m.global_weight)
+
     # ---- lifetime
 
     def close(self) -> None:
@@ -465,7 +545,7 @@ class DiLoCo(ElasticReplica):
             if not self._closed:
                 self._hear_the_lead(ending=True)
             return
-        if self._membership is None:
+        if self._recovery is None:
             raise RuntimeError("cgx.DiLoCo.leave: only a replica of an elastic run (membership=...) leaves; "
                                "a group's replicas end together with close()")
         if self._closed:
@@ -473,7 +553,7 @@ class DiLoCo(ElasticReplica):
         self._closed = True
         self._hook.remove()
         self._in_flight.clear()
-        self._membership.close()
+        self._recovery.leave()
         self._tell_host(LEFT)
 
     def __enter__(self) -> DiLoCo:
@@ -504,7 +584,7 @@ class DiLoCo(ElasticReplica):
         it: its size times their number)."""
         if self._following:
             return Stats({"step": self.step}, _RENAMED)  # the replica's stats are its lead's
-        elastic = {} if self._membership is None else {"replicas": self._replicas.size, **self._elastic_stats}
+        elastic = {} if self._recovery is None else {"replicas": self._replicas.size, **self._recovery.stats}
         return Stats({"step": self.step, **self._replicas.stats, "in_flight": len(self._in_flight), **elastic},
                      _RENAMED)
 
@@ -551,7 +631,7 @@ class DiLoCo(ElasticReplica):
         only: the host's other ranks take its step and weights after the next inner step."""
         self._lead_only("load_state_dict")
         self._check_state(state)
-        if self._membership is not None and self._took_state:
+        if self._recovery is not None and self._recovery.took_state:
             raise RuntimeError("cgx.DiLoCo.load_state_dict: this replica took the state of a live member of the "
                                "elastic run when it joined; loading a checkpoint would set it apart from the others "
                                "(load checkpoints when every replica of the run starts again)")

@@ -1,0 +1,285 @@
+"""An elastic run's recovery (cgx.DiLoCo with membership=): what a replica does when the
+run's members change. A failure makes the members re-form and do again only what is left;
+in each new round they compare positions and pick the reference, those that differ take
+its layout and state point to point, and syncs in flight are settled. DiLoCo holds one
+Recovery; it works on DiLoCo's state through the methods diloco.py groups under "what
+recovery reads and sets", and on the fragments and replicas through theirs."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from cgx.diloco.outer_sync import _local, _Replicas, _trained
+from cgx.elastic import Membership, Round
+from cgx.errors import CallMismatchError, MembershipError
+
+if TYPE_CHECKING:
+    from cgx.diloco.diloco import DiLoCo
+
+_log = logging.getLogger("cgx.diloco")
+
+
+class Recovery:
+    """The recovery of one replica of an elastic run: the rounds it is in, its position
+    in each, the state it takes or sends, the syncs it does again, and their stats."""
+
+    def __init__(self, diloco: DiLoCo, membership: Membership) -> None:
+        self._diloco = diloco
+        self.membership = membership
+        self.established = False  # holds the run's state (the run started with it, or it took it)
+        self.took_state = False  # took it from a live member: a checkpoint would set it apart
+        self._ids: list[str] = []  # the replicas of the current round, by Membership.replica_id
+        self.stats = {"rounds": 0, "replicas_lost": 0, "replicas_joined": 0, "syncs_redone": 0,
+                      "reform_seconds": 0.0, "bytes_to_joiners": 0}
+
+    def first_replicas(self) -> _Replicas:
+        """The replicas of the round this replica starts in (formed here if none is)."""
+        return _Replicas.of_round(self.membership.round or self.membership.next_round())
+
+    def join(self) -> None:
+        """The first round of this replica: the run's start, or a join (then the rest of
+        the step the members are at). A failure in it re-forms, as in :meth:`run`."""
+        cause = None
+        while True:
+            try:
+                took = self._enter_round(self.membership.round, cause=None) if cause is None else self._reform(cause)
+                break
+            except dist.DistError as e:
+                if isinstance(e, (CallMismatchError, MembershipError)):
+                    raise
+                cause = e
+        if took:
+            self.run(self._diloco._syncs_of_this_step)
+
+    def run(self, action: Callable[[], Any]) -> Any:
+        """Runs `action`. Where a collective fails (a replica died, left or lost its link:
+        PeerError or CollectiveTimeoutError), in `action` or while the replicas re-form,
+        the replicas re-form (:meth:`_reform`) and `action` runs again, doing what is
+        left. A replica that took another's state and step first does the rest of that
+        step's syncs, as the others do."""
+        syncs_of_this_step = self._diloco._syncs_of_this_step
+        cause, catch_up = None, False
+        while True:
+            try:
+                if cause is not None:
+                    catch_up |= self._reform(cause)
+                    cause = None
+                if catch_up and action != syncs_of_this_step:
+                    syncs_of_this_step()
+                catch_up = False
+                return action()
+            except TookState:
+                catch_up = True
+            except dist.DistError as e:
+                if isinstance(e, (CallMismatchError, MembershipError)):
+                    raise
+                cause = e
+
+    def joiners_to_admit(self, replicas: int) -> int:
+        """The replicas waiting to join that a sync should tell the others of (none where
+        the round is full: a joiner waits for a place)."""
+        joiners = self.membership.joiners_waiting()
+        return 0 if joiners and replicas >= self.membership.max_replicas else joiners
+
+    def admit(self) -> None:
+        """The members saw replicas waiting to join: they move to the next round. Raises
+        TookState where this replica took another's state (its step's syncs run again)."""
+        if self._reform(cause=None):
+            raise TookState
+
+    def leave(self) -> None:
+        self.membership.close()
+
+    # ---- the replicas re-form
+
+    def _reform(self, cause: Exception | None) -> bool:
+        """The members move to the next round: after a failure (`cause`), or to admit
+        replicas waiting to join. The syncs in flight complete in the old round where
+        they can; what the old round did not complete is done again in the new one.
+        Returns whether this member took another's state (see :meth:`_enter_round`)."""
+        started = time.perf_counter()
+        diloco = self._diloco
+        for sync in diloco._in_flight:
+            if sync.completed:
+                continue
+            try:
+                if not sync.checked:
+                    diloco._replicas.check(sync.agreement)
+                    sync.checked = True
+                sync.fragment.complete(sync, diloco._replicas)
+            except dist.DistError:
+                if cause is None:
+                    cause = sys.exc_info()[1]
+        if cause is not None:
+            cause = cause.__cause__ or cause  # the backend's own words, without DiLoCo's out-of-step advice
+            _log.warning("cgx.DiLoCo: run %r: a collective failed at inner step %d (%s: %s); the replicas re-form",
+                         self.membership.run_id, diloco.step, type(cause).__name__, cause)
+        took = self._enter_round(self.membership.next_round(), cause)
+        self.stats["reform_seconds"] += time.perf_counter() - started
+        return took
+
+    def _enter_round(self, round_: Round, cause: Exception | None) -> bool:
+        """This replica's part in forming `round_`, alike on every member. Everyone shows
+        its position (all_gather_object). A replica built otherwise than the run is
+        refused (ValueError on it; the others form the round again without it). Where no
+        member holds the run's state yet, the run starts (DiLoCo._start_together). Else
+        the reference is the member with the most syncs applied (then the latest step,
+        then the lowest rank): every replica whose state differs from it (a joiner; a
+        member that missed a sync the reference applied) takes the reference's global
+        weights, outer momentum, frozen parameters (sent to it alone), schedule and
+        syncs in flight, and restarts its local weights from them. The syncs the reference completed are
+        given to whoever lacks them; the others are done again, averaged over the members
+        that sent into them. Returns whether this replica took the reference's state."""
+        diloco = self._diloco
+        while True:
+            replicas = diloco._use_replicas(_Replicas.of_round(round_))
+            positions = replicas.all_gather_object(self._position())
+            refused = _refused(positions)
+            if not refused:
+                break
+            me = replicas.rank
+            if me in refused:
+                diloco._stop()
+                self.membership.close()
+                raise ValueError(f"cgx.DiLoCo: run {self.membership.run_id!r} refused this replica: {refused[me]}; "
+                                 f"every replica must build DiLoCo alike on the same model")
+            for rank, difference in refused.items():
+                _log.warning("cgx.DiLoCo: run %r refused replica %s: %s", self.membership.run_id,
+                             positions[rank]["id"], difference)
+            round_ = self.membership.next_round()
+        self._count_members([p["id"] for p in positions], cause)
+        if not any(p["established"] for p in positions):
+            if any(p["step"] > 0 for p in positions):
+                raise MembershipError(
+                    f"cgx.DiLoCo: run {self.membership.run_id!r}: every replica holding the run's state is gone "
+                    f"(the others had not finished taking it); restart the run from a checkpoint")
+            diloco._start_together()
+            self.established = True
+            return False
+        reference = max((r for r, p in enumerate(positions) if p["established"]),
+                        key=lambda r: (sum(positions[r]["syncs"]), positions[r]["step"], -r))
+        takers = [r for r, p in enumerate(positions) if p["state"] != positions[reference]["state"]]
+        me = replicas.rank
+        if me in takers:
+            self.established = False  # until the state has arrived: never a reference half-taken
+            diloco._take_layout(positions[reference]["layout"], positions[reference]["step"])
+        if takers:
+            frozen = positions[reference]["layout"]["frozen"]
+            self.stats["bytes_to_joiners"] += replicas.send(diloco._state_tensors(frozen), reference, takers)
+            if me in takers:
+                diloco._restart_local_weights()
+        self._settle_in_flight(positions, reference, takers)
+        self.established = True
+        self.took_state |= me in takers
+        return me in takers
+
+    def _position(self) -> dict[str, Any]:
+        """What this replica shows the others when a round forms."""
+        diloco = self._diloco
+        layout = diloco._layout()
+        digest = hashlib.blake2b(repr((diloco.step, layout)).encode(), digest_size=16)
+        for t in diloco._state_tensors(layout["frozen"]) if self.established else ():
+            digest.update(_local(t).detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
+        model, optimizer = diloco._model, diloco._optimizer
+        return {
+            "id": self.membership.replica_id,
+            "established": self.established,
+            "construction": {**dataclasses.asdict(diloco._schedule),
+                             "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()],
+                             # Every parameter's, frozen or not: the run may have unfrozen some.
+                             "settings": [(n, diloco._member_setting(n, p)) for n, p in model.named_parameters()],
+                             "trained parameters": _trained(model, optimizer)[0]},
+            "step": diloco.step,
+            "syncs": layout["syncs"],
+            "state": digest.hexdigest() if self.established else None,
+            "layout": layout,
+            "in_flight": [{"key": s.key, "completed": s.completed, "sent": s.sent is not None}
+                          for s in diloco._in_flight],
+        }
+
+    def _settle_in_flight(self, positions: list[dict[str, Any]], reference: int, takers: list[int]) -> None:
+        """The syncs in flight, as the reference has them: the averages it completed are
+        sent to every member that lacks them; the syncs it did not complete are done again in
+        this round, each member sending what it sent before (scaled, so that the average
+        is over those that sent) or zeros. Residuals from the old round are dropped."""
+        diloco = self._diloco
+        replicas, in_flight = diloco._replicas, diloco._in_flight
+        size = replicas.size
+        theirs = [{tuple(e["key"]): e for e in p["in_flight"]} for p in positions]
+        again = []
+        for i, entry in enumerate(positions[reference]["in_flight"]):
+            key = tuple(entry["key"])
+            sync = in_flight[i]
+            sync.residual = None
+            if entry["completed"]:
+                lacking = [r for r in range(size) if r in takers or not theirs[r][key]["completed"]]
+                if lacking and sync.outer_gradient is not None:
+                    replicas.send([sync.outer_gradient], reference, lacking)
+                sync.work, sync.agreement.work, sync.checked = None, None, True
+            else:
+                again.append((i, sum(1 for r in range(size) if key in theirs[r] and theirs[r][key]["sent"])))
+        for i, senders in again:
+            old = in_flight[i]
+            fragment = old.fragment
+            delta = None
+            if fragment.members:
+                delta = (old.sent * (size / senders) if old.sent is not None
+                         else torch.zeros(fragment.numel, device=fragment.members[0].global_weight.device))
+            sync = fragment.start(replicas, old.agreement.step, old.due, diloco.error_feedback,
+                                  old.agreement.trained, 0, delta=delta)
+            sync.sent = old.sent
+            in_flight[i] = sync
+            self.stats["syncs_redone"] += 1
+
+    def _count_members(self, ids: list[str], cause: Exception | None) -> None:
+        """Counts and logs the replicas that are gone from, or new in, the round."""
+        stats = self.stats
+        stats["rounds"] += 1
+        if self._ids:
+            run = self.membership.run_id
+            for gone in sorted(set(self._ids) - set(ids)):
+                stats["replicas_lost"] += 1
+                _log.warning("cgx.DiLoCo: run %r: replica %s is gone (%s); %d replicas go on", run, gone,
+                             "it left or died" if cause is None else f"{type(cause).__name__}: {cause}", len(ids))
+            for new in sorted(set(ids) - set(self._ids)):
+                stats["replicas_joined"] += 1
+                _log.info("cgx.DiLoCo: run %r: replica %s joined; %d replicas", run, new, len(ids))
+        self._ids = ids
+
+
+class TookState(Exception):
+    """This replica took another's state and step as the round formed: the step's syncs
+    run again from the top (as that member has them)."""
+
+
+def _refused(positions: list[dict[str, Any]]) -> dict[int, str]:
+    """The ranks of a forming round whose DiLoCo is built otherwise than the run's (its
+    members' with the lowest rank), each with the first difference. None are refused at
+    the run's start: there every rank fails (DiLoCo._agree_on_construction)."""
+    established = [r for r, p in enumerate(positions) if p["established"]]
+    if not established:
+        return {}
+    run = positions[min(established)]["construction"]
+    refused = {}
+    for rank, position in enumerate(positions):
+        for name, value in run.items():
+            theirs = position["construction"].get(name)
+            if theirs == value:
+                continue
+            if isinstance(value, list) and isinstance(theirs, list):  # name the entries that differ
+                only_here = [x for x in theirs if x not in value][:2]
+                only_run = [x for x in value if x not in theirs][:2]
+                refused[rank] = (f"its {name} differ from the run's: it has {only_here or 'nothing more'}, "
+                                 f"the run {only_run or 'nothing more'}")
+            else:
+                refused[rank] = f"its {name} differ from the run's: {theirs!r} against {value!r}"
+            break
+    return refused
