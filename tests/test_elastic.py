@@ -182,6 +182,36 @@ def _alone(replica, replicas, port):
     return waited, str(caught.value)
 
 
+def _dropped(replica, world, port):
+    """A one-replica elastic run whose DiLoCo and membership are dropped after close()
+    with the cycle collector off: what is still alive."""
+    import gc
+    import weakref
+
+    import cgx
+    from test_diloco import _model, _train_step
+
+    gc.disable()
+    model = _model(0)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    membership = _membership(replica, port, "dropped", min_replicas=1)
+    diloco = cgx.DiLoCo(model, inner, sync_every=2, membership=membership)
+    for step in range(3):
+        _train_step(model, inner, 0, step)
+    diloco.close()
+    refs = {"DiLoCo": weakref.ref(diloco), "Membership": weakref.ref(membership)}
+    del diloco, membership
+    alive = sorted(name for name, ref in refs.items() if ref() is not None)
+    gc.enable()
+    return alive
+
+
+def test_a_dropped_elastic_diloco_is_freed_at_once_with_its_membership():
+    """No reference cycle holds them for the collector: the membership's heartbeats stop
+    when the last reference goes."""
+    assert values(run_ranks(_dropped, 1, args=(_free_port(),), timeout_s=60)) == [[]]
+
+
 def test_below_min_replicas_the_wait_ends_in_a_membership_error():
     waited, message = values(run_ranks(_alone, 1, args=(_free_port(),), timeout_s=60))[0]
     assert 2 <= waited < 10, (waited, message)

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import sys
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -32,7 +33,9 @@ class Recovery:
     in each, the state it takes or sends, the syncs it does again, and their stats."""
 
     def __init__(self, diloco: DiLoCo, membership: Membership) -> None:
-        self._diloco = diloco
+        # Weakly: a DiLoCo dropped without close() frees at once, and with it the membership
+        # (whose heartbeats then stop), not at the next pass of the cycle collector.
+        self._diloco = weakref.proxy(diloco)
         self.membership = membership
         self.established = False  # holds the run's state (the run started with it, or it took it)
         self.took_state = False  # took it from a live member: a checkpoint would set it apart
