@@ -60,11 +60,7 @@ def scheme_problem(bits: int, bucket_size: int, scheme: str) -> str | None:
     """Why the codec refuses these bits and bucket size in `scheme` (its own words), or None."""
     if bits == RAW_BITS:
         return None
-    try:
-        _C.compressed_size(0, bits, bucket_size, scheme=scheme)
-    except ValueError as e:
-        return str(e)
-    return None
+    return _C.scheme_problem(bits, bucket_size, scheme) or None
 
 
 def check_setting(bits: int, bucket_size: int, scheme: str, what: str) -> None:

@@ -5,7 +5,9 @@
 get_filename_component(CGX_CSRC "${CMAKE_CURRENT_LIST_DIR}/../csrc" ABSOLUTE)
 
 add_library(cgx_core STATIC
+  ${CGX_CSRC}/compression/schemes.cpp
   ${CGX_CSRC}/compression/quantizer.cpp
+  ${CGX_CSRC}/compression/hadamard_codec.cpp
   ${CGX_CSRC}/compression/rotated_loops.cpp
   ${CGX_CSRC}/compression/layout_codec.cpp
   ${CGX_CSRC}/compression/executor.cpp
@@ -28,7 +30,8 @@ add_library(cgx_core STATIC
 target_include_directories(cgx_core PUBLIC ${CGX_CSRC})
 target_compile_features(cgx_core PUBLIC cxx_std_20)
 set_target_properties(cgx_core PROPERTIES POSITION_INDEPENDENT_CODE ON)
-target_compile_options(cgx_core PRIVATE -O3 -ffp-contract=off -Wall -Wextra)
+# -Werror=switch: code that does something per scheme has a case for each (compression/schemes.h).
+target_compile_options(cgx_core PRIVATE -O3 -ffp-contract=off -Wall -Wextra -Werror=switch)
 # A unity build (several sources a translation unit, so that the headers they share are
 # compiled once a batch) halves the build of the core and its C++ tests. Two files'
 # helpers of one name in anonymous namespaces clash in a batch: name them apart. A file

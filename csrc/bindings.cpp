@@ -188,8 +188,21 @@ PYBIND11_MODULE(_C, m) {
   m.attr("RAW_BITS") = cgx::backend::kRawBits;
   m.attr("MAX_BITS") = cgx::backend::kMaxBits;
   m.attr("MAX_BUCKET_SIZE") = cgx::backend::kMaxBucketSize;
-  // The quantizer's schemes by name (compression/quantizer.h), and the hadamard one's limits.
+  // The quantizer's schemes by name (compression/schemes.h), and the hadamard one's limits.
   m.attr("SCHEMES") = py::tuple(m.attr("Scheme").attr("__members__"));
+  // Why the codec refuses these bits and bucket size in `scheme` (its words), or "": the
+  // one rule, which cgx/layers.py asks.
+  m.def(
+      "scheme_problem",
+      [](const py::handle& bits, int64_t bucket_size, const std::string& scheme) -> std::string {
+        try {
+          quantizer(bits, bucket_size, false, false, scheme);
+        } catch (const py::value_error& e) {
+          return e.what();
+        }
+        return "";
+      },
+      py::arg("bits"), py::arg("bucket_size"), py::arg("scheme"));
   m.attr("MAX_HADAMARD_BITS") = cgx::compression::kMaxHadamardBits;
   m.attr("MAX_HADAMARD_BUCKET") = cgx::compression::kMaxHadamardBucket;
   m.attr("MAX_MINIMAL_SIZE") = cgx::backend::kMaxMinimalSize;

@@ -102,17 +102,16 @@ inline uint64_t signed_settings_digest(const Settings& s) {
 }
 
 // The quantizer the settings give a compressed call without a layout of its own. A group's
-// scheme is hadamard where the codec takes its bits and bucket size and maxmin elsewhere,
-// as a CompressionPolicy's is (cgx/layers.py): the default scheme holds at every width.
+// scheme where the codec takes its bits and bucket size (hadamard stops at 4 bits), maxmin
+// elsewhere (compression/schemes.h, fitted_scheme), as a CompressionPolicy's is
+// (cgx/layers.py): the default scheme holds at every width.
 inline compression::QuantizerParams quantizer_of(const Settings& s) {
   compression::QuantizerParams params;
   params.bits = s.bits;
   params.bucket_size = s.bucket_size;
   params.skip_incomplete_buckets = s.skip_incomplete_buckets;
   params.stochastic = s.stochastic_rounding;
-  params.scheme = s.scheme == compression::Scheme::kHadamard && !compression::hadamard_fits(s.bits, s.bucket_size)
-                      ? compression::Scheme::kMaxMin
-                      : s.scheme;
+  params.scheme = compression::fitted_scheme(s.scheme, s.bits, s.bucket_size);
   return params;
 }
 

@@ -132,7 +132,7 @@ void LayoutCodec::compress_and_decode(float* data, int64_t begin, int64_t end, u
     if (s.raw) {  // decodes to itself, drops nothing
       std::memcpy(dst, data + from, n * sizeof(float));
       std::memset(dst + n * sizeof(float), 0, bytes - n * sizeof(float));
-    } else if (s.params.scheme != Scheme::kMaxMin) {  // not fused: the calls in turn
+    } else if (!rule_of(s.params.scheme).fused_compress_and_decode) {  // the calls in turn
       compress(data, from, from + n, dst, seed, threads);
       if (residual) add_error(dst, from, from + n, data, residual, threads);
       if (decode_in_place) decompress(dst, from, from + n, data, threads);

@@ -25,24 +25,12 @@
 #include <cstdint>
 #include <string>
 
+#include "compression/schemes.h"
+
 namespace cgx::compression {
 
-// Widths the codec quantizes to, 1..kMaxBits; a layer or group at kRawBits is not
-// quantized (its values travel exactly). Declared here, at the codec, and used by every
-// layer above (backend settings, cgx._C, cgx/config.py, cgx/layers.py).
-constexpr int kMaxBits = 8;
+// A layer or group at kRawBits is not quantized (its values travel exactly).
 constexpr int kRawBits = 32;
-// The hadamard scheme's limits: its level tables go to 4 bits, and a bucket is a power
-// of two no larger than this (which keeps its decode clear of overflow).
-constexpr int kMaxHadamardBits = 4;
-constexpr int64_t kMaxHadamardBucket = int64_t{1} << 16;
-
-enum class Scheme : int32_t { kMaxMin = 0, kHadamard = 1 };
-// The schemes' names, indexed by value: what Python and the docs call them.
-constexpr const char* kSchemeNames[] = {"maxmin", "hadamard"};
-inline const char* scheme_name(Scheme s) { return kSchemeNames[static_cast<int>(s)]; }
-// Throws std::invalid_argument naming the known schemes for any other name.
-Scheme scheme_from_name(const std::string& name);
 
 struct QuantizerParams {
   int bits = 8;                       // 1..kMaxBits
@@ -52,13 +40,9 @@ struct QuantizerParams {
   Scheme scheme = Scheme::kMaxMin;
 };
 
-// Throws std::invalid_argument for bits outside 1..kMaxBits or bucket_size < 1, and for
-// the hadamard scheme, bits above kMaxHadamardBits or a bucket_size that is not a power
-// of two in 8..kMaxHadamardBucket.
+// Throws std::invalid_argument for bits outside 1..kMaxBits or bucket_size < 1, and where
+// the scheme does not take them (schemes.h, scheme_problem).
 void validate(const QuantizerParams& params);
-
-// Whether the hadamard scheme takes these bits and bucket size (what validate checks).
-bool hadamard_fits(int bits, int64_t bucket_size);
 
 // Where the sections of a compressed buffer of n values lie (docs/wire-format.md); shared
 // by the CPU and CUDA codecs.

@@ -75,7 +75,7 @@ CGX_TEST(codec_threads_give_the_bytes_and_values_of_one_thread) {
             QuantizerParams maxmin{bits, bucket, skip, stochastic, Scheme::kMaxMin};
             check_same_on_threads(maxmin, n, 3);
             QuantizerParams hadamard{bits, bucket, skip, stochastic, Scheme::kHadamard};
-            if (compression::hadamard_fits(bits, bucket)) check_same_on_threads(hadamard, n, 3);
+            if (compression::scheme_fits(compression::Scheme::kHadamard, bits, bucket)) check_same_on_threads(hadamard, n, 3);
           }
         }
       }

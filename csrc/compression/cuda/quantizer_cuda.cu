@@ -422,6 +422,29 @@ size_t hadamard_scratch_bytes(const WireLayout& layout, int64_t bucket) {
   return (static_cast<size_t>(layout.rotated_buckets * bucket) + 2) * sizeof(float);
 }
 
+// The whole buckets of a hadamard buffer by rotation, its shorter last bucket as maxmin.
+template <typename T>
+void encode_hadamard(const QuantizerParams& params, const WireLayout& layout, const T* src,
+                     uint64_t seed, uint64_t stream_offset, uint8_t* dst, uint8_t* levels,
+                     cudaStream_t stream) {
+  const int64_t bucket = params.bucket_size, whole = layout.rotated_buckets;
+  Scratch scratch(hadamard_scratch_bytes(layout, bucket), stream);
+  if (whole > 0)
+    launch_kernel(hadamard_encode<T>, blocks_for(whole, kWarpsPerBlock), stream,
+                  "hadamard_encode", src, whole, bucket, params.bits, params.stochastic,
+                  stream_key(seed), static_cast<uint32_t>(stream_offset), scratch.values(),
+                  reinterpret_cast<float*>(dst), levels);
+  const int64_t first = whole * bucket;
+  if (layout.quantized > first) {
+    float2* pair = scratch.pair(whole * bucket);
+    encode_maxmin(params, src, first, layout.quantized - first, pair, levels, seed,
+                  stream_offset, stream);
+    check(cudaMemcpyAsync(dst + whole * sizeof(float), pair, sizeof(float2),
+                          cudaMemcpyDeviceToDevice, stream),
+          "copy the last bucket's pair");
+  }
+}
+
 template <typename T>
 void compress_as(const QuantizerParams& params, const T* src, int64_t n, uint8_t* dst,
                  uint64_t seed, uint64_t stream_offset, cudaStream_t stream) {
@@ -429,25 +452,15 @@ void compress_as(const QuantizerParams& params, const T* src, int64_t n, uint8_t
   if (layout.total_bytes == 0) return;
   zero_padding(layout, dst, stream);
   uint8_t* levels = dst + layout.levels_offset;
-  if (params.scheme == Scheme::kMaxMin && layout.quantized > 0) {
-    encode_maxmin(params, src, 0, layout.quantized, reinterpret_cast<float2*>(dst), levels, seed,
-                  stream_offset, stream);
-  } else if (layout.quantized > 0) {
-    const int64_t bucket = params.bucket_size, whole = layout.rotated_buckets;
-    Scratch scratch(hadamard_scratch_bytes(layout, bucket), stream);
-    if (whole > 0)
-      launch_kernel(hadamard_encode<T>, blocks_for(whole, kWarpsPerBlock), stream,
-                    "hadamard_encode", src, whole, bucket, params.bits, params.stochastic,
-                    stream_key(seed), static_cast<uint32_t>(stream_offset), scratch.values(),
-                    reinterpret_cast<float*>(dst), levels);
-    const int64_t first = whole * bucket;
-    if (layout.quantized > first) {
-      float2* pair = scratch.pair(whole * bucket);
-      encode_maxmin(params, src, first, layout.quantized - first, pair, levels, seed,
-                    stream_offset, stream);
-      check(cudaMemcpyAsync(dst + whole * sizeof(float), pair, sizeof(float2),
-                            cudaMemcpyDeviceToDevice, stream),
-            "copy the last bucket's pair");
+  if (layout.quantized > 0) {
+    switch (params.scheme) {
+      case Scheme::kMaxMin:
+        encode_maxmin(params, src, 0, layout.quantized, reinterpret_cast<float2*>(dst), levels,
+                      seed, stream_offset, stream);
+        break;
+      case Scheme::kHadamard:
+        encode_hadamard(params, layout, src, seed, stream_offset, dst, levels, stream);
+        break;
     }
   }
   const int64_t raw_count = n - layout.quantized;
@@ -466,28 +479,39 @@ void decode_maxmin(const QuantizerParams& params, const uint8_t* levels, int64_t
 }
 
 template <typename T>
+void decode_hadamard(const QuantizerParams& params, const WireLayout& layout, const uint8_t* src,
+                     const uint8_t* levels, bool add, T* dst, cudaStream_t stream) {
+  const int64_t bucket = params.bucket_size, whole = layout.rotated_buckets;
+  Scratch scratch(hadamard_scratch_bytes(layout, bucket), stream);
+  if (whole > 0)
+    launch_kernel(hadamard_decode<T>, blocks_for(whole, kWarpsPerBlock), stream,
+                  "hadamard_decode", levels, reinterpret_cast<const float*>(src), whole, bucket,
+                  params.bits, scratch.values(), add, dst);
+  const int64_t first = whole * bucket;
+  if (layout.quantized > first) {
+    float2* pair = scratch.pair(whole * bucket);
+    check(cudaMemcpyAsync(pair, src + whole * sizeof(float), sizeof(float2),
+                          cudaMemcpyDeviceToDevice, stream),
+          "copy the last bucket's pair");
+    decode_maxmin(params, levels, first, layout.quantized - first, pair, add, dst, stream);
+  }
+}
+
+template <typename T>
 void decompress_as(const QuantizerParams& params, const uint8_t* src, int64_t n, T* dst,
                    bool add, cudaStream_t stream) {
   const WireLayout layout = wire_layout(params, n);
   if (layout.total_bytes == 0) return;
   const uint8_t* levels = src + layout.levels_offset;
-  if (params.scheme == Scheme::kMaxMin && layout.quantized > 0) {
-    decode_maxmin(params, levels, 0, layout.quantized, reinterpret_cast<const float2*>(src), add,
-                  dst, stream);
-  } else if (layout.quantized > 0) {
-    const int64_t bucket = params.bucket_size, whole = layout.rotated_buckets;
-    Scratch scratch(hadamard_scratch_bytes(layout, bucket), stream);
-    if (whole > 0)
-      launch_kernel(hadamard_decode<T>, blocks_for(whole, kWarpsPerBlock), stream,
-                    "hadamard_decode", levels, reinterpret_cast<const float*>(src), whole, bucket,
-                    params.bits, scratch.values(), add, dst);
-    const int64_t first = whole * bucket;
-    if (layout.quantized > first) {
-      float2* pair = scratch.pair(whole * bucket);
-      check(cudaMemcpyAsync(pair, src + whole * sizeof(float), sizeof(float2),
-                            cudaMemcpyDeviceToDevice, stream),
-            "copy the last bucket's pair");
-      decode_maxmin(params, levels, first, layout.quantized - first, pair, add, dst, stream);
+  if (layout.quantized > 0) {
+    switch (params.scheme) {
+      case Scheme::kMaxMin:
+        decode_maxmin(params, levels, 0, layout.quantized, reinterpret_cast<const float2*>(src),
+                      add, dst, stream);
+        break;
+      case Scheme::kHadamard:
+        decode_hadamard(params, layout, src, levels, add, dst, stream);
+        break;
     }
   }
   const int64_t raw_count = n - layout.quantized;

@@ -1,0 +1,164 @@
+// The hadamard scheme's CPU codec (schemes.h): each whole bucket rotated (rotation.h, the
+// loops of rotated_loops.h), quantized to the levels of a normal distribution scaled by the
+// bucket's rms (gaussian_levels.h), packed; a shorter last bucket as maxmin. Wire format:
+// quantizer.h and docs/wire-format.md. As quantizer.cpp: built with -ffp-contract=off, each
+// formula in the order written (the CUDA codec reproduces them bit for bit).
+#include "compression/hadamard_codec.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "compression/gaussian_levels.h"
+#include "compression/level_stream.h"
+#include "compression/rotated_loops.h"
+#include "compression/rotation.h"
+#include "compression/stream_hash.h"
+
+namespace cgx::compression {
+namespace {
+
+using namespace codec;
+
+const GaussianLevels& gaussian_levels(int bits) {
+  static const GaussianLevels tables[kMaxHadamardBits] = {
+      gaussian_levels_of(1), gaussian_levels_of(2), gaussian_levels_of(3), gaussian_levels_of(4)};
+  return tables[bits - 1];
+}
+
+// One bucket's working space on this thread: its values, its levels, the rotation's signs,
+// and the loops (rotated_loops.h) this CPU runs, looked up once per buffer.
+struct Scratch {
+  float* values;
+  uint8_t* levels;
+  const float* signs;
+  const RotatedLoops* loops;
+};
+
+Scratch bucket_scratch(int64_t bucket) {
+  thread_local std::vector<float> values;
+  thread_local std::vector<uint8_t> levels;
+  values.resize(static_cast<size_t>(bucket));
+  levels.resize(static_cast<size_t>(bucket));
+  return {values.data(), levels.data(), rotation_signs(bucket), &rotated_loops()};
+}
+
+// Rotates one whole bucket of `src` into the scratch's values and writes its levels there;
+// returns the bucket's rms, or NaN (levels all 0) for a bucket holding NaN, Inf or a
+// magnitude of kMaxRotatedMagnitude or more.
+CGX_INLINE float encode_rotated(const float* __restrict src, int64_t len, int bits, bool stochastic,
+                                uint32_t first_index, uint32_t key, const Scratch& scratch) {
+  float* __restrict y = scratch.values;
+  uint8_t* __restrict levels = scratch.levels;
+  const RotatedLoops& loops = *scratch.loops;
+  int in_range = 1;
+  for (int64_t k = 0; k < len; ++k) in_range &= std::fabs(src[k]) < kMaxRotatedMagnitude;
+  if (!in_range) {
+    std::memset(levels, 0, static_cast<size_t>(len));
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  rotate(src, y, len, scratch.signs, loops.low_stages);
+  double lanes[4] = {0, 0, 0, 0};  // a fixed summation order: the same bits everywhere
+  for (int64_t k = 0; k < len; k += 4)
+    for (int l = 0; l < 4; ++l) lanes[l] += static_cast<double>(y[k + l]) * y[k + l];
+  const double mean_square = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) / static_cast<double>(len);
+  const float rms = static_cast<float>(std::sqrt(mean_square));
+  float inv = rms > 0.0f ? 1.0f / rms : 0.0f;
+  if (!std::isfinite(inv)) inv = 0.0f;
+
+  const GaussianLevels& t = gaussian_levels(bits);
+  const int top = (1 << bits) - 1;
+  if (!stochastic) {
+    loops.nearest(y, len, inv, t, bits, levels);
+    return rms;
+  }
+  for (int64_t k = 0; k < len; ++k) {
+    const float z = y[k] * inv;
+    int below = 0;  // the level under z (0 below the lowest, top - 1 above the highest)
+    for (int j = 1; j < top; ++j) below += z >= t.level[j];
+    const float p = (z - t.level[below]) * t.inv_gap[below];  // where z lies in the gap
+    const uint32_t h = lowbias32((first_index + static_cast<uint32_t>(k)) ^ key);
+    const float u = static_cast<float>(static_cast<int32_t>(h >> 8)) * 0x1p-24f;
+    levels[k] = static_cast<uint8_t>(below + (u < p));
+  }
+  return rms;
+}
+
+// Decodes the whole bucket whose levels are in the scratch into `out` (or adds it where
+// `add`).
+CGX_INLINE void decode_rotated(int64_t len, int bits, float rms, const Scratch& scratch, bool add,
+                               float* __restrict out) {
+  const GaussianLevels& t = gaussian_levels(bits);
+  float scaled[16] = {};  // each level times rms: the product every value of it decodes to
+  for (int j = 0; j < (1 << bits); ++j) scaled[j] = t.level[j] * rms;
+  scratch.loops->lookup(scratch.levels, len, scaled, scratch.values);
+  unrotate(scratch.values, len, scratch.signs, scratch.loops->low_stages, add, out);
+}
+
+// A hadamard buffer's shorter last bucket: its (min, scale) after the whole buckets' rms.
+MaxminRun hadamard_tail(const QuantizerParams& params, const Layout& layout) {
+  const int64_t first = layout.rotated_buckets * params.bucket_size;
+  return maxmin_run(params, layout, first, layout.quantized,
+                    static_cast<size_t>(layout.rotated_buckets) * sizeof(float));
+}
+
+// Whole buckets [first, last) of a hadamard buffer.
+CGX_AVX2_CLONE void encode_hadamard(const QuantizerParams& params, const Layout& layout,
+                                    const float* src, uint64_t seed, uint32_t stream_offset,
+                                    uint8_t* dst, int64_t first, int64_t last) {
+  const int64_t bucket = params.bucket_size;
+  const uint32_t key = stream_key(seed);
+  uint8_t* stream = dst + layout.levels_offset;
+  const Scratch scratch = bucket_scratch(bucket);
+  for (int64_t b = first; b < last; ++b) {
+    const int64_t start = b * bucket;
+    const float rms = encode_rotated(src + start, bucket, params.bits, params.stochastic,
+                                     stream_offset + static_cast<uint32_t>(start), key, scratch);
+    std::memcpy(dst + b * sizeof(float), &rms, sizeof(rms));
+    pack(params.bits, scratch.levels, bucket / 8, stream + start / 8 * params.bits);
+  }
+}
+
+CGX_AVX2_CLONE void decode_hadamard(const QuantizerParams& params, const Layout& layout,
+                                    const uint8_t* src, bool add, float* dst, int64_t first,
+                                    int64_t last) {
+  const int64_t bucket = params.bucket_size;
+  const uint8_t* stream = src + layout.levels_offset;
+  const Scratch scratch = bucket_scratch(bucket);
+  for (int64_t b = first; b < last; ++b) {
+    const int64_t start = b * bucket;
+    float rms;
+    std::memcpy(&rms, src + b * sizeof(float), sizeof(rms));
+    unpack(params.bits, stream + start / 8 * params.bits, bucket / 8, scratch.levels);
+    decode_rotated(bucket, params.bits, rms, scratch, add, dst + start);
+  }
+}
+
+}  // namespace
+
+// A hadamard buffer: its whole buckets in parts, then its shorter last bucket (if any) as
+// maxmin.
+void encode_hadamard_buffer(const QuantizerParams& params, const Layout& layout, const float* src,
+                            uint64_t seed, uint32_t stream_offset, uint8_t* dst, int threads) {
+  const int64_t bucket = params.bucket_size;
+  in_parts(layout.rotated_buckets * bucket, bucket, threads, [&](int64_t first, int64_t last) {
+    encode_hadamard(params, layout, src, seed, stream_offset, dst, first / bucket, last / bucket);
+  });
+  const MaxminRun tail = hadamard_tail(params, layout);
+  if (tail.layout.quantized > 0)
+    encode_maxmin_run(params, tail, src, seed, stream_offset, dst);
+}
+
+void decode_hadamard_buffer(const QuantizerParams& params, const Layout& layout, const uint8_t* src,
+                            bool add, float* dst, int threads) {
+  const int64_t bucket = params.bucket_size;
+  in_parts(layout.rotated_buckets * bucket, bucket, threads, [&](int64_t first, int64_t last) {
+    decode_hadamard(params, layout, src, add, dst, first / bucket, last / bucket);
+  });
+  const MaxminRun tail = hadamard_tail(params, layout);
+  if (tail.layout.quantized > 0)
+    decode_maxmin_run(params, tail, src, add, dst);
+}
+
+}  // namespace cgx::compression
