@@ -14,7 +14,12 @@ import collections
 import warnings
 from typing import Any, Mapping
 
-__all__ = ["Stats", "warn_renamed"]
+__all__ = ["RENAMED", "Stats", "warn_renamed"]
+
+# The front-ends' stats() and state keys renamed when they took one vocabulary (old -> new;
+# docs/stats.md): the one map, read by every front-end and its checkpoints' loading.
+RENAMED = {"bytes_sent": "payload_bytes", "bytes_uncompressed": "uncompressed_payload_bytes",
+           "peak_bytes": "peak_payload_bytes"}
 
 
 def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
@@ -26,14 +31,15 @@ def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
 
 class Stats(dict):
     """A ``stats()`` result: a plain dict of the current keys, where a key renamed since
-    (`renamed`: old -> new) still reads, warning, as its new key's value (indexing,
+    (RENAMED: old -> new, those whose new key it holds) still reads, warning, as its new
+    key's value (indexing,
     ``get``, ``in``; iteration, ``keys()`` and copies list the current keys only). It
     pickles as an OrderedDict of the current keys, so a checkpoint holding it loads with
     ``torch.load(..., weights_only=True)``."""
 
-    def __init__(self, values: Mapping[str, Any], renamed: Mapping[str, str]) -> None:
+    def __init__(self, values: Mapping[str, Any]) -> None:
         super().__init__(values)
-        self.renamed = dict(renamed)
+        self.renamed = {old: new for old, new in RENAMED.items() if new in values}
 
     def __missing__(self, key: str) -> Any:
         if key not in self.renamed:

@@ -54,7 +54,7 @@ from cgx import _C
 from cgx.adaptive import AdaptiveBits
 from cgx.backend import get_backend, resolve_group
 from cgx.config import check_int
-from cgx.counters import Stats, warn_renamed
+from cgx.counters import RENAMED, Stats, warn_renamed
 from cgx.layers import (RAW_BITS, SCHEMES, CompressionPolicy, LayerSetting, bucket_plan, check_bits,
                         check_bucket_size, check_setting, layout_bytes)
 from cgx.residuals import Residuals, check_same_place, place
@@ -64,9 +64,6 @@ __all__ = ["CGXState", "cgx_hook"]
 # Layers compressed at this many bits or fewer get error feedback unless the state says
 # otherwise (error_feedback=True or False).
 FEEDBACK_MAX_BITS = 2
-
-# stats() and state_dict() keys renamed when the front-ends took one vocabulary (old -> new).
-_RENAMED = {"bytes_sent": "payload_bytes", "bytes_uncompressed": "uncompressed_payload_bytes"}
 
 
 class CGXState:
@@ -267,7 +264,7 @@ class CGXState:
             "uncompressed_payload_bytes": self.uncompressed_payload_bytes,
             "compression_ratio": self.uncompressed_payload_bytes / max(1, self.payload_bytes),
             "layer_errors": dict(self.layer_errors),
-        }, _RENAMED)
+        })
 
     def compression_stats(self) -> dict[str, Any]:
         """Deprecated name of :meth:`stats`."""
@@ -332,7 +329,7 @@ class CGXState:
         self.two_level = True  # a state pickled before two-level feedback existed
         self._torch_cgx = None
         for slot, value in state.items():
-            slot = _RENAMED.get(slot, slot)  # a state pickled before the stats' names changed
+            slot = RENAMED.get(slot, slot)  # a state pickled before the stats' names changed
             if slot in self.__slots__:  # older pickles hold slots since removed
                 setattr(self, slot, value)
         self.residuals = Residuals(self.residuals)
@@ -352,7 +349,7 @@ def _check_state_dict(state: Any) -> dict[str, Any]:
     what = "cgx.CGXState.load_state_dict"
     if not isinstance(state, dict):
         raise TypeError(f"{what}: expected the dict of CGXState.state_dict(), got {type(state).__name__}")
-    older = {k: new for k, new in _RENAMED.items() if k in state and new not in state}
+    older = {k: new for k, new in RENAMED.items() if k in state and new not in state}
     state = {older.get(k, k): v for k, v in state.items()}
     missing = [k for k in _STATE_KEYS if k not in state]
     if missing:

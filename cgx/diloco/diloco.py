@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from cgx.agreement import first_difference
 from cgx.backend import resolve_group
-from cgx.counters import Stats
+from cgx.counters import RENAMED, Stats
 from cgx.diloco.outer_sync import (_CLOSE, _ROW, _SYNC, _Agreement, _assign, _current_rows, _Fragment, _layers,
                                    _local, _Member, _member, _Replicas, _restore, _Schedule, _Sync,
                                    _synced_parameters, _trained)
@@ -52,10 +52,6 @@ from cgx.residuals import Residuals, check_same_place
 __all__ = ["DiLoCo"]
 
 _log = logging.getLogger("cgx.diloco")
-
-# stats() keys renamed when the front-ends took one vocabulary (old -> new; docs/stats.md).
-_RENAMED = {"bytes_sent": "payload_bytes", "bytes_uncompressed": "uncompressed_payload_bytes",
-            "peak_bytes": "peak_payload_bytes"}
 
 _STATE_KEYS = ("rank", "world_size", "fragments", "joining", "leaving", "step", "global_weights", "outer_momentum",
                "residuals", "in_flight", "stats")
@@ -583,10 +579,9 @@ class DiLoCo:
         round's start), bytes_to_joiners (state this replica sent to replicas taking
         it: its size times their number)."""
         if self._following:
-            return Stats({"step": self.step}, _RENAMED)  # the replica's stats are its lead's
+            return Stats({"step": self.step})  # the replica's stats are its lead's
         elastic = {} if self._recovery is None else {"replicas": self._replicas.size, **self._recovery.stats}
-        return Stats({"step": self.step, **self._replicas.stats, "in_flight": len(self._in_flight), **elastic},
-                     _RENAMED)
+        return Stats({"step": self.step, **self._replicas.stats, "in_flight": len(self._in_flight), **elastic})
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: global weights, outer momentum, residuals, step, stats, which
@@ -654,7 +649,7 @@ class DiLoCo:
         self._leaving = set(state["leaving"])
         self._replicas.residuals = Residuals({n: r.clone() for n, r in state["residuals"].items()})
         self.step = int(state["step"])
-        self._replicas.stats = {_RENAMED.get(k, k): v for k, v in state["stats"].items()}  # older names too
+        self._replicas.stats = {RENAMED.get(k, k): v for k, v in state["stats"].items()}  # older names too
         for fragment, syncs in zip(self._fragments, state.get("syncs", [0] * len(self._fragments))):
             fragment.syncs = syncs
         self._in_flight = [
