@@ -389,6 +389,69 @@ def test_a_dead_local_peer_raises_peer_error_long_before_the_timeout(world):
         assert later[0] == outcome[0] and "unusable after an earlier failure" in later[1], (outcome, later)
 
 
+def _exact_calls_after_a_peer_died(rank, world):
+    """Every exact call (Gloo underneath) on a group whose peer is gone, by what it raised."""
+    import cgx
+
+    init_cgx(rank, world, timeout_s=30, pg_options=cgx.Config(bits=4))
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    dist.all_reduce(torch.ones(8, dtype=torch.int64))  # a healthy exact call first
+    if rank == 1:
+        os._exit(1)
+    while not process_gone(pids[1]):
+        time.sleep(0.01)
+    calls = {
+        "int64 allreduce": lambda: dist.all_reduce(torch.ones(8, dtype=torch.int64)),
+        "float allreduce under minimal_size": lambda: dist.all_reduce(torch.ones(4)),
+        "its future": lambda: dist.all_reduce(torch.ones(8, dtype=torch.int64), async_op=True).get_future().wait(),
+        "send": lambda: dist.send(torch.ones(4), dst=1),
+        "recv": lambda: dist.recv(torch.ones(4), src=1),
+        "broadcast": lambda: dist.broadcast(torch.ones(4), src=0),
+        "all_gather": lambda: dist.all_gather([torch.ones(4), torch.ones(4)], torch.ones(4)),
+        "barrier": lambda: dist.barrier(),
+    }
+    raised = {}
+    for name, call in calls.items():
+        try:
+            call()
+            raised[name] = "no error"
+        except Exception as e:  # noqa: BLE001 (what it raised is the result)
+            raised[name] = type(e).__name__
+    return raised
+
+
+def test_the_exact_path_raises_peer_error_for_a_dead_peer_like_every_path():
+    results = run_ranks(_exact_calls_after_a_peer_died, 2, expect_exit={1})
+    raised = values(results[:1])[0]
+    assert raised == {name: "PeerError" for name in raised}, raised
+
+
+def _exact_call_past_the_timeout(rank, world, released):
+    import cgx
+
+    init_cgx(rank, world, timeout_s=2, pg_options=cgx.Config(bits=4))
+    dist.all_reduce(torch.ones(8, dtype=torch.int64))
+    if rank == 1:  # alive, but makes no call until rank 0's has failed
+        while not os.path.exists(released):
+            time.sleep(0.01)
+        return None
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8, dtype=torch.int64))
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001
+        outcome = type(e).__name__
+    elapsed = time.monotonic() - start
+    open(released, "w").close()
+    return outcome, elapsed
+
+
+def test_an_exact_call_past_the_groups_timeout_raises_collective_timeout_error(tmp_path):
+    outcome, elapsed = values(run_ranks(_exact_call_past_the_timeout, 2, args=(str(tmp_path / "released"),)))[0]
+    assert outcome == "CollectiveTimeoutError" and elapsed < 20, (outcome, elapsed)
+
+
 def _mismatched_settings(rank, world):
     import cgx
 

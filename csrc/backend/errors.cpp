@@ -53,6 +53,30 @@ std::exception_ptr reported(const std::exception_ptr& error) {
   return error;
 }
 
+std::exception_ptr exact_failure(const std::exception_ptr& error) {
+  if (failure_of(error) != Failure::kOther) return reported(error);
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    const std::string message = message_of(e);
+    const auto says = [&](const char* words) { return message.find(words) != std::string::npos; };
+    Failure kind = Failure::kOther;
+    if (says("Timed out") || says("timed out") || says("Socket Timeout"))
+      kind = Failure::kTimeout;
+    else if (says("Connection closed") || says("Connection reset") || says("Broken pipe") ||
+             says("Read error") || says("Write error") || says("writev") || says("Socket closed"))
+      kind = Failure::kPeer;
+    if (kind == Failure::kOther) return error;
+    try {
+      throw_failure(kind, message);
+    } catch (...) {
+      return std::current_exception();
+    }
+  } catch (...) {
+  }
+  return error;
+}
+
 std::string message_of(const std::exception& error) {
   const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
   return c10_error ? c10_error->what_without_backtrace() : error.what();

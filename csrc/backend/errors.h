@@ -40,6 +40,12 @@ Failure failure_of(const std::exception_ptr& error);
 // CallMismatchError become the types above with the same message; any other error stays.
 std::exception_ptr reported(const std::exception_ptr& error);
 
+// `error` of the exact backend (Gloo) as the backend reports failures: Gloo's lost
+// connections (its words name the socket: "Connection closed by peer", "Connection reset",
+// a read or write error) become PeerError, its timeouts CollectiveTimeoutError, with the
+// same message; anything else (a refused argument) stays as it was.
+std::exception_ptr exact_failure(const std::exception_ptr& error);
+
 // What `error` says, without the C++ backtrace a c10::Error carries: for messages that
 // reach users inside other errors.
 std::string message_of(const std::exception& error);

@@ -334,7 +334,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::
     return exact.allreduce(reduced, o);
   };
   // NCCL averages itself; Gloo has no AVG.
-  if (!gloo_average) return run(tensors, op);
+  if (!gloo_average) return exact_call(exact, [&](c10d::Backend&) { return run(tensors, op); });
   // Gloo sums 16-bit floats in their own precision, so an average whose sum leaves their
   // range would be Inf (two ranks' 40000 in float16): the sum is made in float32, as the
   // compressed path makes it, and the average rounded once.
@@ -345,7 +345,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::
     at::NoGradGuard no_grad;
     for (auto& t : summed) t = t.detach().to(at::kFloat);
   }
-  auto sum = run(summed, c10d::ReduceOp::SUM);
+  auto sum = exact_call(exact, [&](c10d::Backend&) { return run(summed, c10d::ReduceOp::SUM); });
   auto work =
       c10::make_intrusive<CGXWork>(getRank(), c10d::OpType::ALLREDUCE, tensors, gpu_of(tensors));
   const int size = getSize();
@@ -519,115 +519,147 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::broadcast(std::vector<at::Tensor
                                                           const c10d::BroadcastOptions& opts) {
   check_writable(tensors, "broadcast");
   begin_call();
-  return exact_for(tensors).broadcast(tensors, opts);
+  return exact_call(exact_for(tensors), [&](c10d::Backend& b) {
+    return b.broadcast(tensors, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
   check_writable(tensors, "reduce");
   begin_call();
-  return exact_for(tensors).reduce(tensors, opts);
+  return exact_call(exact_for(tensors), [&](c10d::Backend& b) {
+    return b.reduce(tensors, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   check_writable(outputs, "allgather");
   begin_call();
-  return exact_for(inputs).allgather(outputs, inputs, opts);
+  return exact_call(exact_for(inputs), [&](c10d::Backend& b) {
+    return b.allgather(outputs, inputs, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   check_writable({output}, "_allgather_base");
   begin_call();
-  return exact_for(input)._allgather_base(output, input, opts);
+  return exact_call(exact_for(input), [&](c10d::Backend& b) {
+    return b._allgather_base(output, input, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   check_writable(outputs, "allgather_coalesced");
   begin_call();
-  return exact_for(inputs).allgather_coalesced(outputs, inputs, opts);
+  return exact_call(exact_for(inputs), [&](c10d::Backend& b) {
+    return b.allgather_coalesced(outputs, inputs, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   check_writable(outputs, "allgather_into_tensor_coalesced");
   begin_call();
-  return exact_for(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return exact_call(exact_for(inputs), [&](c10d::Backend& b) {
+    return b.allgather_into_tensor_coalesced(outputs, inputs, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
   check_writable(outputs, "gather");
   begin_call();
-  return exact_for(inputs).gather(outputs, inputs, opts);
+  return exact_call(exact_for(inputs), [&](c10d::Backend& b) {
+    return b.gather(outputs, inputs, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
   check_writable(outputs, "scatter");
   begin_call();
-  return exact_for(outputs).scatter(outputs, inputs, opts);
+  return exact_call(exact_for(outputs), [&](c10d::Backend& b) {
+    return b.scatter(outputs, inputs, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   check_writable(outputs, "reduce_scatter");
   begin_call();
-  return exact_for(outputs).reduce_scatter(outputs, inputs, opts);
+  return exact_call(exact_for(outputs), [&](c10d::Backend& b) {
+    return b.reduce_scatter(outputs, inputs, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   check_writable({output}, "_reduce_scatter_base");
   begin_call();
-  return exact_for(input)._reduce_scatter_base(output, input, opts);
+  return exact_call(exact_for(input), [&](c10d::Backend& b) {
+    return b._reduce_scatter_base(output, input, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   check_writable(outputs, "reduce_scatter_tensor_coalesced");
   begin_call();
-  return exact_for(inputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return exact_call(exact_for(inputs), [&](c10d::Backend& b) {
+    return b.reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
   check_writable({output}, "alltoall_base");
   begin_call();
-  return exact_for(input).alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+  return exact_call(exact_for(input), [&](c10d::Backend& b) {
+    return b.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::alltoall(std::vector<at::Tensor>& outputs,
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllToAllOptions& opts) {
   check_writable(outputs, "alltoall");
   begin_call();
-  return exact_for(inputs).alltoall(outputs, inputs, opts);
+  return exact_call(exact_for(inputs), [&](c10d::Backend& b) {
+    return b.alltoall(outputs, inputs, opts);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::send(std::vector<at::Tensor>& tensors,
                                                      int dst_rank, int tag) {
   check_tag(tag);
   check_usable();
-  return exact_for(tensors).send(tensors, dst_rank, tag);
+  return exact_call(exact_for(tensors), [&](c10d::Backend& b) {
+    return b.send(tensors, dst_rank, tag);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recv(std::vector<at::Tensor>& tensors,
                                                      int src_rank, int tag) {
   check_writable(tensors, "recv");
   check_tag(tag);
   check_usable();
-  return exact_for(tensors).recv(tensors, src_rank, tag);
+  return exact_call(exact_for(tensors), [&](c10d::Backend& b) {
+    return b.recv(tensors, src_rank, tag);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::recvAnysource(std::vector<at::Tensor>& tensors,
                                                               int tag) {
   check_writable(tensors, "recvAnysource");
   check_tag(tag);
   check_usable();
-  return exact_for(tensors).recvAnysource(tensors, tag);
+  return exact_call(exact_for(tensors), [&](c10d::Backend& b) {
+    return b.recvAnysource(tensors, tag);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::barrier(const c10d::BarrierOptions& opts) {
   // Gloo's barrier is issued now (Gloo's program order); it completes once Gloo's barrier
   // has and every compressed collective queued before it has completed, as a barrier
   // should.
   begin_call();
-  auto gloo_barrier = exact_->barrier(opts);
+  auto gloo_barrier = exact_call(*exact_, [&](c10d::Backend& b) { return b.barrier(opts); });
   auto work = c10::make_intrusive<CGXWork>(getRank(), c10d::OpType::BARRIER,
                                            std::vector<at::Tensor>{});
   const uint64_t earlier = completions_->mark();

@@ -33,6 +33,7 @@
 #include "backend/connect.h"
 #include "backend/cuda_lane.h"
 #include "backend/errors.h"
+#include "backend/exact_work.h"
 #include "backend/settings.h"
 #include "backend/worker.h"
 #include "collectives/allreduce.h"
@@ -180,6 +181,18 @@ class ProcessGroupCGX final : public c10d::Backend {
   // The exact backend for tensors on the device of `tensor`.
   c10d::Backend& exact_for(const at::Tensor& tensor) const;
   c10d::Backend& exact_for(const std::vector<at::Tensor>& tensors) const;  // exact_ if none
+  // `call` on `backend`, an exact backend: on the Gloo one, its Work as an ExactWork, and
+  // an error it raises at once reported as ExactWork reports one at the wait (errors.h,
+  // exact_failure). NCCL's Work is handed back as it is.
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> exact_call(c10d::Backend& backend, Call&& call) {
+    if (&backend != exact_.get()) return call(backend);
+    try {
+      return c10::make_intrusive<ExactWork>(call(backend));
+    } catch (...) {
+      std::rethrow_exception(exact_failure(std::current_exception()));
+    }
+  }
   // Raises once the group failed (the type of the first failure: errors.h).
   void check_usable() const;
   // Every collective starts here: refused once the group failed; numbered (sequence_).
