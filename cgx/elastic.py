@@ -46,7 +46,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError, RendezvousParameters
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousError, RendezvousParameters,
+                                                  RendezvousTimeoutError)
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from cgx import _C
@@ -173,6 +174,11 @@ class Membership:
         except RendezvousClosedError as e:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r} has ended: a replica called end_run() "
                                   f"(the rendezvous is closed)") from e
+        except RendezvousTimeoutError as e:
+            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: no round formed: fewer than "
+                                  f"min_replicas={self.min_replicas} replicas came within "
+                                  f"join_timeout={self.join_timeout} ({type(e).__name__} from torch's "
+                                  f"rendezvous{': ' + str(e) if str(e) else ''})") from e
         except RendezvousError as e:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: no round formed: "
                                   f"{type(e).__name__}: {e}") from e

@@ -215,6 +215,7 @@ def test_a_dropped_elastic_diloco_is_freed_at_once_with_its_membership():
 def test_below_min_replicas_the_wait_ends_in_a_membership_error():
     waited, message = values(run_ranks(_alone, 1, args=(_free_port(),), timeout_s=60))[0]
     assert 2 <= waited < 10, (waited, message)
+    assert "fewer than min_replicas=2 replicas came within join_timeout=0:00:02" in message, message
 
 
 def test_bad_arguments_are_refused_by_name():
