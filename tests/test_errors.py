@@ -427,29 +427,58 @@ def test_the_exact_path_raises_peer_error_for_a_dead_peer_like_every_path():
     assert raised == {name: "PeerError" for name in raised}, raised
 
 
-def _exact_call_past_the_timeout(rank, world, released):
+def _exact_call_past_the_timeout(rank, world, joined, released):
+    """A caller's own short wait first (not a failure), then a wait past the group's
+    timeout (one), then what later calls raise."""
+    import datetime
+
     import cgx
 
     init_cgx(rank, world, timeout_s=2, pg_options=cgx.Config(bits=4))
     dist.all_reduce(torch.ones(8, dtype=torch.int64))
-    if rank == 1:  # alive, but makes no call until rank 0's has failed
+    if rank == 1:  # joins the first call late; then makes no call until rank 0's have failed
+        while not os.path.exists(joined):
+            time.sleep(0.01)
+        dist.all_reduce(torch.ones(8, dtype=torch.int64))
+        dist.all_reduce(torch.ones(8, dtype=torch.int64))
         while not os.path.exists(released):
             time.sleep(0.01)
         return None
-    start = time.monotonic()
+    pending = dist.all_reduce(torch.ones(8, dtype=torch.int64), async_op=True)
     try:
-        dist.all_reduce(torch.ones(8, dtype=torch.int64))
-        outcome = "no error"
-    except Exception as e:  # noqa: BLE001
-        outcome = type(e).__name__
+        pending.wait(timeout=datetime.timedelta(milliseconds=100))
+        short = "no error"
+    except Exception as e:  # noqa: BLE001 (what it raised is the result)
+        short = type(e).__name__
+    open(joined, "w").close()
+    pending.wait()
+    usable = torch.ones(8, dtype=torch.int64)
+    dist.all_reduce(usable)  # the group still works
+    start = time.monotonic()
+    raised = []
+    for call in (lambda: dist.all_reduce(torch.ones(8, dtype=torch.int64)),  # rank 1 makes no call
+                 lambda: dist.all_reduce(torch.ones(8, dtype=torch.int64)),  # later: unusable at once
+                 lambda: dist.all_reduce(torch.ones(1 << 16)),  # a compressed one too
+                 lambda: dist.barrier()):
+        try:
+            call()
+            raised.append(("no error", ""))
+        except Exception as e:  # noqa: BLE001
+            raised.append((type(e).__name__, str(e)))
     elapsed = time.monotonic() - start
     open(released, "w").close()
-    return outcome, elapsed
+    return short, int(usable[0]), raised, elapsed
 
 
 def test_an_exact_call_past_the_groups_timeout_raises_collective_timeout_error(tmp_path):
-    outcome, elapsed = values(run_ranks(_exact_call_past_the_timeout, 2, args=(str(tmp_path / "released"),)))[0]
-    assert outcome == "CollectiveTimeoutError" and elapsed < 20, (outcome, elapsed)
+    """Gloo's timeout is a failure of the group, like a compressed call's (later calls of
+    every kind raise its type at once); a caller's own shorter wait is not."""
+    short, usable, raised, elapsed = values(run_ranks(
+        _exact_call_past_the_timeout, 2, args=(str(tmp_path / "joined"), str(tmp_path / "released"))))[0]
+    assert short == "RuntimeError" and usable == 2, (short, usable)
+    assert [kind for kind, _ in raised] == ["CollectiveTimeoutError"] * 4, raised
+    assert all("unusable after an earlier failure" in message for _, message in raised[1:]), raised
+    assert elapsed < 20, elapsed
 
 
 def _mismatched_settings(rank, world):

@@ -53,28 +53,52 @@ std::exception_ptr reported(const std::exception_ptr& error) {
   return error;
 }
 
-std::exception_ptr exact_failure(const std::exception_ptr& error) {
-  if (failure_of(error) != Failure::kOther) return reported(error);
+void GroupFailure::fail(Failure kind, const std::string& cause) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!cause_.empty()) return;
+  cause_ = cause;
+  kind_ = kind;
+}
+
+void GroupFailure::check() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!cause_.empty())
+    throw_failure(kind_, "cgx: the process group is unusable after an earlier failure: " + cause_);
+}
+
+namespace {
+// Gloo's words for its failures (gloo/transport/tcp): its own timeouts, and a lost
+// connection. c10d's "Operation timed out!" (a caller's shorter wait) is not one of them.
+Failure gloo_failure(const std::string& message) {
+  const auto says = [&](const char* words) { return message.find(words) != std::string::npos; };
+  if (says("Timed out waiting") || says("Application timeout caused pair closure") ||
+      says("Read timeout") || says("Write timeout") || says("Socket Timeout"))
+    return Failure::kTimeout;
+  if (says("Connection closed") || says("Connection reset") || says("Broken pipe") ||
+      says("Read error") || says("Write error") || says("writev") || says("Socket closed"))
+    return Failure::kPeer;
+  return Failure::kOther;
+}
+}  // namespace
+
+std::exception_ptr exact_failure(const std::exception_ptr& error, GroupFailure& group) {
+  std::string message;
   try {
     std::rethrow_exception(error);
   } catch (const std::exception& e) {
-    const std::string message = message_of(e);
-    const auto says = [&](const char* words) { return message.find(words) != std::string::npos; };
-    Failure kind = Failure::kOther;
-    if (says("Timed out") || says("timed out") || says("Socket Timeout"))
-      kind = Failure::kTimeout;
-    else if (says("Connection closed") || says("Connection reset") || says("Broken pipe") ||
-             says("Read error") || says("Write error") || says("writev") || says("Socket closed"))
-      kind = Failure::kPeer;
-    if (kind == Failure::kOther) return error;
-    try {
-      throw_failure(kind, message);
-    } catch (...) {
-      return std::current_exception();
-    }
+    message = message_of(e);
   } catch (...) {
+    return error;
   }
-  return error;
+  Failure kind = failure_of(error);  // already typed: cgx's, or torch's own network error
+  if (kind == Failure::kOther) kind = gloo_failure(message);
+  if (kind == Failure::kOther) return error;
+  group.fail(kind, message);
+  try {
+    throw_failure(kind, message);
+  } catch (...) {
+    return std::current_exception();
+  }
 }
 
 std::string message_of(const std::exception& error) {

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <exception>
+#include <mutex>
 #include <string>
 
 namespace cgx::backend {
@@ -40,11 +41,25 @@ Failure failure_of(const std::exception_ptr& error);
 // CallMismatchError become the types above with the same message; any other error stays.
 std::exception_ptr reported(const std::exception_ptr& error);
 
+// A group's first failure, once it has one: every later call raises its type (check()).
+// Shared with the Works that can meet a failure after their call returned (ExactWork).
+class GroupFailure {
+ public:
+  void fail(Failure kind, const std::string& cause);  // the first one stays
+  void check() const;  // throws "the process group is unusable after an earlier failure: ..."
+
+ private:
+  mutable std::mutex mutex_;
+  std::string cause_;
+  Failure kind_ = Failure::kOther;
+};
+
 // `error` of the exact backend (Gloo) as the backend reports failures: Gloo's lost
 // connections (its words name the socket: "Connection closed by peer", "Connection reset",
-// a read or write error) become PeerError, its timeouts CollectiveTimeoutError, with the
-// same message; anything else (a refused argument) stays as it was.
-std::exception_ptr exact_failure(const std::exception_ptr& error);
+// a read or write error) become PeerError, its own timeouts (a transfer's, and the pair
+// it then closes) CollectiveTimeoutError, with the same message, and `group` fails with
+// them; anything else (a refused argument, a caller's own shorter wait) stays as it was.
+std::exception_ptr exact_failure(const std::exception_ptr& error, GroupFailure& group);
 
 // What `error` says, without the C++ backtrace a c10::Error carries: for messages that
 // reach users inside other errors.

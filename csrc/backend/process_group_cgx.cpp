@@ -141,23 +141,14 @@ ProcessGroupCGX::Route ProcessGroupCGX::route_of(const std::vector<at::Tensor>& 
   return Route::kCompressed;
 }
 
-void ProcessGroupCGX::check_usable() const {
-  std::lock_guard<std::mutex> lock(failure_mutex_);
-  if (!failure_.empty())
-    throw_failure(failure_kind_, "cgx: the process group is unusable after an earlier failure: " + failure_);
-}
+void ProcessGroupCGX::check_usable() const { failure_->check(); }
 
 uint64_t ProcessGroupCGX::begin_call() {
   check_usable();
   return ++sequence_;
 }
 
-void ProcessGroupCGX::fail(Failure kind, const std::string& cause) {
-  std::lock_guard<std::mutex> lock(failure_mutex_);
-  if (!failure_.empty()) return;
-  failure_ = cause;
-  failure_kind_ = kind;
-}
+void ProcessGroupCGX::fail(Failure kind, const std::string& cause) { failure_->fail(kind, cause); }
 
 compression::LayoutCodec ProcessGroupCGX::per_tensor_codec(
     const std::vector<at::Tensor>& tensors) const {

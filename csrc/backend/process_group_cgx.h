@@ -188,9 +188,9 @@ class ProcessGroupCGX final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> exact_call(c10d::Backend& backend, Call&& call) {
     if (&backend != exact_.get()) return call(backend);
     try {
-      return c10::make_intrusive<ExactWork>(call(backend));
+      return c10::make_intrusive<ExactWork>(call(backend), failure_);
     } catch (...) {
-      std::rethrow_exception(exact_failure(std::current_exception()));
+      std::rethrow_exception(exact_failure(std::current_exception(), *failure_));
     }
   }
   // Raises once the group failed (the type of the first failure: errors.h).
@@ -272,9 +272,8 @@ class ProcessGroupCGX final : public c10d::Backend {
   std::atomic<uint64_t> sequence_{0};
   // Set once, when a failure while data moved left the group unusable (peers may be out
   // of step): every later call raises it, exact ones included.
-  mutable std::mutex failure_mutex_;
-  std::string failure_;
-  Failure failure_kind_ = Failure::kOther;
+  // The first failure (errors.h); exact calls' Works report theirs into it too.
+  std::shared_ptr<GroupFailure> failure_ = std::make_shared<GroupFailure>();
   mutable std::mutex stats_mutex_;
   Stats stats_;
   // Shutdown runs the collectives already queued (as Gloo drains its queue): a rank that
