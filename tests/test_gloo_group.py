@@ -87,4 +87,3 @@ def test_a_gloo_group_another_thread_makes_meanwhile_is_left_alone():
     for w in works:
         w.wait()
     assert torch.equal(t, torch.full((8,), 2.0))
-    del groups, plain
