@@ -696,6 +696,71 @@ def _global_digest_without_a_collective(diloco) -> str:
     return digest.hexdigest()
 
 
+def _joiner_dies_before_the_state(replica, replicas, port):
+    """Replicas 0 and 1 run; replica 2 joins and dies (SIGKILL) as it is about to receive
+    the run's state; the reference (replica 0) sends only once it is gone, so its send
+    meets a closed connection (issue 53: Gloo's plain RuntimeError, out of step() and the
+    run, where recovery caught only DistError)."""
+    import signal
+
+    import cgx
+    import cgx.diloco.outer_sync
+    from harness import process_gone
+    from test_diloco import _model, _train_step
+
+    replicas_class = cgx.diloco.outer_sync._Replicas
+    send = replicas_class.send
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if replica == 2:
+        store = _rendezvous_store(port)  # replica 0's membership serves it
+        store.wait(["dying/started"])  # joins a run under way
+        store.set("dying/pid", str(os.getpid()))
+
+        def die_first(self, tensors, root, to):
+            if self.rank in to:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return send(self, tensors, root, to)
+        replicas_class.send = die_first
+        membership = _membership(replica, port, "dying", min_replicas=2)
+        cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
+        return "not reached"
+
+    def once_the_joiner_is_gone(self, tensors, root, to):
+        if self.rank == root and to:
+            pid = int(store.get("dying/pid"))
+            while not process_gone(pid):
+                time.sleep(0.01)
+        return send(self, tensors, root, to)
+    replicas_class.send = once_the_joiner_is_gone
+    membership = _membership(replica, port, "dying", starting=2, min_replicas=2)
+    store = _rendezvous_store(port)
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
+    store.set("dying/started", "1")
+    _wait_for_a_joiner(membership)  # admitted at the first sync: before step 16 on both
+    digests = {}
+    while diloco.step < 16:
+        _train_step(model, inner, replica, diloco.step)
+        digests[diloco.step] = _global_digest_without_a_collective(diloco)
+    diloco.close()
+    digests["end"] = _global_digest_without_a_collective(diloco)
+    result = digests, dict(diloco.stats())
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1], port, "dying")
+    return result
+
+
+def test_a_joiner_dying_before_the_state_arrives_costs_the_reference_nothing():
+    results = run_ranks(_joiner_dies_before_the_state, 3, args=(_free_port(),), expect_exit={2}, timeout_s=180)
+    (d0, s0), (d1, s1) = values(results[:2])
+    # The reference meets the death in its send, the other member in its next sync: the
+    # one behind takes the other's state and skips to its step (as after a cut link).
+    assert all(d0[step] == d1[step] for step in d0.keys() & d1.keys())
+    assert all(step <= 2 * _SYNC_EVERY for step in d0.keys() ^ d1.keys()), sorted(d0.keys() ^ d1.keys())
+    assert d0["end"] == d1["end"] and d0.keys() >= {16}
+    assert s0["replicas_lost"] >= 1 and s0["replicas"] == s1["replicas"] == 2, (s0, s1)
+
+
 @pytest.mark.parametrize("how", ["checkpoint", "second death", "exact"])
 def test_diloco_survivors_stay_identical_through_failures_met_out_of_step_twice_or_on_the_exact_path(how):
     replicas = 4 if how == "second death" else 3

@@ -173,16 +173,16 @@ class _Replicas:
         def move(flat: torch.Tensor) -> None:
             if self.rank == root:
                 for work in [self.backend.send([flat], peer, 0) for peer in to]:
-                    _wait(work)
+                    work.wait()
             else:
-                _wait(self.backend.recv([flat], root, 0))
+                self.backend.recv([flat], root, 0).wait()
         moved = move_by_dtype([_local(t) for t in tensors], move)
         return moved * len(to) if self.rank == root else 0
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (one shape on all), in rank order."""
         everyone = [[torch.empty_like(tensor) for _ in range(self.size)]]
-        _wait(self.backend.allgather(everyone, [tensor]))
+        self.backend.allgather(everyone, [tensor]).wait()
         return everyone[0]
 
     def all_gather_object(self, value: Any) -> list[Any]:
@@ -210,7 +210,7 @@ class _Replicas:
     def broadcast(self, tensors: list[torch.Tensor], root: int = 0) -> int:
         """The tensors (parameters, or anything a rank holds) take group rank `root`'s
         values, one broadcast per dtype. Returns the bytes broadcast."""
-        return move_by_dtype([_local(t) for t in tensors], lambda flat: _wait(self.backend.broadcast(flat, root)))
+        return move_by_dtype([_local(t) for t in tensors], lambda flat: self.backend.broadcast(flat, root).wait())
 
     # ---- agreement: the replicas' inner step and trained parameters
 
@@ -380,7 +380,7 @@ class _Fragment:
         replicas.wait(sync.agreement)
         if sync.work is None:
             return
-        _wait(sync.work)
+        sync.work.wait()
         replicas.count(layout_bytes(self.layout, replicas.skip_incomplete, _C.sent_exactly(sync.work)),
                        4 * self.numel)
         sync.work = None
@@ -421,20 +421,6 @@ def _restore(member: _Member) -> None:
     """A parameter that is no longer synced keeps its global weight: equal on every replica."""
     with torch.no_grad():
         _local(member.param).copy_(member.global_weight)
-
-
-def _wait(work: Any) -> None:
-    """Waits for a Work. Where it went the exact way (Gloo: exact syncs, all_gather,
-    broadcast, send, recv), a failure of the link or of a peer arrives as Gloo's plain
-    RuntimeError naming its transport; it is raised as the compressed path raises it,
-    PeerError or CollectiveTimeoutError, so that every path of a sync fails alike."""
-    try:
-        work.wait()
-    except RuntimeError as e:
-        if isinstance(e, dist.DistError) or "gloo/transport" not in str(e):
-            raise
-        kind = CollectiveTimeoutError if "Timed out" in str(e) else PeerError
-        raise kind(f"an exact (Gloo) call failed: {e}") from e
 
 
 def _current_rows(rows: torch.Tensor) -> torch.Tensor:
