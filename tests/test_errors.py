@@ -434,7 +434,9 @@ def _exact_call_past_the_timeout(rank, world, joined, released):
 
     import cgx
 
-    init_cgx(rank, world, timeout_s=2, pg_options=cgx.Config(bits=4))
+    # The group's timeout leaves rank 1 time to join the first call after the short wait,
+    # on a loaded machine too.
+    init_cgx(rank, world, timeout_s=5, pg_options=cgx.Config(bits=4))
     dist.all_reduce(torch.ones(8, dtype=torch.int64))
     if rank == 1:  # joins the first call late; then makes no call until rank 0's have failed
         while not os.path.exists(joined):
