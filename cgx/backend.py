@@ -78,12 +78,12 @@ def new_backend(store: dist.Store, rank: int, size: int, timeout: datetime.timed
         problem = None
     except ValueError as e:
         config, problem = None, str(e)
-    config = _check_same_config(cgx_store, rank, size, config, problem)
+    config = _check_same_config(cgx_store, rank, size, config, problem, timeout)
     if config.uses_mpi:
         mpi.require(config)
     exact = new_gloo_group(dist.PrefixStore(f"gloo/{incarnation}/", store), rank, size, timeout)
     exact_cuda = None
-    if cuda_exact_backend(_gather(cgx_store, "gpu", rank, size, _this_gpu())) == "nccl":
+    if cuda_exact_backend(gather(cgx_store, "gpu", rank, size, _this_gpu(), timeout)) == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         nccl_store = dist.PrefixStore(f"nccl/{incarnation}/", store)
@@ -116,18 +116,27 @@ def cuda_exact_backend(gpus: list[str]) -> str:
     return "gloo"
 
 
-def _gather(store: dist.Store, key: str, rank: int, size: int, value: str) -> list[str]:
+def shared_settings(config: Config) -> dict[str, Any]:
+    """The settings of `config` that every rank of a group must share, by variable name."""
+    return {v.name: getattr(config, v.field) for v in VARIABLES if v.field in _SHARED_FIELDS}
+
+
+def gather(store: dist.Store, key: str, rank: int, size: int, value: str, timeout: datetime.timedelta) -> list[str]:
+    """Every rank's `value` under `key`, waiting at most `timeout` for them
+    (DistStoreError past it: a rank that died before it wrote)."""
     store.set(f"{key}/{rank}", value)
-    return [store.get(f"{key}/{r}").decode() for r in range(size)]
+    keys = [f"{key}/{r}" for r in range(size)]
+    store.wait(keys, timeout)
+    return [store.get(k).decode() for k in keys]
 
 
 def _check_same_config(store: dist.Store, rank: int, size: int, config: Config | None,
-                       problem: str | None) -> Config:
+                       problem: str | None, timeout: datetime.timedelta) -> Config:
     """Ranks with different settings would take different paths and meet only at the
     timeout: compare them at creation instead, and fail on every rank alike, also where
     one rank's settings could not be read (`problem`). Returns this rank's config."""
-    mine = json.dumps({"problem": problem} if problem else [getattr(config, f) for f in _SHARED_FIELDS])
-    configs = [json.loads(c) for c in _gather(store, "config", rank, size, mine)]
+    mine = json.dumps({"problem": problem} if problem else list(shared_settings(config).values()))
+    configs = [json.loads(c) for c in gather(store, "config", rank, size, mine, timeout)]
     bad = [(r, c["problem"]) for r, c in enumerate(configs) if isinstance(c, dict)]
     if bad:
         r, message = bad[0]

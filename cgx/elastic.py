@@ -39,23 +39,29 @@ import datetime
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousError, RendezvousParameters,
                                                   RendezvousTimeoutError)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from cgx import _C
-from cgx.backend import new_backend, with_process_settings
-from cgx.config import Config, check_int
-from cgx.errors import MembershipError
+from cgx.backend import gather, new_backend, shared_settings, with_process_settings
+from cgx.config import Config, check_int, from_env
+from cgx.errors import MembershipError, PeerError
 
 __all__ = ["Membership", "Round"]
+
+_log = logging.getLogger("cgx.elastic")
 
 
 @dataclass(eq=False)
@@ -123,8 +129,8 @@ class Membership:
             raise ValueError(f"{what}: run_id must be a non-empty string, got {run_id!r}")
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"{what}: config must be a cgx.Config, got {type(config).__name__}")
-        if config is not None:  # a bad CGX_SHM_NAME_TAG fails here, on this replica alone, not in a round
-            config = with_process_settings(config)
+        # Read once, here: a bad CGX_* value fails on this replica alone, not in a round.
+        config = from_env() if config is None else with_process_settings(config)
         options: dict[str, Any] = {
             "join_timeout": str(_whole_seconds(join_timeout, "join_timeout")),
             "last_call_timeout": str(_whole_seconds(last_call, "last_call")),
@@ -141,6 +147,11 @@ class Membership:
         self.config = config
         self.round: Round | None = None
         self.rounds = 0  # rounds this replica was a member of
+        self._endpoint, self._rendezvous_backend = endpoint, rendezvous
+        self._terms: dict[str, Any] = {}
+        self.set_terms("cgx", {"version": _cgx_version(), "settings": shared_settings(config)})
+        self._terms_store: dist.Store | None = None  # the rendezvous's store, as the terms' (made when needed)
+        self._last_store: dist.Store | None = None
         parameters = RendezvousParameters(backend=rendezvous, endpoint=endpoint, run_id=run_id,
                                           min_nodes=min_replicas, max_nodes=max_replicas, **options)
         try:
@@ -155,15 +166,86 @@ class Membership:
         Raises :class:`cgx.MembershipError` where no round forms within `join_timeout`
         (fewer than `min_replicas` present) or the rendezvous cannot be reached."""
         self._leave_round()
+        if self.rounds == 0:
+            self._check_terms()
         while True:
             info = self._rendezvous()
             if self._admitted_everyone(info):
                 break
-            # A replica without the run's secret was refused: it leaves (its heartbeats
-            # stop), and the members form the round again without it.
+            # A replica was refused, or went silent while the round formed: the others
+            # form it again without it (a refused one leaves; a silent one did not ask).
+        # On the store's host, the store serves the others as long as this object lives,
+        # after close() too (the handler, which holds it, goes at close()).
+        self._last_store = info.store
         self.round = Round(info.rank, info.world_size, self._backend_of(info), info.store)
         self.rounds += 1
+        if info.rank == 0:
+            self._publish_terms()
         return self.round
+
+    def set_terms(self, part: str, terms: Any) -> None:
+        """What every replica of the run must hold alike under `part`, fixed for the run
+        (JSON-able; values JSON does not know are compared as ``str()``). The members
+        publish theirs; a replica joining the run compares its own with them before it
+        asks for a round, and where they differ it is refused there (ValueError naming
+        the first difference), at no cost to the members. cgx sets "cgx" (its version
+        and the ``CGX_*`` settings that change bytes); :class:`cgx.DiLoCo` sets "diloco"
+        (its schedule, bits and the model's parameters). Call before the first
+        :meth:`next_round`."""
+        self._terms[part] = json.loads(json.dumps(terms, sort_keys=True, default=str))
+        if self.round is not None and self.round.rank == 0:
+            self._publish_terms()
+
+    def _check_terms(self) -> None:
+        """Admission before membership: a replica not yet in the run reads the terms its
+        members published and refuses itself where it does not hold the run's secret (the
+        terms' tag) or its terms differ, before it enters the rendezvous, so the members
+        spend nothing on it: no round, no store wait. Where none are published the run has
+        not started, and this replica's first round starts it."""
+        store = self._store_of_terms()
+        if store is None or not store.check([self._terms_key]):
+            return
+        published = json.loads(store.get(self._terms_key))
+        run_id = self.run_id
+        if not hmac.compare_digest(published["tag"], self._tag(published["terms"])):
+            self.close()
+            holds = "the run's secret" if self._secret is not None else "a secret (Membership(secret=...))"
+            raise MembershipError(f"cgx.elastic: run {run_id!r} refused this replica before it joined: it does not "
+                                  f"hold {holds}, so it cannot join (nothing was sent to the run)")
+        difference = _first_difference(json.loads(published["terms"]), self._terms)
+        if difference:
+            self.close()
+            raise ValueError(f"cgx.elastic: run {run_id!r} refused this replica before it joined: {difference}; "
+                             f"every replica of a run must be built alike (nothing was sent to the run)")
+
+    def _publish_terms(self) -> None:
+        text = json.dumps(self._terms, sort_keys=True)
+        store = self._store_of_terms()
+        if store is not None:
+            store.set(self._terms_key, json.dumps({"terms": text, "tag": self._tag(text)}))
+
+    @property
+    def _terms_key(self) -> str:
+        return f"cgx-terms/{self.run_id}"
+
+    def _store_of_terms(self) -> dist.Store | None:
+        """A client of the rendezvous's own store (the c10d backend's), which outlives
+        the rounds. None for another rendezvous backend: there a joiner's terms are
+        checked as a round forms (costing the members that round)."""
+        if self._terms_store is None and self._rendezvous_backend == "c10d":
+            host, port = parse_rendezvous_endpoint(self._endpoint, default_port=29400)
+            try:
+                self._terms_store = dist.TCPStore(host, port, is_master=False, timeout=self.group_timeout)
+            except (RuntimeError, ValueError) as e:
+                raise MembershipError(f"cgx.elastic: cannot reach the rendezvous of run {self.run_id!r} at "
+                                      f"{self._endpoint}: {e}") from e
+        return self._terms_store
+
+    def _tag(self, terms: str) -> str:
+        """The terms' tag: only a holder of the run's secret makes it ("" without a secret)."""
+        if self._secret is None:
+            return ""
+        return hmac.new(self._secret, f"cgx-elastic-terms/{self.run_id}/{terms}".encode(), hashlib.sha256).hexdigest()
 
     def _rendezvous(self):
         if self._handler is None:
@@ -184,50 +266,75 @@ class Membership:
                                   f"{type(e).__name__}: {e}") from e
 
     def _admitted_everyone(self, info) -> bool:
-        """The run's secret, checked before the round's backend exists (so before a byte
-        of a collective moves). Each member adds a random nonce; the round's challenge is
-        the hash of all of them (no member chooses it); each member proves it holds the
-        secret with an HMAC of the challenge and its rank. The members of earlier rounds
-        judge: a newcomer whose proof fails is refused (MembershipError on it; it leaves,
-        and they form the round again without it: True means go on). In a round of
-        newcomers only (the run's start), any failed proof fails every member."""
+        """The run's secret and terms, checked as the round forms, before its backend
+        exists (so before a byte of a collective moves): the check of a replica that did
+        not meet the published terms first (it came as the run started, or by another
+        rendezvous backend). Each member adds a random nonce; the round's challenge is the
+        hash of all of them (no member chooses it); each proves it holds the secret with
+        an HMAC of the challenge and its rank, and shows a digest of its terms. Every
+        member then gives its verdict: the members of earlier rounds refuse a newcomer
+        whose proof fails or whose terms differ (MembershipError or ValueError on it; it
+        leaves, and the others form the round again without it: False). Every wait is
+        bounded by `group_timeout`: a replica silent past it is left behind (False: it
+        did not ask for the next round). In a round of newcomers only (the run's start),
+        a failed proof fails every member."""
         store = dist.PrefixStore("cgx-admission/", info.store)
-        ranks = range(info.world_size)
-        store.set(f"nonce/{info.rank}", secrets.token_hex(16))
-        challenge = hashlib.sha256("/".join(store.get(f"nonce/{r}").decode() for r in ranks).encode()).hexdigest()
-        store.set(f"proof/{info.rank}", json.dumps([self._proof(challenge, info.rank), self.rounds > 0]))
-        claims = [json.loads(store.get(f"proof/{r}")) for r in ranks]
-        valid = [hmac.compare_digest(proof, self._proof(challenge, r)) for r, (proof, _) in enumerate(claims)]
-        established = [r for r, (_, member) in enumerate(claims) if member]
-        if self.rounds > 0:  # an established member's verdict
-            refused = [r for r in ranks if not valid[r]]
-            store.set(f"verdict/{info.rank}", json.dumps(refused))
-            return not refused
-        if established:  # a newcomer waits for the members' verdict on it
-            refused_by = [r for r in established
-                          if info.rank in json.loads(store.get(f"verdict/{r}"))]
-            if refused_by:
-                self.close()
-                raise MembershipError(
-                    f"cgx.elastic: run {self.run_id!r} refused this replica: it does not hold the run's secret "
-                    f"(Membership(secret=...)), so it cannot join (nothing was sent to the run)")
-            return True
-        if not all(valid):
-            # Every member fails; each waits until all have read the proofs, so that the
-            # one serving the store does not take it away from a slower one. That one
-            # may leave while this one's wait is in flight: all have read the proofs by
-            # then (this one too), so a lost store changes nothing of the verdict.
-            store.set(f"failed/{info.rank}", "1")
-            try:
-                store.wait([f"failed/{r}" for r in ranks])
-            except dist.DistError:
-                pass
+        rank, timeout = info.rank, self.group_timeout
+        try:
+            nonces = gather(store, "nonce", rank, info.world_size, secrets.token_hex(16), timeout)
+            challenge = hashlib.sha256("/".join(nonces).encode()).hexdigest()
+            claim = json.dumps([self._proof(challenge, rank), self.rounds > 0, self._terms_digest()])
+            claims = [json.loads(c) for c in gather(store, "claim", rank, info.world_size, claim, timeout)]
+            valid = [hmac.compare_digest(proof, self._proof(challenge, r)) for r, (proof, _, _) in enumerate(claims)]
+            starting = not any(member for _, member, _ in claims)
+            verdict = {}
+            if self.rounds > 0:  # an established member judges the newcomers
+                for r, (_, member, terms) in enumerate(claims):
+                    if not valid[r]:
+                        verdict[r] = "secret"
+                    elif not member and terms != self._terms_digest():
+                        verdict[r] = "terms"
+            verdicts = [json.loads(v) for v in gather(store, "verdict", rank, info.world_size,
+                                                      json.dumps(verdict), timeout)]
+        except dist.DistError:
+            return False
+        if starting:
+            return self._starting_together(store, valid, info)
+        refused = {int(r): why for v in verdicts for r, why in v.items()}
+        if rank in refused:
             self.close()
-            raise MembershipError(
-                f"cgx.elastic: run {self.run_id!r}: the replicas starting it do not hold the same secret "
-                f"(ranks {[r for r in ranks if not valid[r]]} of this round differ from this one): every replica "
-                f"must be given the run's secret (or none)")
-        return True
+            if refused[rank] == "secret":
+                raise MembershipError(f"cgx.elastic: run {self.run_id!r} refused this replica: it does not hold the "
+                                      f"run's secret (Membership(secret=...)), so it cannot join (nothing was sent "
+                                      f"to the run)")
+            raise ValueError(f"cgx.elastic: run {self.run_id!r} refused this replica: its terms (its cgx version, "
+                             f"CGX_* settings or DiLoCo's) differ from the run's; every replica of a run must be "
+                             f"built alike (nothing was sent to the run)")
+        return not refused
+
+    def _starting_together(self, store: dist.Store, valid: list[bool], info) -> bool:
+        """The run's start (no member of an earlier round): any failed proof fails every
+        member. (Differing terms fail them too, in the backend's and DiLoCo's agreement.)"""
+        if all(valid):
+            return True
+        # Each waits until all have read the proofs, so that the one serving the store does
+        # not take it away from a slower one. That one may leave while this one's wait is
+        # in flight: all have read the proofs by then (this one too), so a lost store
+        # changes nothing of the verdict.
+        ranks = range(info.world_size)
+        store.set(f"failed/{info.rank}", "1")
+        try:
+            store.wait([f"failed/{r}" for r in ranks], self.group_timeout)
+        except dist.DistError:
+            pass
+        self.close()
+        raise MembershipError(
+            f"cgx.elastic: run {self.run_id!r}: the replicas starting it do not hold the same secret "
+            f"(ranks {[r for r in ranks if not valid[r]]} of this round differ from this one): every replica "
+            f"must be given the run's secret (or none)")
+
+    def _terms_digest(self) -> str:
+        return hashlib.sha256(json.dumps(self._terms, sort_keys=True).encode()).hexdigest()
 
     def _proof(self, challenge: str, rank: int) -> str:
         """This replica's proof for `rank` of a round with `challenge` ("" without a secret)."""
@@ -246,18 +353,35 @@ class Membership:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the rendezvous cannot be read: {e}") from e
 
     def close(self) -> None:
-        """Leaves the run, which goes on: the round's backend is shut down and this
-        replica's heartbeats stop, so the others' next round forms without it (after 3
-        missed heartbeats). A second call does nothing. (torch's ``shutdown()`` would
+        """Leaves the run, which goes on, and says so: the round's backend is shut down
+        (its connections close, so a member waiting on this replica gets a PeerError at
+        once) and this replica leaves the rendezvous, so the others' next round forms
+        without it at once. A second call does nothing. (torch's ``shutdown()`` would
         close the rendezvous for every replica: that is :meth:`end_run`.)"""
         self._leave_round()
+        if self._handler is not None and self.rounds > 0:
+            self._leave_rendezvous()
         self._handler = None  # its heartbeat timer holds it weakly: no beat after this
+        self._terms_store = None
+
+    def _leave_rendezvous(self) -> None:
+        """torch's handler leaves a round only as the first step of joining the next (its
+        exit operation, which takes this node out of the round's participants): that step
+        alone. Without it the others' next round waits until this node's heartbeats are
+        missed 3 times. A rendezvous that cannot be reached any more is left as it is."""
+        handler = self._handler
+        try:
+            handler._stop_heartbeats()
+            handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + self.group_timeout.total_seconds())
+        except (RendezvousError, dist.DistError, RuntimeError) as e:
+            _log.info("cgx.elastic: run %r: could not tell the rendezvous that this replica left (%s: %s); the "
+                      "others drop it after its missed heartbeats", self.run_id, type(e).__name__, e)
 
     def end_run(self) -> None:
         """Ends the run for every replica: the rendezvous is closed (no round forms any
         more; the others' next :meth:`next_round` raises, saying so). This replica stays
-        until :meth:`close`; the replica that serves the c10d store should close last,
-        as the store goes with it."""
+        until :meth:`close`; the replica that serves the c10d store should stay last, as
+        the store goes with its Membership object (which may be closed before)."""
         if self._handler is not None:
             self._handler.set_closed()
 
@@ -273,9 +397,43 @@ class Membership:
             self.round = None
 
     def _backend_of(self, info) -> _C.ProcessGroupCGX:
-        """The round's cgx backend, made as a group's is, on the round's store."""
-        return new_backend(dist.PrefixStore("cgx-round/", info.store), info.rank, info.world_size,
-                           self.group_timeout, self.config)
+        """The round's cgx backend, made as a group's is, on the round's store. Gloo
+        reports a member lost while it connects as a plain RuntimeError: here it is the
+        PeerError it is, which recovery handles."""
+        try:
+            return new_backend(dist.PrefixStore("cgx-round/", info.store), info.rank, info.world_size,
+                               self.group_timeout, self.config)
+        except RuntimeError as e:
+            if isinstance(e, dist.DistError):
+                raise
+            raise PeerError(f"cgx.elastic: run {self.run_id!r}: the round's backend could not connect its "
+                            f"{info.world_size} members: {e}") from e
+
+
+def _cgx_version() -> str:
+    import cgx  # here: cgx imports this module as it starts
+
+    return cgx.__version__
+
+
+def _first_difference(run: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    """The first entry of the parts both hold where this replica's terms differ from the
+    run's, said for a user; None where they agree."""
+    for part in sorted(set(run) & set(mine)):
+        theirs, ours = run[part], mine[part]
+        names = sorted(set(theirs) | set(ours)) if isinstance(theirs, dict) and isinstance(ours, dict) else [None]
+        for name in names:
+            a, b = (theirs, ours) if name is None else (theirs.get(name), ours.get(name))
+            if a != b:
+                what = part if name is None else f"{part} {name}"
+                if isinstance(a, dict) and isinstance(b, dict):
+                    key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+                    what, a, b = f"{what} {key}", a.get(key), b.get(key)
+                if isinstance(a, list) and isinstance(b, list):
+                    return (f"its {what} differ from the run's: it has {[x for x in b if x not in a][:2] or 'no more'},"
+                            f" the run {[x for x in a if x not in b][:2] or 'no more'}")
+                return f"its {what} is {b!r} where the run's is {a!r}"
+    return None
 
 
 def _whole_seconds(value: datetime.timedelta, name: str) -> int:

@@ -241,31 +241,161 @@ def test_a_bad_segment_tag_fails_the_replica_that_has_it_before_it_joins(monkeyp
 
 
 def _refuse_a_replica_without_the_secret(replica, replicas, port):
+    """Replicas 0 and 1 run. Replica 2, with another secret, asks to join three times and
+    is refused before the rendezvous each time; then, as a stranger whose cgx skips that
+    check, it arrives beside replica 3, which holds the secret: the round refuses the
+    stranger alone and admits replica 3 (issue 53, findings 2 and 5)."""
     import cgx
 
-    secret = b"the run's secret" if replica < 2 else b"another secret"
-    membership = _membership(replica, port, "secret", starting=2, min_replicas=2, secret=secret)
+    right = b"the run's secret"
+    if replica >= 2:
+        store = _rendezvous_store(port)  # replica 0's membership serves it
     if replica == 2:
-        _rendezvous_store(port).wait(["secret/formed"])  # joins the running run
+        store.wait(["secret/formed"])  # joins the running run
+        for _ in range(3):
+            membership = _membership(replica, port, "secret", min_replicas=2, secret=b"another secret")
+            with pytest.raises(cgx.MembershipError, match="refused this replica before it joined: it does not hold "
+                                                          "the run's secret"):
+                membership.next_round()
+        store.set("secret/refused", "1")
+        stranger = _membership(replica, port, "secret", min_replicas=2, secret=b"another secret")
+        stranger._check_terms = lambda: None  # a stranger's cgx, which does not read the run's terms
         with pytest.raises(cgx.MembershipError, match="refused this replica: it does not hold the run's secret"):
-            membership.next_round()
-        _host_stays_until_the_others_are_done(replica, [1, 2], port, "secret")
-        return membership.round, membership.rounds
+            stranger.next_round()
+        _host_stays_until_the_others_are_done(replica, [1, 2, 3], port, "secret")
+        return stranger.round, stranger.rounds
+    if replica == 3:
+        store.wait(["secret/refused"])
+        membership = _membership(replica, port, "secret", min_replicas=2, secret=right)
+        joined = membership.next_round()
+        sums = [(joined.size, _sum_of_ranks(joined))]
+        membership.close()
+        _host_stays_until_the_others_are_done(replica, [1, 2, 3], port, "secret")
+        return sums
+    membership = _membership(replica, port, "secret", starting=2, min_replicas=2, secret=right)
+    store = _rendezvous_store(port)
     first = membership.round
     sums = [(first.size, _sum_of_ranks(first))]
-    _rendezvous_store(port).set("secret/formed", "1")
-    _wait_for_a_joiner(membership)
-    again = membership.next_round()  # the joiner is refused; the round forms without it
+    store.set("secret/formed", "1")
+    store.wait(["secret/refused"])
+    # The refused joiner never entered the rendezvous: nobody waits, no round was formed.
+    nobody_waited = (membership.joiners_waiting(), membership.rounds)
+    while True:  # the stranger and replica 3 arrive together, or one after the other
+        _wait_for_a_joiner(membership)
+        again = membership.next_round()
+        if again.size == 3:
+            break
+        sums.append((again.size, _sum_of_ranks(again)))
     sums.append((again.size, _sum_of_ranks(again)))
     membership.close()
-    _host_stays_until_the_others_are_done(replica, [1, 2], port, "secret")
-    return sums
+    _host_stays_until_the_others_are_done(replica, [1, 2, 3], port, "secret")
+    return nobody_waited, sums
 
 
-def test_a_replica_without_the_runs_secret_is_refused_and_the_run_goes_on():
-    results = values(run_ranks(_refuse_a_replica_without_the_secret, 3, args=(_free_port(),), timeout_s=180))
-    assert results[0] == results[1] == [(2, 3.0), (2, 3.0)], results
+def test_a_replica_without_the_runs_secret_is_refused_alone_and_the_run_goes_on():
+    results = values(run_ranks(_refuse_a_replica_without_the_secret, 4, args=(_free_port(),), timeout_s=180))
+    for nobody_waited, sums in results[:2]:
+        assert nobody_waited == (0, 1), results
+        # The stranger refused in a round of its own (then re-formed without it), or beside replica 3.
+        assert sums[0] == (2, 3.0) and sums[-1] == (3, 6.0) and set(sums[1:-1]) <= {(2, 3.0)}, results
     assert results[2] == (None, 0)  # refused before any round's backend existed
+    assert results[3] == [(3, 6.0)]
+
+
+def _misconfigured_joiners(replica, replicas, port):
+    """Replicas 0 and 1 train; replica 2 asks to join with other CGX_* settings, a bad
+    one, and another DiLoCo (each refused alone, before the rendezvous: the members train
+    on without a re-form), then as built alike (admitted; all go on bit-identical)."""
+    import cgx
+    from test_diloco import _model, _train_step
+
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def diloco_on(membership, fragments=2):
+        return cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=fragments, bits=4, membership=membership)
+
+    if replica == 2:
+        store = _rendezvous_store(port)  # replica 0's membership serves it
+        store.wait(["misconfigured/started"])
+        refusals = []
+        for variable, value in (("CGX_COMPRESSION_SCHEME", "maxmin"), ("CGX_COMPRESSION_QUANTIZATION_BITS", "99")):
+            os.environ[variable] = value
+            try:
+                diloco_on(_membership(replica, port, "misconfigured", min_replicas=2))
+            except ValueError as e:
+                refusals.append(str(e))
+            del os.environ[variable]
+        try:
+            diloco_on(_membership(replica, port, "misconfigured", min_replicas=2), fragments=1)
+        except ValueError as e:
+            refusals.append(str(e))
+        store.set("misconfigured/refused", "1")
+        membership = _membership(replica, port, "misconfigured", min_replicas=2)
+        diloco = diloco_on(membership)
+        end = diloco.step + 2 * _SYNC_EVERY
+    else:
+        membership = _membership(replica, port, "misconfigured", min_replicas=2)
+        store = _rendezvous_store(port)
+        diloco = diloco_on(membership)
+        store.set("misconfigured/started", "1")
+        while not store.check(["misconfigured/refused"]):
+            _train_step(model, inner, replica, diloco.step)
+        refusals = dict(diloco.stats())  # the members' rounds once every refusal is over
+        while diloco.stats()["replicas_joined"] == 0:
+            _train_step(model, inner, replica, diloco.step)
+        end = diloco.step + 2 * _SYNC_EVERY
+    while diloco.step < end:
+        _train_step(model, inner, replica, diloco.step)
+    diloco.close()
+    result = refusals, diloco.step, _global_digest_without_a_collective(diloco)
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 2], port, "misconfigured")
+    return result
+
+
+def test_a_joiner_built_otherwise_is_refused_alone_before_it_joins():
+    results = values(run_ranks(_misconfigured_joiners, 3, args=(_free_port(),), timeout_s=180))
+    refusals = results[2][0]
+    assert len(refusals) == 3, refusals
+    assert "refused this replica before it joined: its cgx settings CGX_COMPRESSION_SCHEME is 'maxmin' where " \
+           "the run's is 'hadamard'" in refusals[0], refusals
+    assert "CGX_COMPRESSION_QUANTIZATION_BITS='99' is not valid" in refusals[1], refusals
+    assert "refused this replica before it joined: its diloco fragments is 1 where the run's is 2" in refusals[2]
+    for stats, _, _ in results[:2]:
+        assert stats["rounds"] == 1 and stats["replicas_joined"] == 0, stats  # no re-form for any of them
+    assert len({(step, digest) for _, step, digest in results}) == 1, results  # the joiner admitted, identical
+
+
+def _one_bit_flipped(replica, replicas, port):
+    """3 replicas; after inner step 6, one bit of replica 2's global weights flips (as a
+    faulty memory or a non-deterministic op would leave it). Fragment 0's next sync (step
+    8) finds the digests differ: the replicas re-form and replica 2, outvoted, takes the
+    others' state."""
+    import cgx
+    from test_diloco import _model, _train_step
+
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    membership = _membership(replica, port, "flip", min_replicas=3)
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
+    while diloco.step < 16:
+        _train_step(model, inner, replica, diloco.step)
+        if replica == 2 and diloco.step == 6:
+            bits = diloco._fragments[0].members[0].global_weight.view(torch.int32).view(-1)
+            bits[0] = bits[0] ^ 1
+    diloco.close()
+    result = _global_digest_without_a_collective(diloco), dict(diloco.stats())
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 2], port, "flip")
+    return result
+
+
+def test_a_replica_whose_global_weights_diverge_takes_the_others_state():
+    results = values(run_ranks(_one_bit_flipped, 3, args=(_free_port(),), timeout_s=180))
+    assert len({digest for digest, _ in results}) == 1, results  # healed: bit-identical again
+    for _, stats in results:
+        assert stats["rounds"] == 2 and stats["syncs_redone"] == 1, stats  # one re-form, the sync done again
 
 
 def _start_with_different_secrets(replica, replicas, port):
@@ -302,12 +432,13 @@ def _start_with_different_secrets_the_host_leaving_first(replica, replicas, port
             def get(self, key):
                 return self._store.get(key)
 
-            def wait(self, keys):
-                with open(host_pid_file) as f:
-                    host = f.read()
-                while not process_gone(int(host)):
-                    time.sleep(0.01)
-                return self._store.wait(keys)
+            def wait(self, keys, timeout):
+                if keys[0].startswith("failed/"):  # the last wait: after the host is gone
+                    with open(host_pid_file) as f:
+                        host = f.read()
+                    while not process_gone(int(host)):
+                        time.sleep(0.01)
+                return self._store.wait(keys, timeout)
 
         dist.PrefixStore = lambda prefix, store: (HostGoneBeforeWait(prefix, store) if prefix == "cgx-admission/"
                                                   else real_prefix_store(prefix, store))

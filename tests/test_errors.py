@@ -427,6 +427,47 @@ def test_the_exact_path_raises_peer_error_for_a_dead_peer_like_every_path():
     assert raised == {name: "PeerError" for name in raised}, raised
 
 
+def _a_peer_shuts_down_while_this_rank_waits(rank, world, path):
+    """Rank 0 waits on rank 1 in a call rank 1 never makes; rank 1 shuts its group down
+    (alive) once rank 0 is in the call. Then a call on rank 1's shut-down group."""
+    import cgx
+
+    init_cgx(rank, world, timeout_s=120, pg_options=cgx.Config(bits=4))
+    store = dist.distributed_c10d._get_default_store()
+    dist.all_reduce(torch.ones(8, dtype=torch.int64))  # connected, both ways
+    if rank == 1:
+        backend = cgx.get_backend()
+        store.wait(["in the call"])
+        backend.shutdown()
+        try:
+            backend.allreduce([torch.ones(8)]).wait()
+            after = "no error"
+        except dist.DistBackendError as e:
+            after = str(e)
+        store.wait(["rank 0 done"])
+        return after
+    tensor = torch.ones(8, dtype=torch.int64) if path == "exact" else torch.ones(1 << 16)
+    work = dist.all_reduce(tensor, async_op=True)
+    store.set("in the call", "1")
+    try:
+        work.wait()
+        raised = "no error"
+    except Exception as e:  # noqa: BLE001 (what it raised is the result)
+        raised = type(e).__name__
+    store.set("rank 0 done", "1")
+    return raised
+
+
+@pytest.mark.parametrize("path", ["exact", "compressed"])
+def test_a_peer_that_shuts_down_is_known_at_once_not_at_the_timeout(path):
+    """A rank that shuts its group down (destroy_process_group, an elastic replica's
+    leave()) closes its connections: a peer waiting on it gets a PeerError, where it would
+    otherwise wait out the group's timeout (120 s here: a CollectiveTimeoutError)."""
+    raised, after = values(run_ranks(_a_peer_shuts_down_while_this_rank_waits, 2, args=(path,), timeout_s=100))
+    assert raised == "PeerError"
+    assert "unusable after an earlier failure: it was shut down on this rank" in after
+
+
 def _exact_call_past_the_timeout(rank, world, joined, released):
     """A caller's own short wait first (not a failure), then a wait past the group's
     timeout (one), then what later calls raise."""

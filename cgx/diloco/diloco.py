@@ -166,6 +166,7 @@ class DiLoCo:
                                 f"{type(membership).__name__}")
             if group is not None:
                 raise ValueError("cgx.DiLoCo: give either group or membership, not both")
+            membership.set_terms("diloco", self._terms(model, bits, bucket_size, policy))
             self._recovery = Recovery(self, membership)
             self._replicas = self._recovery.first_replicas()
         self._model = model
@@ -190,6 +191,17 @@ class DiLoCo:
             self._closed = True
             self._hook.remove()  # a DiLoCo that failed to join trains nothing
             raise
+
+    def _terms(self, model, bits, bucket_size, policy) -> dict[str, Any]:
+        """What a replica joining an elastic run must share with its members, checked
+        before it asks to join (Membership.set_terms): what construction fixes for the
+        run. The schedule's settable fields and the trained set may change during a run:
+        they are compared as the round forms (recovery.py)."""
+        settable = {k for k in dataclasses.asdict(self._schedule) if isinstance(getattr(DiLoCo, k, None), property)}
+        return {**{k: v for k, v in dataclasses.asdict(self._schedule).items() if k not in settable},
+                "bits": bits, "bucket_size": bucket_size,
+                "policy": None if policy is None else sorted(policy.resolve(model).items()),
+                "parameters": [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]}
 
     def _warn_if_the_host_waits_less(self, membership: Membership) -> None:
         """A follower waits for its lead as long as the host group's timeout; a lead can

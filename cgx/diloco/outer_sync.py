@@ -32,11 +32,15 @@ _PATTERNS = ("strided", "sequential")
 # and a digest of the trained parameters, these two in 16-bit pieces (float32 carries them
 # exactly). close(), a fragment without members and an exact (Gloo) sync, whose sums a
 # longer buffer would order otherwise, send the rows alone. In an elastic run a row also
-# says whether this replica saw replicas waiting to join: the members admit them together.
+# says whether this replica saw replicas waiting to join (the members admit them together),
+# and carries a digest of the fragment's global weights after its last applied sync: a
+# replica whose weights differ is healed (ReplicasDiverged).
 _SYNC, _CLOSE = 0, 1
 _STEP_PIECES, _DIGEST_PIECES = 3, 4
 _HEAD = 3  # kind, strangers, joiners
-_ROW = _HEAD + _STEP_PIECES + _DIGEST_PIECES
+_TRAINED = _HEAD + _STEP_PIECES  # where the trained parameters' digest starts
+_STATE = _TRAINED + _DIGEST_PIECES  # where the fragment's global weights' digest starts (0: not given)
+_ROW = _STATE + _DIGEST_PIECES
 _OUT_OF_STEP = ("every replica must call the inner optimizer's step() alike: DiLoCo counts those calls, and "
                 "GradScaler skips step() on a replica whose gradients have Inf/NaN (make the replicas skip together)")
 
@@ -215,12 +219,12 @@ class _Replicas:
     # ---- agreement: the replicas' inner step and trained parameters
 
     def rows(self, kind: int, step: int, trained: list[tuple[str, tuple[int, ...]]], strangers: int,
-             device: torch.device, joiners: int = 0) -> torch.Tensor:
+             device: torch.device, joiners: int = 0, state: int = 0) -> torch.Tensor:
         rows = torch.zeros(self.size, _ROW, device=device)
         digest = int.from_bytes(hashlib.blake2b(repr(trained).encode(), digest_size=8).digest(), "little")
         rows[self.rank] = torch.tensor(
             [kind, min(strangers, 0xFFFF), min(joiners, 0xFFFF), *_pieces(step, _STEP_PIECES),
-             *_pieces(digest, _DIGEST_PIECES)], dtype=torch.float32)
+             *_pieces(digest, _DIGEST_PIECES), *_pieces(state, _DIGEST_PIECES)], dtype=torch.float32)
         return rows
 
     def agree(self, kind: int, step: int, trained: list[tuple[str, tuple[int, ...]]],
@@ -264,8 +268,17 @@ class _Replicas:
                 raise ValueError(f"cgx.DiLoCo: at the sync of inner step {agreement.step}, inner_optimizer on group "
                                  f"rank {peer} updates {row[1]} tensor(s) that are not parameters of the model: "
                                  f"add param groups of this model's parameters only")
-        if any(row[_HEAD + _STEP_PIECES:] != mine[_HEAD + _STEP_PIECES:] for row in rows):
+        if any(row[_TRAINED:_STATE] != mine[_TRAINED:_STATE] for row in rows):
             self._name_difference(agreement)
+        states = [tuple(row[_STATE:]) for row in rows]
+        if len(set(states)) > 1:
+            ranks = {}
+            for rank, state in enumerate(states):
+                ranks.setdefault(state, []).append(rank)
+            raise ReplicasDiverged(f"cgx.DiLoCo: at the sync of inner step {agreement.step}, the replicas' global "
+                                   f"weights of the fragment differ after its last applied sync: group ranks "
+                                   f"{' | '.join(map(str, ranks.values()))} each hold other weights (a bit flip, a "
+                                   f"non-deterministic op, a bug)")
 
     def _name_difference(self, agreement: _Agreement) -> None:
         """Raises ValueError naming a parameter trained on one replica and not on another
@@ -351,7 +364,8 @@ class _Fragment:
         sync). With `keep`, the sync keeps a copy of the outer gradient it sent."""
         # The rows travel with the outer gradient, so they live on its device.
         device = self.members[0].global_weight.device if self.members else torch.device("cpu")
-        rows = replicas.rows(_SYNC, step, trained, strangers, device, joiners)
+        state = _digest([m.global_weight for m in self.members]) if keep and self.members else 0
+        rows = replicas.rows(_SYNC, step, trained, strangers, device, joiners, state)
         if not self.members:  # the replicas still agree, on their step above all
             return _Sync(self, due, replicas.agree(_SYNC, step, trained, rows), None, None, None)
         exact_sync = all_raw(self.layout)
@@ -425,10 +439,27 @@ def _restore(member: _Member) -> None:
 
 def _current_rows(rows: torch.Tensor) -> torch.Tensor:
     """A checkpoint's agreement rows in this version's layout (before the joiners
-    column, a row was kind, strangers, step, digest)."""
-    if rows.shape[-1] == _ROW - 1:
-        return torch.cat([rows[:, :2], torch.zeros_like(rows[:, :1]), rows[:, 2:]], dim=1)
+    column, a row was kind, strangers, step, digest; before the state's digest, it ended
+    with the trained parameters' digest)."""
+    if rows.shape[-1] == _STATE - 1:
+        rows = torch.cat([rows[:, :2], torch.zeros_like(rows[:, :1]), rows[:, 2:]], dim=1)
+    if rows.shape[-1] == _STATE:
+        return torch.cat([rows, torch.zeros(rows.shape[0], _DIGEST_PIECES, dtype=rows.dtype)], dim=1)
     return rows.clone()
+
+
+def _digest(tensors: list[torch.Tensor]) -> int:
+    """A nonzero 64-bit digest of the tensors' bytes (their values, bit for bit)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        digest.update(t.detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little") or 1
+
+
+class ReplicasDiverged(dist.DistError):
+    """The replicas' global weights of a fragment differ where they must be identical. In
+    an elastic run the replicas re-form on it, and those that differ from the reference
+    take its state (recovery.py)."""
 
 
 def _pieces(value: int, count: int) -> list[int]:

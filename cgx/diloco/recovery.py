@@ -7,6 +7,7 @@ recovery reads and sets", and on the fragments and replicas through theirs."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -109,6 +110,12 @@ class Recovery:
         they can; what the old round did not complete is done again in the new one.
         Returns whether this member took another's state (see :meth:`_enter_round`)."""
         started = time.perf_counter()
+        try:
+            return self._move_to_the_next_round(cause)
+        finally:  # a failed attempt counts too: its time was spent
+            self.stats["reform_seconds"] += time.perf_counter() - started
+
+    def _move_to_the_next_round(self, cause: Exception | None) -> bool:
         diloco = self._diloco
         for sync in diloco._in_flight:
             if sync.completed:
@@ -125,9 +132,7 @@ class Recovery:
             cause = cause.__cause__ or cause  # the backend's own words, without DiLoCo's out-of-step advice
             _log.warning("cgx.DiLoCo: run %r: a collective failed at inner step %d (%s: %s); the replicas re-form",
                          self.membership.run_id, diloco.step, type(cause).__name__, cause)
-        took = self._enter_round(self.membership.next_round(), cause)
-        self.stats["reform_seconds"] += time.perf_counter() - started
-        return took
+        return self._enter_round(self.membership.next_round(), cause)
 
     def _enter_round(self, round_: Round, cause: Exception | None) -> bool:
         """This replica's part in forming `round_`, alike on every member. Everyone shows
@@ -135,7 +140,7 @@ class Recovery:
         refused (ValueError on it; the others form the round again without it). Where no
         member holds the run's state yet, the run starts (DiLoCo._start_together). Else
         the reference is the member with the most syncs applied (then the latest step,
-        then the lowest rank): every replica whose state differs from it (a joiner; a
+        then the state most of those hold, then the lowest rank): every replica whose state differs from it (a joiner; a
         member that missed a sync the reference applied) takes the reference's global
         weights, outer momentum, frozen parameters (sent to it alone), schedule and
         syncs in flight, and restarts its local weights from them. The syncs the reference completed are
@@ -167,10 +172,22 @@ class Recovery:
             diloco._start_together()
             self.established = True
             return False
-        reference = max((r for r, p in enumerate(positions) if p["established"]),
-                        key=lambda r: (sum(positions[r]["syncs"]), positions[r]["step"], -r))
+        reference = _reference(positions)
         takers = [r for r, p in enumerate(positions) if p["state"] != positions[reference]["state"]]
         me = replicas.rank
+        # A member as far as the reference with other weights diverged: what it sent into
+        # the syncs in flight came from those weights, so it sends zeros when they are
+        # done again, and the average is over the others.
+        for r in takers:
+            if positions[r]["established"] and _progress(positions[r]) == _progress(positions[reference]):
+                _log.warning("cgx.DiLoCo: run %r: replica %s diverged (its state differs from replica %s's at the "
+                             "same sync); it takes that state", self.membership.run_id, positions[r]["id"],
+                             positions[reference]["id"])
+                for entry in positions[r]["in_flight"]:
+                    entry["sent"] = False
+                if r == me:
+                    for sync in diloco._in_flight:
+                        sync.sent = None
         if me in takers:
             self.established = False  # until the state has arrived: never a reference half-taken
             diloco._take_layout(positions[reference]["layout"], positions[reference]["step"])
@@ -256,6 +273,21 @@ class Recovery:
                 stats["replicas_joined"] += 1
                 _log.info("cgx.DiLoCo: run %r: replica %s joined; %d replicas", run, new, len(ids))
         self._ids = ids
+
+
+def _reference(positions: list[dict[str, Any]]) -> int:
+    """The rank whose state a forming round takes: of the established members, one with
+    the most syncs applied, then the latest step; among those, one holding the state most
+    of them hold (a replica that diverged is outvoted), then the lowest rank."""
+    established = [r for r, p in enumerate(positions) if p["established"]]
+    progress = {r: _progress(positions[r]) for r in established}
+    furthest = [r for r in established if progress[r] == max(progress.values())]
+    votes = collections.Counter(positions[r]["state"] for r in furthest)
+    return min(furthest, key=lambda r: (-votes[positions[r]["state"]], r))
+
+
+def _progress(position: dict[str, Any]) -> tuple[int, int]:
+    return sum(position["syncs"]), position["step"]
 
 
 class TookState(Exception):

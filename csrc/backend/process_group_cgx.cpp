@@ -77,10 +77,17 @@ bool ProcessGroupCGX::set_exact_on_this_thread(bool exact) {
 
 void ProcessGroupCGX::shutdown() {
   if (shut_down_.exchange(true)) return;
+  fail(Failure::kOther, "it was shut down on this rank (shutdown(), destroy_process_group())");
   worker_.stop();
   cross_worker_.stop();
   // NCCL's communicators are released by its shutdown (torch warns when they are not).
   if (exact_cuda_ != exact_) exact_cuda_->shutdown();
+  // Gloo has no shutdown of its own: its connections close with its last reference. Drop
+  // ours (the transports hold the group too), so that a peer waiting on this rank learns
+  // at once that it left (a PeerError) rather than at its timeout.
+  connection_.transport.reset();
+  exact_cuda_.reset();
+  exact_.reset();
 }
 
 void ProcessGroupCGX::count(Counters Stats::*counters, const collectives::Traffic& traffic,
@@ -99,7 +106,7 @@ collectives::ReductionAlgorithm ProcessGroupCGX::flat_algorithm() const {
 ProcessGroupCGX::Stats ProcessGroupCGX::stats() const {
   std::lock_guard<std::mutex> lock(stats_mutex_);
   Stats s = stats_;
-  s.cross_host_bytes = connection_.transport->cross_host_bytes();
+  s.cross_host_bytes = connection_.transport ? connection_.transport->cross_host_bytes() : 0;
   s.paths = paths_.stats();
   return s;
 }
@@ -167,11 +174,17 @@ compression::LayoutCodec ProcessGroupCGX::per_tensor_codec(
 }
 
 c10d::Backend& ProcessGroupCGX::exact_for(const at::Tensor& tensor) const {
+  check_usable();  // a shut-down group holds no exact backend
   return tensor.is_cuda() ? *exact_cuda_ : *exact_;
 }
 
 c10d::Backend& ProcessGroupCGX::exact_for(const std::vector<at::Tensor>& tensors) const {
-  return tensors.empty() ? *exact_ : exact_for(tensors[0]);
+  return tensors.empty() ? exact_for_no_tensor() : exact_for(tensors[0]);
+}
+
+c10d::Backend& ProcessGroupCGX::exact_for_no_tensor() const {
+  check_usable();
+  return *exact_;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce(std::vector<at::Tensor>& tensors,
@@ -650,7 +663,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::barrier(const c10d::BarrierOptio
   // has and every compressed collective queued before it has completed, as a barrier
   // should.
   begin_call();
-  auto gloo_barrier = exact_call(*exact_, [&](c10d::Backend& b) { return b.barrier(opts); });
+  auto gloo_barrier = exact_call(exact_for_no_tensor(), [&](c10d::Backend& b) { return b.barrier(opts); });
   auto work = c10::make_intrusive<CGXWork>(getRank(), c10d::OpType::BARRIER,
                                            std::vector<at::Tensor>{});
   const uint64_t earlier = completions_->mark();

@@ -55,7 +55,7 @@ class ProcessGroupCGX final : public c10d::Backend {
   const std::string getBackendName() const override { return "cgx"; }
   const Settings& settings() const { return settings_; }
   // The backend CUDA tensors take on the exact path ("gloo" or "nccl").
-  std::string cuda_exact_backend() const { return exact_cuda_->getBackendName(); }
+  std::string cuda_exact_backend() const { return exact_for_no_tensor(), exact_cuda_->getBackendName(); }
   int num_hosts() const { return connection_.hosts.num_hosts(); }
   // Whether compressed allreduces take the hierarchical path.
   bool hierarchical() const;
@@ -65,8 +65,8 @@ class ProcessGroupCGX final : public c10d::Backend {
   // plan it is given. Returns the previous value.
   static bool set_exact_on_this_thread(bool exact);
   // Gloo's: TORCH_DISTRIBUTED_DEBUG=DETAIL checks them to catch desynchronized ranks.
-  void setSequenceNumberForGroup() override { exact_->setSequenceNumberForGroup(); }
-  uint64_t getSequenceNumberForGroup() override { return exact_->getSequenceNumberForGroup(); }
+  void setSequenceNumberForGroup() override { exact_for_no_tensor().setSequenceNumberForGroup(); }
+  uint64_t getSequenceNumberForGroup() override { return exact_for_no_tensor().getSequenceNumberForGroup(); }
 
   // Totals over this rank's compressed calls of one collective (read from any thread).
   struct Counters {
@@ -181,6 +181,7 @@ class ProcessGroupCGX final : public c10d::Backend {
   // The exact backend for tensors on the device of `tensor`.
   c10d::Backend& exact_for(const at::Tensor& tensor) const;
   c10d::Backend& exact_for(const std::vector<at::Tensor>& tensors) const;  // exact_ if none
+  c10d::Backend& exact_for_no_tensor() const;  // exact_ (raises once the group failed or shut down)
   // `call` on `backend`, an exact backend: on the Gloo one, its Work as an ExactWork, and
   // an error it raises at once reported as ExactWork reports one at the wait (errors.h,
   // exact_failure). NCCL's Work is handed back as it is.

@@ -46,8 +46,9 @@ constexpr uint64_t kMaxStepBytes = 256 << 10;
 // Longest single sleep, so that the deadline is checked even if nobody rings.
 constexpr std::chrono::milliseconds kMaxSleep{50};
 
-// Why an owner gave up on an exchange (ControlBlock::failed).
-enum FailedState : uint32_t { kHealthy = 0, kFailed = 1, kTimedOut = 2 };
+// Why an owner gave up on an exchange (ControlBlock::failed), or that it left the group
+// (its transport destroyed, its process alive).
+enum FailedState : uint32_t { kHealthy = 0, kFailed = 1, kTimedOut = 2, kLeft = 3 };
 
 // Start of every segment. Its owner sleeps on `doorbell`; peers bump it after moving data
 // to or from the owner, and futex-wake it only while `sleeping` is set. `pid` and
@@ -401,6 +402,14 @@ struct ShmTransport::Impl {
   bool broken = false;      // an exchange failed part way: the streams are out of step
   std::deque<Posted*> posted;  // not yet complete, in posting order
 
+  // Peers waiting for this rank stop now, not at their deadline: it will move no more.
+  ~Impl() {
+    if (control == nullptr) return;
+    uint32_t healthy = kHealthy;
+    control->failed.compare_exchange_strong(healthy, kLeft, std::memory_order_seq_cst);
+    for (const Peer& peer : peers) ring_doorbell(*peer.control);
+  }
+
   // A posted exchange dropped without a wait: its buffers are going away, and what it
   // has moved is lost, so the streams are out of step.
   void forget(Posted* pending) {
@@ -552,6 +561,9 @@ struct ShmTransport::Impl {
                               std::to_string(peer.control->pid) + ")";
       if (exited)
         throw TransportError(who + " exited while this rank waited for it; waiting for " + outstanding(work));
+      if (failed == kLeft)
+        throw TransportError(who + " left the group (shut it down) while this rank waited for it; waiting for " +
+                             outstanding(work));
       if (failed == kTimedOut)
         throw TimeoutError(who + " timed out in an exchange, so this one cannot complete; waiting for " +
                            outstanding(work));
