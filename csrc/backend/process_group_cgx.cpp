@@ -77,9 +77,9 @@ bool ProcessGroupCGX::set_exact_on_this_thread(bool exact) {
 
 void ProcessGroupCGX::shutdown() {
   if (shut_down_.exchange(true)) return;
-  fail(Failure::kOther, "it was shut down on this rank (shutdown(), destroy_process_group())");
-  worker_.stop();
+  worker_.stop();  // runs the calls already queued, as Gloo drains its queue
   cross_worker_.stop();
+  fail(Failure::kOther, "it was shut down on this rank (shutdown(), destroy_process_group())");
   // NCCL's communicators are released by its shutdown (torch warns when they are not).
   if (exact_cuda_ != exact_) exact_cuda_->shutdown();
   // Gloo has no shutdown of its own: its connections close with its last reference. Drop
