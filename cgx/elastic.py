@@ -417,8 +417,13 @@ def _cgx_version() -> str:
 
 
 def _first_difference(run: dict[str, Any], mine: dict[str, Any]) -> str | None:
-    """The first entry of the parts both hold where this replica's terms differ from the
-    run's, said for a user; None where they agree."""
+    """The first entry where this replica's terms differ from the run's, said for a user;
+    None where they agree."""
+    for part in sorted(set(run) ^ set(mine)):
+        if part in run:
+            return (f"the run holds {part!r} terms and this replica none (cgx.DiLoCo sets its own: build it "
+                    f"before the membership's first next_round())")
+        return f"this replica holds {part!r} terms and the run none"
     for part in sorted(set(run) & set(mine)):
         theirs, ours = run[part], mine[part]
         names = sorted(set(theirs) | set(ours)) if isinstance(theirs, dict) and isinstance(ours, dict) else [None]

@@ -330,6 +330,10 @@ def _misconfigured_joiners(replica, replicas, port):
             diloco_on(_membership(replica, port, "misconfigured", min_replicas=2), fragments=1)
         except ValueError as e:
             refusals.append(str(e))
+        try:  # a round asked for before DiLoCo says its terms
+            _membership(replica, port, "misconfigured", min_replicas=2).next_round()
+        except ValueError as e:
+            refusals.append(str(e))
         store.set("misconfigured/refused", "1")
         membership = _membership(replica, port, "misconfigured", min_replicas=2)
         diloco = diloco_on(membership)
@@ -357,11 +361,12 @@ def _misconfigured_joiners(replica, replicas, port):
 def test_a_joiner_built_otherwise_is_refused_alone_before_it_joins():
     results = values(run_ranks(_misconfigured_joiners, 3, args=(_free_port(),), timeout_s=180))
     refusals = results[2][0]
-    assert len(refusals) == 3, refusals
+    assert len(refusals) == 4, refusals
     assert "refused this replica before it joined: its cgx settings CGX_COMPRESSION_SCHEME is 'maxmin' where " \
            "the run's is 'hadamard'" in refusals[0], refusals
     assert "CGX_COMPRESSION_QUANTIZATION_BITS='99' is not valid" in refusals[1], refusals
     assert "refused this replica before it joined: its diloco fragments is 1 where the run's is 2" in refusals[2]
+    assert "refused this replica before it joined: the run holds 'diloco' terms and this replica none" in refusals[3]
     for stats, _, _ in results[:2]:
         assert stats["rounds"] == 1 and stats["replicas_joined"] == 0, stats  # no re-form for any of them
     assert len({(step, digest) for _, step, digest in results}) == 1, results  # the joiner admitted, identical

@@ -445,6 +445,9 @@ def _current_rows(rows: torch.Tensor) -> torch.Tensor:
         rows = torch.cat([rows[:, :2], torch.zeros_like(rows[:, :1]), rows[:, 2:]], dim=1)
     if rows.shape[-1] == _STATE:
         return torch.cat([rows, torch.zeros(rows.shape[0], _DIGEST_PIECES, dtype=rows.dtype)], dim=1)
+    if rows.shape[-1] != _ROW:
+        raise ValueError(f"cgx.DiLoCo: a checkpoint's agreement rows have {rows.shape[-1]} columns, a layout of no "
+                         f"cgx version ({_STATE - 1}, {_STATE} or {_ROW})")
     return rows.clone()
 
 
