@@ -372,33 +372,39 @@ def test_a_joiner_built_otherwise_is_refused_alone_before_it_joins():
     assert len({(step, digest) for _, step, digest in results}) == 1, results  # the joiner admitted, identical
 
 
-def _one_bit_flipped(replica, replicas, port):
-    """3 replicas; after inner step 6, one bit of replica 2's global weights flips (as a
-    faulty memory or a non-deterministic op would leave it). Fragment 0's next sync (step
-    8) finds the digests differ: the replicas re-form and replica 2, outvoted, takes the
-    others' state."""
+def _one_bit_flipped(replica, replicas, port, what):
+    """3 replicas; after inner step 6, one bit of replica 2's global weights or outer
+    momentum flips (as a faulty memory or a non-deterministic op would leave it). Fragment
+    0's next sync (step 8) finds the digests differ before it applies anything: the
+    replicas re-form and replica 2, outvoted, takes the others' state."""
     import cgx
     from test_diloco import _model, _train_step
 
     model = _model(replica)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    membership = _membership(replica, port, "flip", min_replicas=3)
+    membership = _membership(replica, port, f"flip-{what}", min_replicas=3)
     diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
     while diloco.step < 16:
         _train_step(model, inner, replica, diloco.step)
         if replica == 2 and diloco.step == 6:
-            bits = diloco._fragments[0].members[0].global_weight.view(torch.int32).view(-1)
-            bits[0] = bits[0] ^ 1
+            fragment = diloco._fragments[0]
+            weight = fragment.members[0].global_weight
+            tensor = weight if what == "global" else fragment.outer.state[weight]["momentum_buffer"]
+            bits = tensor.view(torch.int32).view(-1)
+            bits[0] = bits[0] ^ (1 << 20)
     diloco.close()
-    result = _global_digest_without_a_collective(diloco), dict(diloco.stats())
+    momentum = {name: buffer for f in diloco._fragments for name, buffer in f.outer_momentum().items()}
+    result = (_global_digest_without_a_collective(diloco), [momentum[n].tolist() for n in sorted(momentum)]), \
+        dict(diloco.stats())
     membership.close()
-    _host_stays_until_the_others_are_done(replica, [1, 2], port, "flip")
+    _host_stays_until_the_others_are_done(replica, [1, 2], port, f"flip-{what}")
     return result
 
 
-def test_a_replica_whose_global_weights_diverge_takes_the_others_state():
-    results = values(run_ranks(_one_bit_flipped, 3, args=(_free_port(),), timeout_s=180))
-    assert len({digest for digest, _ in results}) == 1, results  # healed: bit-identical again
+@pytest.mark.parametrize("what", ["global", "momentum"])
+def test_a_replica_whose_global_state_diverges_takes_the_others_state(what):
+    results = values(run_ranks(_one_bit_flipped, 3, args=(_free_port(), what), timeout_s=180))
+    assert all(state == results[0][0] for state, _ in results)  # healed: bit-identical again
     for _, stats in results:
         assert stats["rounds"] == 2 and stats["syncs_redone"] == 1, stats  # one re-form, the sync done again
 

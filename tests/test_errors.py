@@ -163,12 +163,13 @@ def test_ranks_on_different_paths_raise_never_garbage():
         assert first != "no error"
         assert not any(m.startswith("garbage") for m in later), later
     # Rank 1's compressed calls time out (or, racing rank 0's next call, fail its
-    # signature check first): a timeout marks its group failed, so its exact call after
-    # raises at once instead of reaching Gloo.
-    # The refusal has the type of the failure that caused it.
+    # signature check first, or meet rank 0 gone: it shut its group down at its end): the
+    # failure marks its group failed, so its exact call after raises at once instead of
+    # reaching Gloo. The refusal has the type of the failure that caused it.
     assert "unusable after an earlier failure" in results[1][1][-1], results[1][1]
     cause = results[1][1][0].split(":")[0]
-    assert cause in ("CollectiveTimeoutError", "CallMismatchError"), results[1][1]
+    assert cause in ("CollectiveTimeoutError", "CallMismatchError") or (
+        cause == "PeerError" and "left the group (shut it down)" in results[1][1][0]), results[1][1]
     assert results[1][1][-1].startswith(cause + ":"), results[1][1]
     assert results[0][1][-1] != "right", results[0][1]
 
@@ -434,7 +435,10 @@ def _a_peer_shuts_down_while_this_rank_waits(rank, world, path):
 
     init_cgx(rank, world, timeout_s=120, pg_options=cgx.Config(bits=4))
     store = dist.distributed_c10d._get_default_store()
-    dist.all_reduce(torch.ones(8, dtype=torch.int64))  # connected, both ways
+    # Connected, both ways. Its handle is kept past the shutdown: it must not keep the
+    # connections open, and still answers for the call.
+    kept = dist.all_reduce(torch.ones(8, dtype=torch.int64), async_op=True)
+    kept.wait()
     if rank == 1:
         backend = cgx.get_backend()
         store.wait(["in the call"])
@@ -445,7 +449,7 @@ def _a_peer_shuts_down_while_this_rank_waits(rank, world, path):
         except dist.DistBackendError as e:
             after = str(e)
         store.wait(["rank 0 done"])
-        return after
+        return after, kept.is_completed(), kept.get_future().value()[0].tolist()
     tensor = torch.ones(8, dtype=torch.int64) if path == "exact" else torch.ones(1 << 16)
     work = dist.all_reduce(tensor, async_op=True)
     store.set("in the call", "1")
@@ -463,9 +467,11 @@ def test_a_peer_that_shuts_down_is_known_at_once_not_at_the_timeout(path):
     """A rank that shuts its group down (destroy_process_group, an elastic replica's
     leave()) closes its connections: a peer waiting on it gets a PeerError, where it would
     otherwise wait out the group's timeout (120 s here: a CollectiveTimeoutError)."""
-    raised, after = values(run_ranks(_a_peer_shuts_down_while_this_rank_waits, 2, args=(path,), timeout_s=100))
+    raised, (after, kept_completed, kept_value) = values(
+        run_ranks(_a_peer_shuts_down_while_this_rank_waits, 2, args=(path,), timeout_s=100))
     assert raised == "PeerError"
     assert "unusable after an earlier failure: it was shut down on this rank" in after
+    assert kept_completed and kept_value == [2] * 8
 
 
 def _exact_call_past_the_timeout(rank, world, joined, released):

@@ -33,8 +33,8 @@ _PATTERNS = ("strided", "sequential")
 # exactly). close(), a fragment without members and an exact (Gloo) sync, whose sums a
 # longer buffer would order otherwise, send the rows alone. In an elastic run a row also
 # says whether this replica saw replicas waiting to join (the members admit them together),
-# and carries a digest of the fragment's global weights after its last applied sync: a
-# replica whose weights differ is healed (ReplicasDiverged).
+# and carries a digest of the fragment's global weights and outer momentum after its last
+# applied sync: a replica whose state differs is healed (ReplicasDiverged).
 _SYNC, _CLOSE = 0, 1
 _STEP_PIECES, _DIGEST_PIECES = 3, 4
 _HEAD = 3  # kind, strangers, joiners
@@ -276,7 +276,8 @@ class _Replicas:
             for rank, state in enumerate(states):
                 ranks.setdefault(state, []).append(rank)
             raise ReplicasDiverged(f"cgx.DiLoCo: at the sync of inner step {agreement.step}, the replicas' global "
-                                   f"weights of the fragment differ after its last applied sync: group ranks "
+                                   f"weights or outer momentum of the fragment differ after its last applied sync: "
+                                   f"group ranks "
                                    f"{' | '.join(map(str, ranks.values()))} each hold other weights (a bit flip, a "
                                    f"non-deterministic op, a bug)")
 
@@ -364,7 +365,9 @@ class _Fragment:
         sync). With `keep`, the sync keeps a copy of the outer gradient it sent."""
         # The rows travel with the outer gradient, so they live on its device.
         device = self.members[0].global_weight.device if self.members else torch.device("cpu")
-        state = _digest([m.global_weight for m in self.members]) if keep and self.members else 0
+        state = _digest([m.global_weight for m in self.members] + [
+            self.outer.state[m.global_weight]["momentum_buffer"] for m in self.members
+            if self.outer.state[m.global_weight].get("momentum_buffer") is not None]) if keep and self.members else 0
         rows = replicas.rows(_SYNC, step, trained, strangers, device, joiners, state)
         if not self.members:  # the replicas still agree, on their step above all
             return _Sync(self, due, replicas.agree(_SYNC, step, trained, rows), None, None, None)

@@ -10,6 +10,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "backend/errors.h"
 
@@ -19,24 +20,37 @@ class ExactWork final : public c10d::Work {
  public:
   ExactWork(c10::intrusive_ptr<c10d::Work> inner, std::shared_ptr<GroupFailure> group);
 
-  bool isCompleted() override { return inner_->isCompleted(); }
-  bool isSuccess() const override { return inner_->isSuccess(); }
+  bool isCompleted() override;
+  bool isSuccess() const override;
   std::exception_ptr exception() const override;
-  int sourceRank() const override { return inner_->sourceRank(); }
-  std::vector<at::Tensor> result() override { return inner_->result(); }
-  void synchronize() override { inner_->synchronize(); }
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override;
+  void synchronize() override;
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
-  void blockCurrentStream() override { inner_->blockCurrentStream(); }
-  void abort() override { inner_->abort(); }
+  void blockCurrentStream() override;
+  void abort() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override { return inner_->getFutureResult(); }
-  float getDuration() const override { return inner_->getDuration(); }
-  uint64_t getSequencenumber() const override { return inner_->getSequencenumber(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override;
+  float getDuration() const override;
+  uint64_t getSequencenumber() const override;
 
  private:
+  // The inner Work while it runs; null once a wait saw it end. Gloo's Work holds the
+  // group's connections (its context) while it lives: a handle the caller keeps after the
+  // wait must not keep them open once the group shut down (peers learn of a shut-down
+  // rank from its connections closing). What it reported is kept instead.
+  c10::intrusive_ptr<c10d::Work> running() const;
+  void keep_outcome_and_release(const c10::intrusive_ptr<c10d::Work>& inner, std::exception_ptr error);
+  c10::intrusive_ptr<c10::ivalue::Future> completed_future() const;  // under mutex_
+
+  mutable std::mutex mutex_;
   c10::intrusive_ptr<c10d::Work> inner_;
   std::shared_ptr<GroupFailure> group_;
-  std::mutex future_mutex_;
+  std::exception_ptr error_;  // reported as the backend reports failures
+  std::vector<at::Tensor> result_;
+  int source_rank_ = -1;
+  float duration_ = -1;
+  std::optional<uint64_t> sequence_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // the inner one's, its error reported
 };
 
