@@ -93,14 +93,17 @@ class Membership:
             dropped from the rendezvous.
         group_timeout: each round's backend's timeout (a collective with a dead or
             silent member raises within it).
-        config: the rounds' backend settings (default: the ``CGX_*`` variables).
+        config: the rounds' backend settings (default: the ``CGX_*`` variables, read
+            here, once).
         secret: the run's secret, which every replica must hold to join (read it from a
             file or an environment variable, never a command-line argument, where other
-            users of the machine could read it). Checked at every round before its
-            backend exists: a replica without it is refused (:class:`cgx.MembershipError`
-            on it) and the members go on without it. It does not encrypt anything: the
-            rounds' traffic (Gloo's TCP) and the rendezvous store are plain; tunnel them
-            between sites.
+            users of the machine could read it). A replica without it, or with other
+            terms (:meth:`set_terms`), is refused before it enters the rendezvous
+            (:class:`cgx.MembershipError` or ValueError on it), at no cost to the
+            members; one that skips that check is refused as the round forms, before
+            the round's backend exists. It does not encrypt anything: the rounds'
+            traffic (Gloo's TCP) and the rendezvous store are plain; tunnel them between
+            sites (docs/diloco.md, "Who may join").
     """
 
     def __init__(

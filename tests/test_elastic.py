@@ -1103,3 +1103,56 @@ def test_a_follower_refuses_the_lead_s_calls_by_name_and_keeps_the_loop_s_own_er
 def test_a_host_group_that_waits_less_than_a_re_form_is_warned_about_on_the_lead():
     warned0, warned1 = values(run_ranks(_one_host, 2, args=(_free_port(), "short host timeout")))
     assert any("replica_group's timeout" in w for w in warned0) and warned1 == [], (warned0, warned1)
+
+
+def _joiner_stops_in_admission(replica, replicas, port):
+    """Replicas 0 and 1 train; replica 2 joins and is stopped (SIGSTOP, as a frozen host)
+    as the round forms, before it shows its nonce. The members' admission waits for it
+    at most group_timeout (10 s here; issue 53 finding 4: the store's fixed 60 s), then
+    they form the round again without it (its heartbeats stopped with it) and train on."""
+    import signal
+
+    import cgx
+    import cgx.elastic
+    from test_diloco import _model, _train_step
+
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if replica == 2:
+        store = _rendezvous_store(port)  # replica 0's membership serves it
+        store.wait(["frozen/started"])
+        gather = cgx.elastic.gather
+
+        def stop_first(where, key, *args):
+            if key == "nonce":
+                store.set("frozen/pid", str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return gather(where, key, *args)
+        cgx.elastic.gather = stop_first
+        membership = _membership(replica, port, "frozen", min_replicas=2)
+        cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
+        return "not reached"
+    membership = _membership(replica, port, "frozen", min_replicas=2)
+    store = _rendezvous_store(port)
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
+    store.set("frozen/started", "1")
+    _wait_for_a_joiner(membership)
+    end = diloco.step + 4 * _SYNC_EVERY  # past the admission, whichever sync it came at
+    while diloco.step < end:
+        _train_step(model, inner, replica, diloco.step)
+    diloco.close()
+    result = _global_digest_without_a_collective(diloco), dict(diloco.stats())
+    if replica == 0:
+        os.kill(int(store.get("frozen/pid")), signal.SIGKILL)
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1], port, "frozen")
+    return result
+
+
+def test_a_joiner_frozen_in_admission_stalls_the_members_at_most_group_timeout():
+    results = run_ranks(_joiner_stops_in_admission, 3, args=(_free_port(),), expect_exit={2}, timeout_s=180)
+    (d0, s0), (d1, s1) = values(results[:2])
+    assert d0 == d1 and s0["replicas"] == s1["replicas"] == 2, (s0, s1)
+    # group_timeout (10 s) for the admission, 3 missed heartbeats (3 s) and the next round:
+    # under the store's own 60 s, which bounded it before.
+    assert s0["reform_seconds"] < 40 and s1["reform_seconds"] < 40, (s0, s1)
