@@ -1156,3 +1156,69 @@ def test_a_joiner_frozen_in_admission_stalls_the_members_at_most_group_timeout()
     # group_timeout (10 s) for the admission, 3 missed heartbeats (3 s) and the next round:
     # under the store's own 60 s, which bounded it before.
     assert s0["reform_seconds"] < 40 and s1["reform_seconds"] < 40, (s0, s1)
+
+
+def _reference_stopped_while_it_sends(replica, replicas, port):
+    """Replica 0 serves the store only; replicas 1 and 2 run; replica 3 joins. The
+    reference stops (SIGSTOP) as it is about to send the run's state; the others' calls
+    with it time out (group_timeout, 10 s) and they re-form without it (its heartbeats
+    stopped), closing their connections of the old round; only then is the reference
+    continued, into a send to a closed connection (issue 53 finding 3: Gloo's plain
+    RuntimeError out of step() and the run). Now it re-forms as the others did, takes
+    their state, and the three end at one step bit-identical."""
+    import signal
+    import threading
+
+    import cgx
+    import cgx.diloco.outer_sync
+    from test_diloco import _model, _train_step
+
+    membership = _membership(replica, port, "stopped", min_replicas=2)
+    store = _rendezvous_store(port)
+    if replica == 0:  # the store's host, which must not be the one stopped
+        _host_stays_until_the_others_are_done(replica, [1, 2, 3], port, "stopped")
+        return None
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if replica < 3:
+        replicas_class = cgx.diloco.outer_sync._Replicas
+        send = replicas_class.send
+
+        def stop_first(self, tensors, root, to):
+            if self.rank == root and to and not store.check(["stopped/reference"]):
+                store.set("stopped/reference", str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return send(self, tensors, root, to)
+        replicas_class.send = stop_first
+
+        def continue_the_reference():  # on the member that is not stopped
+            own = _rendezvous_store(port)  # a blocking call holds the GIL: polls, on a client of its own
+            # The start, the join, and the round formed without the reference.
+            while not (own.check(["stopped/reference"]) and membership.rounds >= 3):
+                time.sleep(0.05)
+            os.kill(int(own.get("stopped/reference")), signal.SIGCONT)
+        threading.Thread(target=continue_the_reference, daemon=True).start()
+    else:
+        store.wait(["stopped/started"])
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
+    if replica == 1:
+        store.set("stopped/started", "1")
+    # Every replica stops at one step, set once the reference is back: 2 sync intervals on.
+    while not store.check(["stopped/end"]):
+        _train_step(model, inner, replica, diloco.step)
+        if membership.rounds >= 4 and diloco.stats()["replicas"] == 3 and store.add("stopped/claims", 1) == 1:
+            store.set("stopped/end", str(diloco.step + 2 * _SYNC_EVERY))
+    end = int(store.get("stopped/end"))
+    while diloco.step < end:
+        _train_step(model, inner, replica, diloco.step)
+    diloco.close()
+    result = diloco.step, _global_digest_without_a_collective(diloco), dict(diloco.stats())
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 2, 3], port, "stopped")
+    return result
+
+
+def test_a_reference_stopped_while_it_sends_the_state_re_forms_with_the_others():
+    results = values(run_ranks(_reference_stopped_while_it_sends, 4, args=(_free_port(),), timeout_s=180))[1:]
+    assert len({(step, digest) for step, digest, _ in results}) == 1, results
+    assert all(stats["replicas"] == 3 for _, _, stats in results), results
