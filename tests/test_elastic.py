@@ -1222,3 +1222,64 @@ def test_a_reference_stopped_while_it_sends_the_state_re_forms_with_the_others()
     results = values(run_ranks(_reference_stopped_while_it_sends, 4, args=(_free_port(),), timeout_s=180))[1:]
     assert len({(step, digest) for step, digest, _ in results}) == 1, results
     assert all(stats["replicas"] == 3 for _, _, stats in results), results
+
+
+def _member_stopped_as_the_round_forms(replica, replicas, port):
+    """Replica 0 serves the store only; replicas 1 and 2 run; replica 3 joins. As the
+    join's round forms, one member stops (SIGSTOP) before it shows its position: the
+    others' exchange of positions times out (group_timeout, 10 s) inside the re-form,
+    which then forms again without it. The failed attempt's time is the re-form's too
+    (issue 53 finding 6: reform_seconds left it out)."""
+    import signal
+
+    import cgx
+    import cgx.diloco.recovery
+    from test_diloco import _model, _train_step
+
+    membership = _membership(replica, port, "frozen-member", min_replicas=2)
+    store = _rendezvous_store(port)
+    if replica == 0:  # the store's host, which must not be the one stopped
+        _host_stays_until_the_others_are_done(replica, [1, 2, 3], port, "frozen-member")
+        os.kill(int(store.get("frozen-member/stopped")), signal.SIGKILL)
+        return None
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if replica < 3:
+        recovery_class = cgx.diloco.recovery.Recovery
+        position = recovery_class._position
+
+        def stop_in_the_join(self):
+            if membership.rounds == 2 and store.add("frozen-member/claims", 1) == 1:
+                store.set("frozen-member/stopped", str(os.getpid()))
+                _host_stays_until_the_others_are_done(replica, [], port, "frozen-member")  # done, for the host
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return position(self)
+        recovery_class._position = stop_in_the_join
+    else:
+        store.wait(["frozen-member/started"])
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
+    if replica < 3:
+        store.set("frozen-member/started", "1")
+    while not store.check(["frozen-member/end"]):
+        _train_step(model, inner, replica, diloco.step)
+        if membership.rounds >= 3 and diloco.stats()["replicas"] == 2 and store.add("frozen-member/ends", 1) == 1:
+            store.set("frozen-member/end", str(diloco.step + 2 * _SYNC_EVERY))
+    end = int(store.get("frozen-member/end"))
+    while diloco.step < end:
+        _train_step(model, inner, replica, diloco.step)
+    diloco.close()
+    result = diloco.step, _global_digest_without_a_collective(diloco), dict(diloco.stats())
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 2, 3], port, "frozen-member")
+    return result
+
+
+def test_a_failed_attempt_to_re_form_counts_in_reform_seconds():
+    results = run_ranks(_member_stopped_as_the_round_forms, 4, args=(_free_port(),), expect_exit={1, 2},
+                        timeout_s=180)
+    member, joiner = [r for r in values(results[1:3]) if r is not None] + values(results[3:])
+    assert member[:2] == joiner[:2], (member, joiner)  # bit-identical at one step
+    assert member[2]["replicas"] == 2, member
+    # The attempt that timed out waiting for the stopped member's position (group_timeout,
+    # 10 s) is part of the re-form: before, only the attempt that succeeded was counted.
+    assert member[2]["reform_seconds"] >= 10, member
