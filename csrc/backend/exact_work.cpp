@@ -1,47 +1,45 @@
 #include "backend/exact_work.h"
 
-#include <optional>
-
 #include "backend/errors.h"
 
 namespace cgx::backend {
 
 ExactWork::ExactWork(c10::intrusive_ptr<c10d::Work> inner, std::shared_ptr<GroupFailure> group)
-    : c10d::Work(-1, inner->retrieveOpType()),
-      inner_(std::move(inner)),
-      group_(std::move(group)) {}
+    : c10d::Work(-1, inner->retrieveOpType()), inner_(std::move(inner)), group_(std::move(group)) {}
 
 c10::intrusive_ptr<c10d::Work> ExactWork::running() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return inner_;
 }
 
+c10::intrusive_ptr<c10::ivalue::Future> ExactWork::future_of(c10d::Work& inner) {
+  if (!future_.value && !future_.error) {
+    future_ = ask([&] {
+      auto future = inner.getFuture();
+      return future->then(
+          [group = group_](c10::ivalue::Future& done) -> c10::IValue {
+            if (done.hasError()) std::rethrow_exception(exact_failure(done.exception_ptr(), *group));
+            return done.value();
+          },
+          future->elementType());
+    });
+  }
+  return future_.get();
+}
+
 void ExactWork::keep_outcome_and_release(const c10::intrusive_ptr<c10d::Work>& inner, std::exception_ptr error) {
-  std::vector<at::Tensor> result;
-  if (!error) {
-    try {
-      result = inner->result();
-    } catch (const std::exception&) {  // a Work without results (send, recv, barrier)
-    }
-  }
-  // Gloo answers these only for some calls (a recv's source, a profiled call's duration).
-  int source_rank = -1;
-  float duration = -1;
-  try {
-    source_rank = inner->sourceRank();
-  } catch (const std::exception&) {
-  }
-  try {
-    duration = inner->getDuration();
-  } catch (const std::exception&) {
-  }
-  std::optional<uint64_t> sequence;
-  try {
-    sequence = inner->getSequencenumber();
-  } catch (const std::exception&) {
-  }
+  auto result = ask([&] { return inner->result(); });
+  auto source_rank = ask([&] { return inner->sourceRank(); });
+  auto duration = ask([&] { return inner->getDuration(); });
+  auto sequence = ask([&] { return inner->getSequencenumber(); });
   std::lock_guard<std::mutex> lock(mutex_);
   if (!inner_) return;
+  // Asked here, while the inner Work lives: a future asked after the wait is this one
+  // (or what asking raised, raised again then).
+  try {
+    future_of(*inner);
+  } catch (const std::exception&) {
+  }
   error_ = error;
   result_ = std::move(result);
   source_rank_ = source_rank;
@@ -76,41 +74,28 @@ int ExactWork::sourceRank() const {
   auto inner = running();
   if (inner) return inner->sourceRank();
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(source_rank_ >= 0, "cgx: sourceRank() is known for a recv from any source only");
-  return source_rank_;
-}
-
-float ExactWork::getDuration() const {
-  auto inner = running();
-  if (inner) return inner->getDuration();
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(duration_ >= 0, "cgx: the exact backend measured no duration for this call");
-  return duration_;
-}
-
-uint64_t ExactWork::getSequencenumber() const {
-  auto inner = running();
-  if (inner) return inner->getSequencenumber();
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(sequence_.has_value(), "cgx: the exact backend numbered no sequence for this call");
-  return *sequence_;
-}
-
-// A completed call's future, for a caller that asks for it only after its wait.
-c10::intrusive_ptr<c10::ivalue::Future> ExactWork::completed_future() const {
-  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-  if (error_)
-    future->setError(error_);
-  else
-    future->markCompleted(c10::IValue(result_));
-  return future;
+  return source_rank_.get();
 }
 
 std::vector<at::Tensor> ExactWork::result() {
   auto inner = running();
   if (inner) return inner->result();
   std::lock_guard<std::mutex> lock(mutex_);
-  return result_;
+  return result_.get();
+}
+
+float ExactWork::getDuration() const {
+  auto inner = running();
+  if (inner) return inner->getDuration();
+  std::lock_guard<std::mutex> lock(mutex_);
+  return duration_.get();
+}
+
+uint64_t ExactWork::getSequencenumber() const {
+  auto inner = running();
+  if (inner) return inner->getSequencenumber();
+  std::lock_guard<std::mutex> lock(mutex_);
+  return sequence_.get();
 }
 
 void ExactWork::synchronize() {
@@ -136,10 +121,16 @@ bool ExactWork::wait(std::chrono::milliseconds timeout) {
   try {
     done = inner->wait(timeout);
   } catch (...) {
-    const std::exception_ptr error = exact_failure(std::current_exception(), *group_);
-    // Gloo's own failure ends the Work; a caller's shorter wait (c10d's "Operation timed
-    // out!", not translated) does not: the call may still complete.
-    if (error != std::current_exception() || inner->isCompleted()) keep_outcome_and_release(inner, error);
+    const std::exception_ptr raised = std::current_exception();
+    const std::exception_ptr error = exact_failure(raised, *group_);
+    if (error != raised) {
+      keep_outcome_and_release(inner, error);  // Gloo's own failure ends the call
+    } else if (inner->isCompleted()) {
+      // A caller's shorter wait (c10d's "Operation timed out!") is not the call's
+      // outcome, even where the call completed just after it: keep the call's own.
+      const std::exception_ptr own = inner->exception();
+      keep_outcome_and_release(inner, own ? exact_failure(own, *group_) : nullptr);
+    }
     std::rethrow_exception(error);
   }
   if (inner->isCompleted()) keep_outcome_and_release(inner, nullptr);
@@ -148,17 +139,8 @@ bool ExactWork::wait(std::chrono::milliseconds timeout) {
 
 c10::intrusive_ptr<c10::ivalue::Future> ExactWork::getFuture() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!future_ && inner_) {
-    auto inner = inner_->getFuture();
-    future_ = inner->then(
-        [group = group_](c10::ivalue::Future& done) -> c10::IValue {
-          if (done.hasError()) std::rethrow_exception(exact_failure(done.exception_ptr(), *group));
-          return done.value();
-        },
-        inner->elementType());
-  }
-  if (!future_) future_ = completed_future();
-  return future_;
+  if (inner_) return future_of(*inner_);
+  return future_.get();  // asked at the release: as the inner Work answered then
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> ExactWork::getFutureResult() {

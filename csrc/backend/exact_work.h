@@ -10,7 +10,6 @@
 
 #include <memory>
 #include <mutex>
-#include <optional>
 
 #include "backend/errors.h"
 
@@ -35,23 +34,44 @@ class ExactWork final : public c10d::Work {
   uint64_t getSequencenumber() const override;
 
  private:
+  // What the inner Work answered to a query, or what it raised (raised again).
+  template <typename T>
+  struct Kept {
+    T value{};
+    std::exception_ptr error;
+    T get() const {
+      if (error) std::rethrow_exception(error);
+      return value;
+    }
+  };
+  template <typename Query>
+  static auto ask(Query&& query) -> Kept<decltype(query())> {
+    Kept<decltype(query())> kept;
+    try {
+      kept.value = query();
+    } catch (...) {
+      kept.error = std::current_exception();
+    }
+    return kept;
+  }
+
   // The inner Work while it runs; null once a wait saw it end. Gloo's Work holds the
   // group's connections (its context) while it lives: a handle the caller keeps after the
   // wait must not keep them open once the group shut down (peers learn of a shut-down
-  // rank from its connections closing). What it reported is kept instead.
+  // rank from its connections closing). What it answers is kept instead.
   c10::intrusive_ptr<c10d::Work> running() const;
   void keep_outcome_and_release(const c10::intrusive_ptr<c10d::Work>& inner, std::exception_ptr error);
-  c10::intrusive_ptr<c10::ivalue::Future> completed_future() const;  // under mutex_
+  c10::intrusive_ptr<c10::ivalue::Future> future_of(c10d::Work& inner);  // under mutex_
 
   mutable std::mutex mutex_;
   c10::intrusive_ptr<c10d::Work> inner_;
   std::shared_ptr<GroupFailure> group_;
-  std::exception_ptr error_;  // reported as the backend reports failures
-  std::vector<at::Tensor> result_;
-  int source_rank_ = -1;
-  float duration_ = -1;
-  std::optional<uint64_t> sequence_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;  // the inner one's, its error reported
+  std::exception_ptr error_;  // the call's failure, reported as the backend reports failures
+  Kept<std::vector<at::Tensor>> result_;
+  Kept<int> source_rank_;
+  Kept<float> duration_;
+  Kept<uint64_t> sequence_;
+  Kept<c10::intrusive_ptr<c10::ivalue::Future>> future_;  // the inner one's, its error reported
 };
 
 }  // namespace cgx::backend
