@@ -32,16 +32,20 @@ def _threads() -> dict[int, bytes]:
     return names
 
 
-def _loop_threads(tids: set[int], expected: int) -> set[int]:
-    """The Gloo device threads among `tids`, once `expected` of them have named
-    themselves (a device thread does so after it starts)."""
+def _named(tids: set[int], name: bytes, expected: int) -> set[int]:
+    """The threads among `tids` called `name`, once `expected` of them have named
+    themselves (Gloo's threads do so after they start)."""
     deadline = time.monotonic() + TIMEOUT.total_seconds()
     while True:
         names = _threads()
-        found = {t for t in tids if names.get(t) == b"gloo_tcp_loop"}
+        found = {t for t in tids if names.get(t) == name}
         if len(found) >= expected or time.monotonic() > deadline:
             return found
         time.sleep(0.01)
+
+
+def _loop_threads(tids: set[int], expected: int) -> set[int]:
+    return _named(tids, b"gloo_tcp_loop", expected)
 
 
 def test_the_cgx_groups_gloo_threads_are_batch_and_no_other_thread_is():
@@ -55,7 +59,9 @@ def test_the_cgx_groups_gloo_threads_are_batch_and_no_other_thread_is():
     assert {os.sched_getscheduler(t) for t in ours} == {os.SCHED_BATCH}
     assert {os.sched_getscheduler(t) for t in plain_loops} == {os.SCHED_OTHER}
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own policy is back
-    workers = [t for t in started if _threads().get(t) not in (b"gloo_tcp_loop", b"pt_gloo_runloop")]
+    # A Gloo group's own worker threads (2 by default) name themselves after they start too.
+    gloo_workers = _named(started, b"pt_gloo_runloop", 2)
+    workers = [t for t in started - ours - gloo_workers if t in _threads()]
     assert workers and {os.sched_getscheduler(t) for t in workers} == {os.SCHED_OTHER}  # cgx's threads
     t = torch.arange(4096, dtype=torch.float32)
     backend.allreduce([t]).wait()

@@ -12,39 +12,33 @@ c10::intrusive_ptr<c10d::Work> ExactWork::running() const {
   return inner_;
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> ExactWork::future_of(c10d::Work& inner) {
-  if (!future_.value && !future_.error) {
-    future_ = ask([&] {
-      auto future = inner.getFuture();
-      return future->then(
-          [group = group_](c10::ivalue::Future& done) -> c10::IValue {
-            if (done.hasError()) std::rethrow_exception(exact_failure(done.exception_ptr(), *group));
-            return done.value();
-          },
-          future->elementType());
-    });
-  }
-  return future_.get();
+bool ExactWork::point_to_point() const {
+  const auto type = retrieveOpType();
+  return type == c10d::OpType::SEND || type == c10d::OpType::RECV || type == c10d::OpType::RECVANYSOURCE;
 }
 
 void ExactWork::keep_outcome_and_release(const c10::intrusive_ptr<c10d::Work>& inner, std::exception_ptr error) {
-  auto result = ask([&] { return inner->result(); });
-  auto source_rank = ask([&] { return inner->sourceRank(); });
-  auto duration = ask([&] { return inner->getDuration(); });
-  auto sequence = ask([&] { return inner->getSequencenumber(); });
+  Kept kept;
+  // Each asked where Gloo's Work of this kind answers; a Work of c10d's own making (not
+  // Gloo's) may still raise, and raises the same when asked after the release.
+  auto ask = [](auto&& query, auto& value, std::exception_ptr& raised) {
+    try {
+      value = query();
+    } catch (const std::exception&) {
+      raised = std::current_exception();
+    }
+  };
+  if (!point_to_point()) {
+    ask([&] { return inner->result(); }, kept.result, kept.no_result);
+    ask([&] { return inner->getFuture(); }, kept.future, kept.no_future);
+  }
+  const auto type = retrieveOpType();
+  if (type == c10d::OpType::RECV || type == c10d::OpType::RECVANYSOURCE) kept.source_rank = inner->sourceRank();
+  ask([&] { return inner->getSequencenumber(); }, kept.sequence, kept.no_sequence);
   std::lock_guard<std::mutex> lock(mutex_);
   if (!inner_) return;
-  // Asked here, while the inner Work lives: a future asked after the wait is this one
-  // (or what asking raised, raised again then).
-  try {
-    future_of(*inner);
-  } catch (const std::exception&) {
-  }
   error_ = error;
-  result_ = std::move(result);
-  source_rank_ = source_rank;
-  duration_ = duration;
-  sequence_ = sequence;
+  kept_ = std::move(kept);
   inner_.reset();
 }
 
@@ -73,29 +67,32 @@ std::exception_ptr ExactWork::exception() const {
 int ExactWork::sourceRank() const {
   auto inner = running();
   if (inner) return inner->sourceRank();
+  const auto type = retrieveOpType();
+  if (type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE) return c10d::Work::sourceRank();
   std::lock_guard<std::mutex> lock(mutex_);
-  return source_rank_.get();
+  return kept_.source_rank;
 }
 
 std::vector<at::Tensor> ExactWork::result() {
   auto inner = running();
   if (inner) return inner->result();
+  if (point_to_point()) return c10d::Work::result();
   std::lock_guard<std::mutex> lock(mutex_);
-  return result_.get();
+  if (kept_.no_result) std::rethrow_exception(kept_.no_result);
+  return kept_.result;
 }
 
 float ExactWork::getDuration() const {
   auto inner = running();
-  if (inner) return inner->getDuration();
-  std::lock_guard<std::mutex> lock(mutex_);
-  return duration_.get();
+  return inner ? inner->getDuration() : c10d::Work::getDuration();
 }
 
 uint64_t ExactWork::getSequencenumber() const {
   auto inner = running();
   if (inner) return inner->getSequencenumber();
   std::lock_guard<std::mutex> lock(mutex_);
-  return sequence_.get();
+  if (kept_.no_sequence) std::rethrow_exception(kept_.no_sequence);
+  return kept_.sequence;
 }
 
 void ExactWork::synchronize() {
@@ -139,8 +136,24 @@ bool ExactWork::wait(std::chrono::milliseconds timeout) {
 
 c10::intrusive_ptr<c10::ivalue::Future> ExactWork::getFuture() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (inner_) return future_of(*inner_);
-  return future_.get();  // asked at the release: as the inner Work answered then
+  if (!future_) {
+    c10::intrusive_ptr<c10::ivalue::Future> inner;
+    if (inner_)
+      inner = inner_->getFuture();  // raises where Gloo's Work has none (send, recv)
+    else if (point_to_point())
+      return c10d::Work::getFuture();
+    else if (kept_.no_future)
+      std::rethrow_exception(kept_.no_future);
+    else
+      inner = kept_.future;
+    future_ = inner->then(
+        [group = group_](c10::ivalue::Future& done) -> c10::IValue {
+          if (done.hasError()) std::rethrow_exception(exact_failure(done.exception_ptr(), *group));
+          return done.value();
+        },
+        inner->elementType());
+  }
+  return future_;
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> ExactWork::getFutureResult() {

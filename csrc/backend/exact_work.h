@@ -34,44 +34,29 @@ class ExactWork final : public c10d::Work {
   uint64_t getSequencenumber() const override;
 
  private:
-  // What the inner Work answered to a query, or what it raised (raised again).
-  template <typename T>
-  struct Kept {
-    T value{};
-    std::exception_ptr error;
-    T get() const {
-      if (error) std::rethrow_exception(error);
-      return value;
-    }
-  };
-  template <typename Query>
-  static auto ask(Query&& query) -> Kept<decltype(query())> {
-    Kept<decltype(query())> kept;
-    try {
-      kept.value = query();
-    } catch (...) {
-      kept.error = std::current_exception();
-    }
-    return kept;
-  }
-
   // The inner Work while it runs; null once a wait saw it end. Gloo's Work holds the
   // group's connections (its context) while it lives: a handle the caller keeps after the
   // wait must not keep them open once the group shut down (peers learn of a shut-down
-  // rank from its connections closing). What it answers is kept instead.
+  // rank from its connections closing). What it answers is kept instead: asked once, at
+  // the release, only where Gloo's Work of that kind answers (its collectives have results
+  // and a future, a receive has a source rank; none measures a duration). The rest answer
+  // as c10d's Work does, which is what Gloo's did. So no query raises on a call's path.
   c10::intrusive_ptr<c10d::Work> running() const;
   void keep_outcome_and_release(const c10::intrusive_ptr<c10d::Work>& inner, std::exception_ptr error);
-  c10::intrusive_ptr<c10::ivalue::Future> future_of(c10d::Work& inner);  // under mutex_
+  bool point_to_point() const;
 
   mutable std::mutex mutex_;
   c10::intrusive_ptr<c10d::Work> inner_;
   std::shared_ptr<GroupFailure> group_;
   std::exception_ptr error_;  // the call's failure, reported as the backend reports failures
-  Kept<std::vector<at::Tensor>> result_;
-  Kept<int> source_rank_;
-  Kept<float> duration_;
-  Kept<uint64_t> sequence_;
-  Kept<c10::intrusive_ptr<c10::ivalue::Future>> future_;  // the inner one's, its error reported
+  struct Kept {
+    std::vector<at::Tensor> result;
+    c10::intrusive_ptr<c10::ivalue::Future> future;  // Gloo's
+    int source_rank = -1;
+    uint64_t sequence = 0;
+    std::exception_ptr no_result, no_future, no_sequence;  // what asking raised
+  } kept_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // the inner one's, its error reported
 };
 
 }  // namespace cgx::backend
