@@ -50,11 +50,10 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousError, RendezvousParameters,
                                                   RendezvousTimeoutError)
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from cgx import _C
+from cgx import _C, rendezvous_access
 from cgx.backend import gather, new_backend, shared_settings, with_process_settings
 from cgx.config import Config, check_int, from_env
 from cgx.errors import MembershipError, PeerError
@@ -74,6 +73,18 @@ class Round:
     store: dist.Store  # the round's store (torch prefixes it per round)
 
 
+@dataclass
+class _Members:
+    """Who the current round holds, in terms of the rendezvous round it came from: a
+    rendezvous round (`epoch` 0), or what a roll call after a failure left of it."""
+
+    store: dist.Store  # the rendezvous round's store
+    torch_round: int  # that round's number in torch's rendezvous
+    epoch: int  # roll calls since the rendezvous round formed
+    ranks: list[int]  # the members, by their rank in the rendezvous round
+    rank: int  # this member's place in `ranks`
+
+
 class Membership:
     """This replica's membership of the elastic run `run_id`, round by round.
 
@@ -91,6 +102,10 @@ class Membership:
         last_call: once `min_replicas` are present, how long a round waits for more.
         heartbeat: a member whose heartbeats (one a `heartbeat`) stop for 3 of them is
             dropped from the rendezvous.
+        roll_call: after a collective fails, how long the members wait for each other to
+            answer a roll call (:meth:`next_round`). Those that answer go on among
+            themselves at once; one silent past it is dropped (it died, or reached the
+            failure later than that: then it joins again, taking the run's state).
         group_timeout: each round's backend's timeout (a collective with a dead or
             silent member raises within it).
         config: the rounds' backend settings (default: the ``CGX_*`` variables, read
@@ -118,6 +133,7 @@ class Membership:
         join_timeout: datetime.timedelta = datetime.timedelta(minutes=10),
         last_call: datetime.timedelta = datetime.timedelta(seconds=1),
         heartbeat: datetime.timedelta = datetime.timedelta(seconds=5),
+        roll_call: datetime.timedelta = datetime.timedelta(seconds=2),
         group_timeout: datetime.timedelta = datetime.timedelta(minutes=5),
         config: Config | None = None,
         secret: bytes | None = None,
@@ -128,6 +144,8 @@ class Membership:
         self._secret = secret
         check_int(min_replicas, "min_replicas", what, low=1)
         check_int(max_replicas, "max_replicas", what, low=min_replicas)
+        if not isinstance(roll_call, datetime.timedelta) or roll_call.total_seconds() <= 0:
+            raise ValueError(f"{what}: roll_call must be a positive datetime.timedelta, got {roll_call!r}")
         if not isinstance(run_id, str) or not run_id:
             raise ValueError(f"{what}: run_id must be a non-empty string, got {run_id!r}")
         if config is not None and not isinstance(config, Config):
@@ -146,10 +164,11 @@ class Membership:
         self.min_replicas, self.max_replicas = min_replicas, max_replicas
         # How the others' logs and stats name this replica (a restarted one is a new replica).
         self.replica_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(2)}"
-        self.group_timeout, self.join_timeout = group_timeout, join_timeout
+        self.group_timeout, self.join_timeout, self.roll_call = group_timeout, join_timeout, roll_call
         self.config = config
         self.round: Round | None = None
         self.rounds = 0  # rounds this replica was a member of
+        self._members: _Members | None = None
         self._endpoint, self._rendezvous_backend = endpoint, rendezvous
         self._terms: dict[str, Any] = {}
         self.set_terms("cgx", {"version": _cgx_version(), "settings": shared_settings(config)})
@@ -162,29 +181,96 @@ class Membership:
         except (RendezvousError, RuntimeError, ValueError) as e:
             raise MembershipError(f"{what}: cannot reach the rendezvous of run {run_id!r} at {endpoint}: {e}") from e
 
-    def next_round(self) -> Round:
-        """Leaves the current round (its backend is shut down) and waits for the next one
-        to form: the members still present, and those that were waiting to join. Every
-        member calls it: after a collective of the round failed, or to admit joiners.
-        Raises :class:`cgx.MembershipError` where no round forms within `join_timeout`
-        (fewer than `min_replicas` present) or the rendezvous cannot be reached."""
+    def next_round(self, *, after_failure: bool = False) -> Round:
+        """Leaves the current round (its backend is shut down) and returns the next one.
+        Every member calls it: after a collective of the round failed
+        (`after_failure=True`), or to admit joiners.
+
+        After a failure, the members first take a roll call on the round's store: those
+        that answer within `roll_call` go on among themselves at once, in a round of a
+        new backend, and torch's rendezvous is told that the silent ones are gone (so it
+        does not wait for their heartbeats to stop). A member that answers too late, or
+        a roll call that leaves fewer than `min_replicas` or cannot reach the store, goes
+        to the rendezvous. There (and to admit joiners) it waits for the next round to
+        form: the members still present, and those that were waiting to join. Raises
+        :class:`cgx.MembershipError` where no round forms within `join_timeout` (fewer
+        than `min_replicas` present) or the rendezvous cannot be reached."""
         self._leave_round()
-        if self.rounds == 0:
-            self._check_terms()
-        while True:
-            info = self._rendezvous()
-            if self._admitted_everyone(info):
-                break
-            # A replica was refused, or went silent while the round formed: the others
-            # form it again without it (a refused one leaves; a silent one did not ask).
+        members = self._roll_call() if after_failure and self._members is not None else None
+        if members is None:
+            if self.rounds == 0:
+                self._check_terms()
+            while True:
+                info = self._rendezvous()
+                torch_round = rendezvous_access.round_of(self._handler)
+                if self._admitted_everyone(info):
+                    break
+                # A replica was refused, or went silent while the round formed: the others
+                # form it again without it (a refused one leaves; a silent one did not ask).
+            members = _Members(info.store, torch_round, 0, list(range(info.world_size)), info.rank)
         # On the store's host, the store serves the others as long as this object lives,
         # after close() too (the handler, which holds it, goes at close()).
-        self._last_store = info.store
-        self.round = Round(info.rank, info.world_size, self._backend_of(info), info.store)
+        self._last_store = members.store
+        self._members = members
+        rank, size = members.rank, len(members.ranks)
+        if members.epoch == 0:
+            store, backend_store = members.store, dist.PrefixStore("cgx-round/", members.store)
+        else:
+            store = dist.PrefixStore(f"cgx-call-{members.epoch}/", members.store)
+            backend_store = dist.PrefixStore("cgx-round/", store)
+        self.round = Round(rank, size, self._backend_of(backend_store, rank, size), store)
         self.rounds += 1
-        if info.rank == 0:
+        if rank == 0:
             self._publish_terms()
         return self.round
+
+    def _roll_call(self) -> _Members | None:
+        """The members of the failed round that answer a roll call on its store within
+        `roll_call`: every member waits for the others' answers until all have answered
+        or its own `roll_call` has passed since it answered; the first whose wait ends
+        writes the verdict (compare-and-set: one verdict for all, whatever each saw) and
+        tells torch's rendezvous that the silent ones are gone. None where this replica
+        is not in the verdict (it answered late: it joins again), where fewer than
+        `min_replicas` answered, or where the store cannot be reached: then the
+        rendezvous decides."""
+        members = self._members
+        me = members.ranks[members.rank]
+        store = dist.PrefixStore(f"cgx-roll-call/{members.epoch}/", members.store)
+        try:
+            store.set(f"here/{me}", "1")
+            answered = store.add("answered", 1)
+            deadline = time.monotonic() + self.roll_call.total_seconds()
+            while answered < len(members.ranks) and time.monotonic() < deadline:
+                time.sleep(0.01)
+                answered = store.add("answered", 0)
+            here = [r for r in members.ranks if r == me or store.check([f"here/{r}"])]
+            mine = json.dumps(here)
+            verdict = store.compare_set("verdict", "", mine).decode()
+        except (dist.DistError, RuntimeError) as e:
+            _log.info("cgx.elastic: run %r: the roll call after a failure could not use the round's store (%s: %s); "
+                      "the rendezvous forms the next round", self.run_id, type(e).__name__, e)
+            return None
+        present = json.loads(verdict)
+        gone = [r for r in members.ranks if r not in present]
+        if verdict == mine and gone:
+            self._expire(members, gone)
+        if me not in present:
+            _log.warning("cgx.elastic: run %r: this replica answered the roll call after a failure too late; it joins "
+                         "the run again", self.run_id)
+            return None
+        if len(present) < self.min_replicas:
+            return None
+        return _Members(members.store, members.torch_round, members.epoch + 1, present, present.index(me))
+
+    def _expire(self, members: _Members, gone: list[int]) -> None:
+        """Tells torch's rendezvous that the members `gone` (ranks of its round) are:
+        its next round then forms without waiting for their heartbeats to stop."""
+        try:
+            rendezvous_access.expire(self._handler, members.torch_round, members.ranks[members.rank], gone,
+                                     time.monotonic() + self.group_timeout.total_seconds())
+        except (RendezvousError, dist.DistError, RuntimeError) as e:
+            _log.info("cgx.elastic: run %r: could not tell the rendezvous that ranks %s are gone (%s: %s); it drops "
+                      "them after their missed heartbeats", self.run_id, gone, type(e).__name__, e)
 
     def set_terms(self, part: str, terms: Any) -> None:
         """What every replica of the run must hold alike under `part`, fixed for the run
@@ -372,10 +458,8 @@ class Membership:
         exit operation, which takes this node out of the round's participants): that step
         alone. Without it the others' next round waits until this node's heartbeats are
         missed 3 times. A rendezvous that cannot be reached any more is left as it is."""
-        handler = self._handler
         try:
-            handler._stop_heartbeats()
-            handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + self.group_timeout.total_seconds())
+            rendezvous_access.leave(self._handler, time.monotonic() + self.group_timeout.total_seconds())
         except (RendezvousError, dist.DistError, RuntimeError) as e:
             _log.info("cgx.elastic: run %r: could not tell the rendezvous that this replica left (%s: %s); the "
                       "others drop it after its missed heartbeats", self.run_id, type(e).__name__, e)
@@ -399,18 +483,17 @@ class Membership:
             self.round.backend.shutdown()
             self.round = None
 
-    def _backend_of(self, info) -> _C.ProcessGroupCGX:
-        """The round's cgx backend, made as a group's is, on the round's store. Gloo
-        reports a member lost while it connects as a plain RuntimeError: here it is the
-        PeerError it is, which recovery handles."""
+    def _backend_of(self, store: dist.Store, rank: int, size: int) -> _C.ProcessGroupCGX:
+        """The round's cgx backend, made as a group's is, on `store`. Gloo reports a
+        member lost while it connects as a plain RuntimeError: here it is the PeerError
+        it is, which recovery handles."""
         try:
-            return new_backend(dist.PrefixStore("cgx-round/", info.store), info.rank, info.world_size,
-                               self.group_timeout, self.config)
+            return new_backend(store, rank, size, self.group_timeout, self.config)
         except RuntimeError as e:
             if isinstance(e, dist.DistError):
                 raise
             raise PeerError(f"cgx.elastic: run {self.run_id!r}: the round's backend could not connect its "
-                            f"{info.world_size} members: {e}") from e
+                            f"{size} members: {e}") from e
 
 
 def _cgx_version() -> str:

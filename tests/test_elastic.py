@@ -903,6 +903,51 @@ def test_a_joiner_dying_before_the_state_arrives_costs_the_reference_nothing():
     assert s0["replicas_lost"] >= 1 and s0["replicas"] == s1["replicas"] == 2, (s0, s1)
 
 
+def _go_on_before_the_dead_ones_heartbeats_stop(replica, replicas, port):
+    """Replicas 0-2 start the run with heartbeats of 60 s, so torch's rendezvous would
+    drop a silent member only after 180 s (3 missed), past this test's limit. Replica 2
+    dies (SIGKILL) as inner step 9 begins; replica 3 starts once it is gone. The
+    survivors' roll call drops the dead one and tells the rendezvous so: they go on at
+    once, and admit replica 3 at a sync without waiting for the dead one's heartbeats."""
+    import signal
+
+    import cgx
+    from test_diloco import _model
+
+    run_id, slow_heart = "roll-call", {"heartbeat": datetime.timedelta(seconds=60), "min_replicas": 2}
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if replica == 3:
+        store = _rendezvous_store(port)  # replica 0's membership serves it
+        store.wait([f"{run_id}/pid"])
+        pid = int(store.get(f"{run_id}/pid"))
+        while not process_gone(pid):
+            time.sleep(0.01)
+        membership = _membership(replica, port, run_id, **slow_heart)
+    else:
+        membership = _membership(replica, port, run_id, starting=3, **slow_heart)
+        store = _rendezvous_store(port)
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, overlap=1, membership=membership)
+    if replica == 2:
+        store.set(f"{run_id}/pid", str(os.getpid()))
+
+        def die(*_):
+            if diloco.step == 9:
+                os.kill(os.getpid(), signal.SIGKILL)
+        inner.register_step_pre_hook(die)
+    return _train_to_an_agreed_end(replica, port, run_id, model, inner, diloco, membership, store,
+                                   lambda: diloco.stats()["replicas_joined"] >= 1 or replica == 3, others=(1, 3))
+
+
+def test_diloco_survivors_go_on_and_admit_a_joiner_before_the_dead_ones_heartbeats_stop():
+    results = run_ranks(_go_on_before_the_dead_ones_heartbeats_stop, 4, args=(_free_port(),), expect_exit={2},
+                        timeout_s=120)
+    (end0, digest0, stats0), (end1, digest1, stats1), (end3, digest3, _) = values(results[:2] + results[3:])
+    assert end0 == end1 == end3 and digest0 == digest1 == digest3
+    for stats in (stats0, stats1):
+        assert stats["replicas_lost"] == 1 and stats["replicas_joined"] == 1 and stats["replicas"] == 3, stats
+
+
 @pytest.mark.parametrize("how", ["checkpoint", "second death", "exact"])
 def test_diloco_survivors_stay_identical_through_failures_met_out_of_step_twice_or_on_the_exact_path(how):
     replicas = 4 if how == "second death" else 3
@@ -1158,10 +1203,12 @@ def test_a_joiner_frozen_in_admission_stalls_the_members_at_most_group_timeout()
     assert s0["reform_seconds"] < 55 and s1["reform_seconds"] < 55, (s0, s1)
 
 
-def _train_to_an_agreed_end(replica, port, run_id, model, inner, diloco, membership, store, settled):
+def _train_to_an_agreed_end(replica, port, run_id, model, inner, diloco, membership, store, settled,
+                            others=(1, 2, 3)):
     """Trains until a replica finds `settled()` true and sets, on `store`, the step every
     replica stops at (2 sync intervals on: replicas of a round are within one interval of
-    each other); then closes and returns (step, global digest, stats)."""
+    each other); then closes and returns (step, global digest, stats). Replica 0 serves
+    the store until the replicas `others` are done."""
     from test_diloco import _train_step
 
     while not store.check([f"{run_id}/end"]):
@@ -1174,7 +1221,7 @@ def _train_to_an_agreed_end(replica, port, run_id, model, inner, diloco, members
     diloco.close()
     result = diloco.step, _global_digest_without_a_collective(diloco), dict(diloco.stats())
     membership.close()
-    _host_stays_until_the_others_are_done(replica, [1, 2, 3], port, run_id)
+    _host_stays_until_the_others_are_done(replica, list(others), port, run_id)
     return result
 
 

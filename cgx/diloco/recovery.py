@@ -132,7 +132,7 @@ class Recovery:
             cause = cause.__cause__ or cause  # the backend's own words, without DiLoCo's out-of-step advice
             _log.warning("cgx.DiLoCo: run %r: a collective failed at inner step %d (%s: %s); the replicas re-form",
                          self.membership.run_id, diloco.step, type(cause).__name__, cause)
-        return self._enter_round(self.membership.next_round(), cause)
+        return self._enter_round(self.membership.next_round(after_failure=cause is not None), cause)
 
     def _enter_round(self, round_: Round, cause: Exception | None) -> bool:
         """This replica's part in forming `round_`, alike on every member. Everyone shows

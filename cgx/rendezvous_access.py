@@ -1,0 +1,70 @@
+"""Every use cgx makes of torch's dynamic rendezvous beyond its public handler API, in
+one module (checked against torch 2.11 to 2.13).
+
+The public ``RendezvousHandler`` forms rounds and expires members whose heartbeats stop;
+it cannot leave a round without asking for the next one, nor drop a member that the
+others know is gone. cgx does both with the handler's own operation executor (the one
+its ``next_rendezvous`` and heartbeats run through, under its heartbeat lock), so every
+change to the rendezvous state is torch's compare-and-set write, which every rendezvous
+backend (c10d, etcd) serves:
+
+- :func:`leave`: torch's exit operation alone (the first step of ``next_rendezvous``).
+- :func:`round_of`: the number of the round the handler last joined.
+- :func:`expire`: marks the given ranks of that round as having missed their heartbeats,
+  so torch removes them at once (its own removal of a dead member, moved forward) and the
+  next round forms without waiting 3 heartbeats for them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _RendezvousExitOp
+
+
+def leave(handler, deadline: float) -> None:
+    """This node leaves the current round of `handler`'s rendezvous (the others' next
+    round forms without it at once). Its heartbeats stop first."""
+    handler._stop_heartbeats()
+    handler._op_executor.run(_RendezvousExitOp(), deadline)
+
+
+def round_of(handler) -> int:
+    """The round of the rendezvous that `handler` joined last."""
+    return handler._state_holder.state.round
+
+
+class _Expire:
+    """The operation that drops `ranks` of round `round_` (this node is `rank` in it)."""
+
+    _LONG_AGO = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+
+    def __init__(self, round_: int, rank: int, ranks: list[int]) -> None:
+        self.round, self.rank, self.ranks = round_, rank, set(ranks)
+
+    def __call__(self, ctx, deadline: float) -> _Action:
+        state = ctx.state
+        # Only in the round the ranks belong to, as the member this node was in it: once
+        # the round is over, its ranks name nobody.
+        if state.round != self.round or not state.complete or state.participants.get(ctx.node) != self.rank:
+            return _Action.FINISH
+        stale = [node for node, rank in state.participants.items()
+                 if rank in self.ranks and node in state.last_heartbeats]
+        if not stale:
+            return _Action.FINISH
+        if time.monotonic() > deadline:
+            return _Action.ERROR_TIMEOUT
+        for node in stale:
+            state.last_heartbeats[node] = self._LONG_AGO
+        # Any action but SYNC writes the state back (compare-and-set; read again and
+        # retried where another node wrote first); this one also beats this node's heart.
+        return _Action.KEEP_ALIVE
+
+
+def expire(handler, round_: int, rank: int, ranks: list[int], deadline: float) -> None:
+    """Drops `ranks` of round `round_` of `handler`'s rendezvous, where this node is
+    `rank`, as torch drops members whose heartbeats stopped. Does nothing once that round
+    is over."""
+    with handler._heartbeat_lock:
+        handler._op_executor.run(_Expire(round_, rank, ranks), deadline)
