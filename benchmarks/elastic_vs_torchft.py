@@ -1,0 +1,430 @@
+"""Elastic DiLoCo beside torchft: the same run, the same kills, both libraries.
+
+3 replicas of one rank each, processes on this machine (cgx's replicas are given
+separate CGX_HOSTNAMEs, so their traffic goes over TCP as torchft's Gloo does), train a
+small MLP (4 layers, 38,538 parameters; a teacher network's 10 classes) with Streaming
+DiLoCo: H=32 in 4 fragments (a fragment sync every 8 inner steps), no overlap, inner
+AdamW, outer Nesterov SGD (lr 0.7, momentum 0.9). An inner step takes --step-ms (the
+model's compute is ~1 ms; the rest is a sleep, so the replicas do not compete for the
+cores and the run is long enough for healing to show).
+
+  cgx      cgx.DiLoCo(bits=4) over cgx.elastic.Membership (the c10d rendezvous store in
+           replica 0)
+  torchft  torchft 0.2.0's DiLoCo and Manager over its Gloo process group, with the
+           Lighthouse binary its wheel ships (pip install 'cgx[bench]'); it sends
+           float32 on CPU (its quantization needs Triton)
+
+Scenarios: "full" (uninterrupted) and "kill-restart" (replica 2 killed with SIGKILL at 1/3
+of the steps, a new process started at 2/3). Tunings: "default" (each library's defaults:
+cgx heartbeat 5 s and roll call 2 s; torchft heartbeat timeout 5 s) and "fast" (cgx
+heartbeat 1 s and roll call 0.5 s; torchft heartbeat timeout 1 s). Every timeout of a
+collective is --group-timeout for both.
+
+    python benchmarks/elastic_vs_torchft.py                      # both, both tunings
+    python benchmarks/elastic_vs_torchft.py --libraries cgx --tunings fast --seeds 0 1 2
+
+Reports per run: the payload bytes of a sync, the final validation loss of the global
+weights, from the kill to the moment every survivor has completed a sync, from the new
+process's start to its first sync, the survivors' longest stall while the joiner is
+admitted (their longest inner step then, less their median step), the bytes of state a
+joiner received against the model's float32 size, and whether the live replicas' global
+weights are bit-identical at the end. Writes <out>/elastic_vs_torchft.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P: the helpers here
+
+from outputs import default_output  # noqa: E402
+
+LIBRARIES = ("cgx", "torchft")
+SCENARIOS = ("full", "kill-restart")
+TUNINGS = {  # seconds
+    "default": {"cgx": {"heartbeat": 5, "roll_call": 2.0}, "torchft": {"heartbeat_timeout": 5.0}},
+    "fast": {"cgx": {"heartbeat": 1, "roll_call": 0.5}, "torchft": {"heartbeat_timeout": 1.0}},
+}
+SYNC_EVERY, FRAGMENTS = 32, 4
+WIDTHS = (32, 128, 128, 128, 10)
+
+
+# ---- the task (the same for both libraries)
+
+def _model():
+    import torch
+
+    layers = [torch.nn.Linear(a, b) for a, b in zip(WIDTHS[:-1], WIDTHS[1:])]
+    model = torch.nn.Sequential()
+    for i, layer in enumerate(layers):
+        model.append(layer)
+        if i < len(layers) - 1:
+            model.append(torch.nn.ReLU())
+    return model, layers
+
+
+def _teacher_labels(x):
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    w1, w2 = torch.randn(WIDTHS[0], 64, generator=g), torch.randn(64, WIDTHS[-1], generator=g)
+    return (torch.tanh(x @ w1) @ w2).argmax(dim=1)
+
+
+def _batch(slot: int, step: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + slot * 100_003 + step)
+    x = torch.randn(64, WIDTHS[0], generator=g)
+    return x, _teacher_labels(x)
+
+
+def _validation_loss(model) -> float:
+    import torch
+
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(4096, WIDTHS[0], generator=g)
+    with torch.no_grad():
+        return torch.nn.functional.cross_entropy(model(x), _teacher_labels(x)).item()
+
+
+def _digest(weights: dict) -> str:
+    digest = hashlib.blake2b(digest_size=12)
+    for name in sorted(weights):
+        digest.update(weights[name].detach().contiguous().view(-1).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ---- one replica (a process)
+
+class _Record:
+    """What a replica writes as it goes: every step's time, step and loss, and each
+    completed sync's time (the driver reads replica 0's step from `progress`)."""
+
+    def __init__(self, config: dict) -> None:
+        self.config, self.steps, self.syncs = config, [], []
+        self._pace = config["step_ms"] / 1000
+
+    def step(self, started: float, step: int, loss: float, synced: bool) -> None:
+        left = self._pace - (time.perf_counter() - started)
+        if left > 0:
+            time.sleep(left)
+        now = time.time()
+        self.steps.append((now, step, loss))
+        if synced:
+            self.syncs.append(now)
+        if self.config["slot"] == 0:
+            progress = self.config["progress"]
+            with open(progress + ".tmp", "w") as f:
+                f.write(str(step))
+            os.replace(progress + ".tmp", progress)
+
+    def write(self, **more) -> None:
+        with open(self.config["out"], "w") as f:
+            json.dump({"steps": self.steps, "syncs": self.syncs, **more}, f)
+
+
+def cgx_replica(config: dict) -> None:
+    import torch
+
+    import cgx
+
+    slot, tuning = config["slot"], TUNINGS[config["tuning"]]["cgx"]
+    torch.manual_seed(config["seed"])
+    model, _ = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seconds = datetime.timedelta(seconds=1)
+    membership = cgx.elastic.Membership(f"127.0.0.1:{config['port']}", config["run_id"], is_host=slot == 0,
+                                        min_replicas=2, heartbeat=tuning["heartbeat"] * seconds,
+                                        roll_call=tuning["roll_call"] * seconds,
+                                        group_timeout=config["group_timeout"] * seconds)
+    store = torch.distributed.TCPStore("127.0.0.1", config["port"], is_master=False,
+                                       timeout=datetime.timedelta(seconds=600))
+    record = _Record(config)
+    try:
+        diloco = cgx.DiLoCo(model, inner, sync_every=SYNC_EVERY, fragments=FRAGMENTS, bits=4, overlap=0,
+                            membership=membership)
+    except cgx.MembershipError:  # started as the run ended
+        store.set(f"bench-done/{slot}", "1")
+        return
+    synced = 0
+    while diloco.step < config["steps"]:
+        started = time.perf_counter()
+        x, y = _batch(slot, diloco.step, config["seed"])
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        inner.step()
+        inner.zero_grad()
+        syncs = diloco.stats()["outer_syncs"]
+        record.step(started, diloco.step, loss.item(), syncs > synced)
+        synced = syncs
+    diloco.close()
+    stats = dict(diloco.stats())
+    weights = diloco.state_dict()["global_weights"]
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, weight in weights.items():
+            params[name].copy_(weight)
+    record.write(digest=_digest(weights), val_loss=_validation_loss(model),
+                 payload_bytes_per_sync=stats["payload_bytes"] / max(stats["outer_syncs"], 1),
+                 state_received=None, state_sent=stats.get("bytes_to_joiners", 0),
+                 float32_bytes=sum(p.numel() * 4 for p in model.parameters()))
+    if slot == 0:  # the store's host goes last
+        membership.end_run()
+        store.wait([f"bench-done/{s}" for s in range(1, 3)])
+    else:
+        store.set(f"bench-done/{slot}", "1")
+    membership.close()
+
+
+def torchft_replica(config: dict) -> None:
+    import torch
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.http_transport import HTTPTransport
+    from torchft.local_sgd import DiLoCo
+
+    slot, seed = config["slot"], config["seed"]
+    torch.manual_seed(seed)
+    model, layers = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    outer = [torch.optim.SGD(layer.parameters(), lr=0.7, momentum=0.9, nesterov=True) for layer in layers]
+    received = []  # the bytes of state this replica received as it joined (tensors)
+    recv_checkpoint = HTTPTransport.recv_checkpoint
+
+    def counted(self, *args, **kwargs):
+        state = recv_checkpoint(self, *args, **kwargs)
+        received.append(_tensor_bytes(state))
+        return state
+    HTTPTransport.recv_checkpoint = counted
+    with socket.socket() as s:  # this replica's own store (its group of one rank)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    timeout = datetime.timedelta(seconds=config["group_timeout"])
+    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2, use_async_quorum=False,
+                      load_state_dict=lambda state: (model.load_state_dict(state["model"]),
+                                                     inner.load_state_dict(state["inner"])),
+                      state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
+                      replica_id=f"replica_{slot}", store_addr="127.0.0.1", store_port=port, rank=0, world_size=1,
+                      lighthouse_addr=f"http://127.0.0.1:{config['lighthouse_port']}", timeout=timeout,
+                      quorum_timeout=timeout, connect_timeout=timeout, init_sync=False)
+    record = _Record(config)
+    total_syncs = config["steps"] // (SYNC_EVERY // FRAGMENTS)
+    with DiLoCo(manager, layers, inner, outer, sync_every=SYNC_EVERY, backup_device=torch.device("cpu"),
+                pin_memory=False, fragment_sync_delay=0) as diloco:
+        synced = manager.current_step()
+        step = synced * (SYNC_EVERY // FRAGMENTS)
+        while manager.current_step() < total_syncs:
+            started = time.perf_counter()
+            x, y = _batch(slot, step, seed)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            inner.zero_grad()
+            loss.backward()
+            inner.step()
+            syncs = manager.current_step()
+            if syncs != synced:  # a joiner's step is the run's (its first sync set it)
+                step = syncs * (SYNC_EVERY // FRAGMENTS)
+            else:
+                step += 1
+            record.step(started, step, loss.item(), syncs > synced)
+            synced = syncs
+        weights = {f"{2 * i}.{name}": t.clone() for i, f in enumerate(diloco._fragments)
+                   for name, t in f.original_parameters.items()}
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, weight in weights.items():
+            params[name].copy_(weight)
+    record.write(digest=_digest(weights), val_loss=_validation_loss(model),
+                 payload_bytes_per_sync=sum(p.numel() * 4 for p in model.parameters()) / FRAGMENTS,
+                 state_received=sum(received) if received else None, state_sent=None,
+                 float32_bytes=sum(p.numel() * 4 for p in model.parameters()))
+    manager.shutdown(wait=False)
+
+
+def _tensor_bytes(value) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+# ---- the driver
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> dict:
+    name = f"{library}-{scenario}-{tuning}-{seed}"
+    progress = os.path.join(tmp, name + ".progress")
+    port, lighthouse = _free_port(), None
+    if library == "torchft":
+        binary = shutil.which("torchft_lighthouse") or os.path.join(os.path.dirname(sys.executable),
+                                                                      "torchft_lighthouse")
+        heartbeat_ms = int(TUNINGS[tuning]["torchft"]["heartbeat_timeout"] * 1000)
+        lighthouse = subprocess.Popen([binary, "--min_replicas", "2", "--join_timeout_ms", "10000",
+                                       "--heartbeat_timeout_ms", str(heartbeat_ms), "--bind", f"[::]:{port}"],
+                                      stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, name + ".lh"), "w"))
+    procs: dict[int, subprocess.Popen] = {}
+    outputs: dict[int, list[str]] = {s: [] for s in range(3)}
+    began: dict[str, float] = {}
+
+    def start(slot: int) -> None:
+        out = os.path.join(tmp, f"{name}-{slot}-{len(outputs[slot])}.json")
+        outputs[slot].append(out)
+        config = {"library": library, "slot": slot, "seed": seed, "steps": args.steps, "tuning": tuning,
+                  "run_id": name, "port": port, "lighthouse_port": port, "progress": progress, "out": out,
+                  "step_ms": args.step_ms, "group_timeout": args.group_timeout}
+        with open(out + ".config", "w") as f:
+            json.dump(config, f)
+        env = dict(os.environ, CGX_HOSTNAME=f"bench-host-{slot}", OMP_NUM_THREADS="1")
+        log = open(out + ".log", "w")
+        procs[slot] = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), "--replica", out + ".config"],
+                                       env=env, stdout=log, stderr=log)
+
+    def step_of_0() -> int:
+        try:
+            with open(progress) as f:
+                return int(f.read() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    started = time.time()
+    try:
+        for slot in range(3):
+            start(slot)
+        killed = scenario != "kill-restart"
+        while procs[0].poll() is None:
+            if time.time() - started > args.timeout:
+                raise TimeoutError(f"{name}: over {args.timeout} s")
+            step = step_of_0()
+            if not killed and step >= args.steps // 3:
+                procs[2].send_signal(signal.SIGKILL)
+                procs[2].wait()
+                began["kill"], killed = time.time(), True
+            if killed and "kill" in began and "restart" not in began and step >= 2 * args.steps // 3:
+                began["restart"] = time.time()
+                start(2)
+            for slot, p in procs.items():
+                if p.poll() not in (None, 0) and not (slot == 2 and "kill" in began and "restart" not in began):
+                    raise RuntimeError(f"{name}: replica {slot} failed ({p.returncode}); log {outputs[slot][-1]}.log")
+            time.sleep(0.02)
+        for p in procs.values():
+            p.wait(timeout=120)
+        if procs[0].returncode != 0:
+            raise RuntimeError(f"{name}: replica 0 failed ({procs[0].returncode}); log {outputs[0][-1]}.log")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        if lighthouse is not None:
+            lighthouse.kill()
+            lighthouse.wait()
+    live = {slot: json.load(open(outs[-1])) for slot, outs in outputs.items() if os.path.exists(outs[-1])}
+    result = {"library": library, "scenario": scenario, "tuning": tuning, "seed": seed, "steps": args.steps,
+              "val_loss": live[0]["val_loss"], "payload_bytes_per_sync": live[0]["payload_bytes_per_sync"],
+              "float32_bytes": live[0]["float32_bytes"], "seconds": time.time() - started,
+              "identical": len({r["digest"] for r in live.values()}) == 1}
+    if scenario == "kill-restart":
+        survivors = [live[0], live[1]]
+        result["kill_to_next_sync_s"] = max(next(t for t in r["syncs"] if t > began["kill"]) for r in survivors) \
+            - began["kill"]
+        joiner = live[2]
+        result["restart_to_first_sync_s"] = joiner["syncs"][0] - began["restart"] if joiner["syncs"] else None
+        result["stall_at_admission_s"] = max(_stall(r["steps"], began["restart"], joiner["syncs"][0] + 1.0)
+                                             for r in survivors)
+        sent = sum(r["state_sent"] or 0 for r in survivors)
+        result["state_to_joiner_bytes"] = joiner["state_received"] if library == "torchft" else sent
+    return result
+
+
+def _stall(steps: list, since: float, until: float) -> float:
+    """The longest inner step between `since` and `until`, less the median step."""
+    gaps = [b[0] - a[0] for a, b in zip(steps, steps[1:])]
+    during = [b[0] - a[0] for a, b in zip(steps, steps[1:]) if since <= b[0] <= until]
+    return max(during, default=0.0) - statistics.median(gaps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--libraries", nargs="+", choices=LIBRARIES, default=list(LIBRARIES))
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--tunings", nargs="+", choices=list(TUNINGS), default=list(TUNINGS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--steps", type=int, default=768)
+    parser.add_argument("--step-ms", type=float, default=40.0, help="the least time an inner step takes")
+    parser.add_argument("--group-timeout", type=int, default=30, help="every collective's timeout, s (both)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    parser.add_argument("--out", default=default_output("elastic_vs_torchft"))
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            for scenario in args.scenarios:
+                for tuning in args.tunings if scenario == "kill-restart" else args.tunings[:1]:
+                    for library in args.libraries:  # alternated, run by run
+                        print(f"[{library} {scenario} {tuning} seed {seed}] ...", flush=True)
+                        results.append(run(library, scenario, tuning, seed, args, tmp))
+                        print("  " + json.dumps(results[-1]), flush=True)
+    print(f"\nelastic DiLoCo beside torchft: 3 replicas, MLP, H={SYNC_EVERY}, {FRAGMENTS} fragments, "
+          f"{args.steps} steps of >= {args.step_ms:g} ms, seeds {args.seeds}")
+    print("| | " + " | ".join(f"{lib} {t}" for t in args.tunings for lib in args.libraries) + " |")
+    print("|---|" + "---:|" * (len(args.tunings) * len(args.libraries)))
+    rows = [("payload bytes a sync", "payload_bytes_per_sync", "{:,.0f}", "kill-restart"),
+            ("final loss, uninterrupted", "val_loss", "{:.4f}", "full"),
+            ("final loss, kill and restart", "val_loss", "{:.4f}", "kill-restart"),
+            ("kill -> survivors' next completed sync, s", "kill_to_next_sync_s", "{:.2f}", "kill-restart"),
+            ("restart -> the joiner's first sync, s", "restart_to_first_sync_s", "{:.2f}", "kill-restart"),
+            ("survivors' stall when the joiner is admitted, s", "stall_at_admission_s", "{:.2f}", "kill-restart"),
+            ("state sent to the joiner / model", "state_ratio", "{:.1f}x", "kill-restart"),
+            ("global weights bit-identical", "identical", "{}", "kill-restart")]
+    for r in results:
+        if r.get("state_to_joiner_bytes") is not None:
+            r["state_ratio"] = r["state_to_joiner_bytes"] / r["float32_bytes"]
+    for label, key, form, scenario in rows:
+        cells = []
+        for tuning in args.tunings:
+            for library in args.libraries:
+                values = [r[key] for r in results if r["library"] == library and r["scenario"] == scenario
+                          and (r["tuning"] == tuning or scenario == "full") and r.get(key) is not None]
+                if not values:
+                    cells.append("")
+                elif isinstance(values[0], bool):
+                    cells.append("yes" if all(values) else "no")
+                else:
+                    cells.append("-".join(dict.fromkeys(form.format(v) for v in (min(values), max(values)))))
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "elastic_vs_torchft.json")
+    with open(path, "w") as f:
+        json.dump({"steps": args.steps, "step_ms": args.step_ms, "when": time.strftime("%Y-%m-%d"),
+                   "machine": socket.gethostname(), "results": results}, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--replica":
+        with open(sys.argv[2]) as f:
+            replica_config = json.load(f)
+        {"cgx": cgx_replica, "torchft": torchft_replica}[replica_config["library"]](replica_config)
+    else:
+        main()
