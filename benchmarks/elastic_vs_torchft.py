@@ -1,7 +1,8 @@
 """Elastic DiLoCo beside torchft: the same run, the same kills, both libraries.
 
 3 replicas of one rank each, processes on this machine (cgx's replicas are given
-separate CGX_HOSTNAMEs, so their traffic goes over TCP as torchft's Gloo does), train a
+separate CGX_HOSTNAMEs, so their traffic goes over TCP as torchft's Gloo does, and
+CGX_COMPRESSION_AUTO=0, so every sync is compressed as across sites), train a
 small MLP (4 layers, 38,538 parameters; a teacher network's 10 classes) with Streaming
 DiLoCo: H=32 in 4 fragments (a fragment sync every 8 inner steps), no overlap, inner
 AdamW, outer Nesterov SGD (lr 0.7, momentum 0.9). An inner step takes --step-ms (the
@@ -296,7 +297,9 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
                   "step_ms": args.step_ms, "group_timeout": args.group_timeout}
         with open(out + ".config", "w") as f:
             json.dump(config, f)
-        env = dict(os.environ, CGX_HOSTNAME=f"bench-host-{slot}", OMP_NUM_THREADS="1")
+        # Compressed always (auto would send these small syncs exactly over loopback: a
+        # site-to-site link is what the bytes are for).
+        env = dict(os.environ, CGX_HOSTNAME=f"bench-host-{slot}", CGX_COMPRESSION_AUTO="0", OMP_NUM_THREADS="1")
         log = open(out + ".log", "w")
         procs[slot] = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), "--replica", out + ".config"],
                                        env=env, stdout=log, stderr=log)

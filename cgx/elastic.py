@@ -12,14 +12,18 @@ it) can pair with this one's.
 
 A round ends when a collective of it fails (a member died or lost its link: the failure
 raises on every member still in the call) or when the members decide to admit joiners
-(:meth:`Membership.joiners_waiting`); every member then calls :meth:`next_round`.
+(:meth:`Membership.joiners_waiting`); every member then calls :meth:`next_round`. After a
+failure, a roll call on the round's store lets the members that answer go on at once,
+and tells the rendezvous that the others are gone, rather than wait until it has missed
+their heartbeats.
 
 Example (one replica of a run; every replica runs the same)::
 
     membership = cgx.elastic.Membership("site-a.example:29400", "run-42", min_replicas=2)
     round_ = membership.next_round()            # waits for at least 2 replicas
     work = round_.backend.allreduce([tensor])   # a cgx backend of round_.size members
-    ...
+    ...                                         # where a collective failed:
+    round_ = membership.next_round(after_failure=True)
     membership.close()                          # leaves (end_run() first ends the run for all)
 
 This is the membership layer of elastic Streaming DiLoCo: ``cgx.DiLoCo(...,

@@ -122,6 +122,38 @@ def test_survivors_form_a_new_round_without_a_replica_that_died_or_left(leave):
         assert rounds == 1  # one round more than the first
 
 
+def _roll_call(replica, replicas, port):
+    """Replicas 0 and 1 call next_round(after_failure=True), as after a failed collective;
+    replica 2 answers the roll call only once they went on without it (roll_call 0.5 s):
+    it is left out, waits in the rendezvous, and the two admit it. Heartbeats of 60 s:
+    nothing here may wait for them (run_ranks' limit is shorter than 3 of them)."""
+    membership = _membership(replica, port, "roll", starting=3, min_replicas=2,
+                             heartbeat=datetime.timedelta(seconds=60), roll_call=datetime.timedelta(seconds=0.5))
+    first = membership.round
+    sums = [(first.size, _sum_of_ranks(first))]
+    if replica == 2:
+        first.store.wait(["went-on/0", "went-on/1"])
+        again = membership.next_round(after_failure=True)  # too late: back through the rendezvous
+        sums.append((again.size, _sum_of_ranks(again)))
+    else:
+        second = membership.next_round(after_failure=True)
+        sums.append((second.size, _sum_of_ranks(second)))
+        first.store.set(f"went-on/{replica}", "1")
+        _wait_for_a_joiner(membership)
+        third = membership.next_round()
+        sums.append((third.size, _sum_of_ranks(third)))
+    rounds = membership.rounds
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 2], port, "roll")
+    return sums, rounds
+
+
+def test_a_roll_call_goes_on_with_those_that_answer_and_one_that_answers_late_joins_again():
+    results = values(run_ranks(_roll_call, 3, args=(_free_port(),), timeout_s=120))
+    assert results[0] == results[1] == ([(3, 6.0), (2, 3.0), (3, 6.0)], 3), results
+    assert results[2] == ([(3, 6.0), (3, 6.0)], 2), results
+
+
 def _admit_a_joiner(replica, replicas, port):
     import cgx
 
