@@ -35,6 +35,7 @@ weights are bit-identical at the end. Writes <out>/elastic_vs_torchft.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
@@ -351,6 +352,8 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
         survivors = [live[0], live[1]]
         result["kill_to_next_sync_s"] = max(next(t for t in r["syncs"] if t > began["kill"]) for r in survivors) \
             - began["kill"]
+        if 2 not in live:
+            raise RuntimeError(f"{name}: the restarted replica left no record; log {outputs[2][-1]}.log")
         joiner = live[2]
         result["restart_to_first_sync_s"] = joiner["syncs"][0] - began["restart"] if joiner["syncs"] else None
         result["stall_at_admission_s"] = max(_stall(r["steps"], began["restart"], joiner["syncs"][0] + 1.0)
@@ -378,9 +381,12 @@ def main() -> None:
     parser.add_argument("--group-timeout", type=int, default=30, help="every collective's timeout, s (both)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     parser.add_argument("--out", default=default_output("elastic_vs_torchft"))
+    parser.add_argument("--logs", help="keep the replicas' logs and records in this folder (default: a temporary one)")
     args = parser.parse_args()
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.logs:
+        os.makedirs(args.logs, exist_ok=True)
+    with (contextlib.nullcontext(args.logs) if args.logs else tempfile.TemporaryDirectory()) as tmp:
         for seed in args.seeds:
             for scenario in args.scenarios:
                 for tuning in args.tunings if scenario == "kill-restart" else args.tunings[:1]:

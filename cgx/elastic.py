@@ -38,6 +38,7 @@ weakness.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
 import hashlib
@@ -47,6 +48,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +67,7 @@ from cgx.errors import MembershipError, PeerError
 __all__ = ["Membership", "Round"]
 
 _log = logging.getLogger("cgx.elastic")
+_MISSED_HEARTBEATS = 3  # torch's rendezvous drops a member that missed this many
 
 
 @dataclass(eq=False)
@@ -82,7 +85,8 @@ class _Members:
     """Who the current round holds, in terms of the rendezvous round it came from: a
     rendezvous round (`epoch` 0), or what a roll call after a failure left of it."""
 
-    store: dist.Store  # the rendezvous round's store
+    store: dist.Store  # the rendezvous round's store for cgx's keys (_round_store)
+    torch_store: dist.Store  # torch's own for the round (on the host, it serves the others)
     torch_round: int  # that round's number in torch's rendezvous
     epoch: int  # roll calls since the rendezvous round formed
     ranks: list[int]  # the members, by their rank in the rendezvous round
@@ -160,7 +164,7 @@ class Membership:
             "join_timeout": str(_whole_seconds(join_timeout, "join_timeout")),
             "last_call_timeout": str(_whole_seconds(last_call, "last_call")),
             "keep_alive_interval": str(_whole_seconds(heartbeat, "heartbeat")),
-            "keep_alive_max_attempt": "3",
+            "keep_alive_max_attempt": str(_MISSED_HEARTBEATS),
         }
         if is_host is not None:
             options["is_host"] = bool(is_host)
@@ -173,6 +177,7 @@ class Membership:
         self.round: Round | None = None
         self.rounds = 0  # rounds this replica was a member of
         self._members: _Members | None = None
+        self._prepared: concurrent.futures.Future | None = None  # the next round, forming (prepare_next_round)
         self._endpoint, self._rendezvous_backend = endpoint, rendezvous
         self._terms: dict[str, Any] = {}
         self.set_terms("cgx", {"version": _cgx_version(), "settings": shared_settings(config)})
@@ -190,39 +195,89 @@ class Membership:
         Every member calls it: after a collective of the round failed
         (`after_failure=True`), or to admit joiners.
 
-        After a failure, the members first take a roll call on the round's store: those
-        that answer within `roll_call` go on among themselves at once, in a round of a
-        new backend, and torch's rendezvous is told that the silent ones are gone (so it
-        does not wait for their heartbeats to stop). A member that answers too late, or
-        a roll call that leaves fewer than `min_replicas` or cannot reach the store, goes
-        to the rendezvous. There (and to admit joiners) it waits for the next round to
-        form: the members still present, and those that were waiting to join. Raises
-        :class:`cgx.MembershipError` where no round forms within `join_timeout` (fewer
-        than `min_replicas` present) or the rendezvous cannot be reached."""
+        Where :meth:`prepare_next_round` formed it beside the current round, it is that
+        one (waited for where it is not formed yet). After a failure, the members first
+        take a roll call on the round's store: those that answer within `roll_call` go
+        on among themselves at once, in a round of a new backend, and torch's rendezvous
+        is told that the silent ones are gone (so it does not wait for their heartbeats
+        to stop). A member that answers too late, or a roll call that leaves fewer than
+        `min_replicas` or cannot reach the store, goes to the rendezvous. There (and to
+        admit joiners) it waits for the next round to form: the members still present,
+        and those that were waiting to join. Raises :class:`cgx.MembershipError` where no
+        round forms within `join_timeout` (fewer than `min_replicas` present) or the
+        rendezvous cannot be reached."""
+        prepared = self._take_prepared()
         self._leave_round()
+        if prepared is not None:
+            return self._enter(*prepared)
         members = self._roll_call() if after_failure and self._members is not None else None
-        if members is None:
-            if self.rounds == 0:
-                self._check_terms()
-            while True:
-                info = self._rendezvous()
-                torch_round = rendezvous_access.round_of(self._handler)
-                if self._admitted_everyone(info):
-                    break
-                # A replica was refused, or went silent while the round formed: the others
-                # form it again without it (a refused one leaves; a silent one did not ask).
-            members = _Members(info.store, torch_round, 0, list(range(info.world_size)), info.rank)
+        return self._enter(members or self._form())
+
+    def prepare_next_round(self) -> None:
+        """Starts forming the next round in the background (torch's rendezvous, the
+        admission checks, the round's backend) while this one goes on, so that the
+        members admit joiners without stopping for the rendezvous: every member calls it,
+        trains on, and calls :meth:`next_round` together once :attr:`next_round_formed`
+        (the joiners wait in the new round until then, up to `group_timeout`). Meanwhile
+        :meth:`joiners_waiting` says 0. A second call before :meth:`next_round` does
+        nothing."""
+        if self._prepared is not None:
+            return
+        if self.round is None:
+            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: only a member of a round prepares the next one")
+        prepared: concurrent.futures.Future = concurrent.futures.Future()
+
+        def form() -> None:
+            try:
+                members = self._form()
+                prepared.set_result((members, self._backend_for(members)))
+            except BaseException as e:  # noqa: BLE001  (next_round() raises it, or forms the round itself)
+                prepared.set_exception(e)
+        self._prepared = prepared
+        threading.Thread(target=form, name="cgx-next-round", daemon=True).start()
+
+    @property
+    def next_round_formed(self) -> bool:
+        """Whether the round :meth:`prepare_next_round` forms is ready (or its forming
+        failed: then :meth:`next_round` forms one itself)."""
+        return self._prepared is not None and self._prepared.done()
+
+    def _take_prepared(self) -> tuple[_Members, _C.ProcessGroupCGX] | None:
+        """The round prepare_next_round() formed (waited for), or None where none was
+        prepared or forming it failed (logged: next_round() forms one itself)."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return None
+        try:
+            return prepared.result()
+        except MembershipError:
+            raise
+        except (dist.DistError, RuntimeError) as e:
+            _log.warning("cgx.elastic: run %r: forming the next round beside this one failed (%s: %s); it is formed "
+                         "again", self.run_id, type(e).__name__, e)
+            return None
+
+    def _form(self) -> _Members:
+        """The next round of torch's rendezvous, every newcomer admitted."""
+        if self.rounds == 0:
+            self._check_terms()
+        while True:
+            info = self._rendezvous()
+            torch_round = rendezvous_access.round_of(self._handler)
+            store = self._round_store(info.store, torch_round)
+            if self._admitted_everyone(store, info.rank, info.world_size):
+                return _Members(store, info.store, torch_round, 0, list(range(info.world_size)), info.rank)
+            # A replica was refused, or went silent while the round formed: the others
+            # form it again without it (a refused one leaves; a silent one did not ask).
+
+    def _enter(self, members: _Members, backend: _C.ProcessGroupCGX | None = None) -> Round:
         # On the store's host, the store serves the others as long as this object lives,
         # after close() too (the handler, which holds it, goes at close()).
-        self._last_store = members.store
+        self._last_store = members.torch_store
         self._members = members
         rank, size = members.rank, len(members.ranks)
-        if members.epoch == 0:
-            store, backend_store = members.store, dist.PrefixStore("cgx-round/", members.store)
-        else:
-            store = dist.PrefixStore(f"cgx-call-{members.epoch}/", members.store)
-            backend_store = dist.PrefixStore("cgx-round/", store)
-        self.round = Round(rank, size, self._backend_of(backend_store, rank, size), store)
+        store = members.store if members.epoch == 0 else dist.PrefixStore(f"cgx-call-{members.epoch}/", members.store)
+        self.round = Round(rank, size, backend or self._backend_for(members), store)
         self.rounds += 1
         if rank == 0:
             self._publish_terms()
@@ -232,15 +287,19 @@ class Membership:
         """The members of the failed round that answer a roll call on its store within
         `roll_call`: every member waits for the others' answers until all have answered
         or its own `roll_call` has passed since it answered; the first whose wait ends
-        writes the verdict (compare-and-set: one verdict for all, whatever each saw) and
-        tells torch's rendezvous that the silent ones are gone. None where this replica
-        is not in the verdict (it answered late: it joins again), where fewer than
-        `min_replicas` answered, or where the store cannot be reached: then the
-        rendezvous decides."""
+        writes the verdict (compare-and-set: one verdict for all, whatever each saw), and
+        those in it tell torch's rendezvous that the silent ones are gone. None where this
+        replica is no longer in torch's round, is not in the verdict (it answered late:
+        it joins again), where fewer than `min_replicas` answered, or where the store
+        cannot be reached: then the rendezvous decides."""
         members = self._members
         me = members.ranks[members.rank]
         store = dist.PrefixStore(f"cgx-roll-call/{members.epoch}/", members.store)
         try:
+            # Only a member of torch's round goes on in it: one that torch dropped (its
+            # heartbeats missed) or whose round torch has ended asks the rendezvous.
+            if not rendezvous_access.in_round(self._handler, members.torch_round):
+                return None
             store.set(f"here/{me}", "1")
             answered = store.add("answered", 1)
             deadline = time.monotonic() + self.roll_call.total_seconds()
@@ -250,13 +309,13 @@ class Membership:
             here = [r for r in members.ranks if r == me or store.check([f"here/{r}"])]
             mine = json.dumps(here)
             verdict = store.compare_set("verdict", "", mine).decode()
-        except (dist.DistError, RuntimeError) as e:
+        except (RendezvousError, dist.DistError, RuntimeError) as e:
             _log.info("cgx.elastic: run %r: the roll call after a failure could not use the round's store (%s: %s); "
                       "the rendezvous forms the next round", self.run_id, type(e).__name__, e)
             return None
         present = json.loads(verdict)
         gone = [r for r in members.ranks if r not in present]
-        if verdict == mine and gone:
+        if gone and me in present:  # each (where the verdict's writer dies before it does)
             self._expire(members, gone)
         if me not in present:
             _log.warning("cgx.elastic: run %r: this replica answered the roll call after a failure too late; it joins "
@@ -264,7 +323,8 @@ class Membership:
             return None
         if len(present) < self.min_replicas:
             return None
-        return _Members(members.store, members.torch_round, members.epoch + 1, present, present.index(me))
+        return _Members(members.store, members.torch_store, members.torch_round, members.epoch + 1, present,
+                        present.index(me))
 
     def _expire(self, members: _Members, gone: list[int]) -> None:
         """Tells torch's rendezvous that the members `gone` (ranks of its round) are:
@@ -358,7 +418,7 @@ class Membership:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: no round formed: "
                                   f"{type(e).__name__}: {e}") from e
 
-    def _admitted_everyone(self, info) -> bool:
+    def _admitted_everyone(self, round_store: dist.Store, rank: int, size: int) -> bool:
         """The run's secret and terms, checked as the round forms, before its backend
         exists (so before a byte of a collective moves): the check of a replica that did
         not meet the published terms first (it came as the run started, or by another
@@ -371,13 +431,13 @@ class Membership:
         bounded by `group_timeout`: a replica silent past it is left behind (False: it
         did not ask for the next round). In a round of newcomers only (the run's start),
         a failed proof fails every member."""
-        store = dist.PrefixStore("cgx-admission/", info.store)
-        rank, timeout = info.rank, self.group_timeout
+        store = dist.PrefixStore("cgx-admission/", round_store)
+        timeout = self.group_timeout
         try:
-            nonces = gather(store, "nonce", rank, info.world_size, secrets.token_hex(16), timeout)
+            nonces = gather(store, "nonce", rank, size, secrets.token_hex(16), timeout)
             challenge = hashlib.sha256("/".join(nonces).encode()).hexdigest()
             claim = json.dumps([self._proof(challenge, rank), self.rounds > 0, self._terms_digest()])
-            claims = [json.loads(c) for c in gather(store, "claim", rank, info.world_size, claim, timeout)]
+            claims = [json.loads(c) for c in gather(store, "claim", rank, size, claim, timeout)]
             valid = [hmac.compare_digest(proof, self._proof(challenge, r)) for r, (proof, _, _) in enumerate(claims)]
             starting = not any(member for _, member, _ in claims)
             verdict = {}
@@ -387,12 +447,12 @@ class Membership:
                         verdict[r] = "secret"
                     elif not member and terms != self._terms_digest():
                         verdict[r] = "terms"
-            verdicts = [json.loads(v) for v in gather(store, "verdict", rank, info.world_size,
+            verdicts = [json.loads(v) for v in gather(store, "verdict", rank, size,
                                                       json.dumps(verdict), timeout)]
         except dist.DistError:
             return False
         if starting:
-            return self._starting_together(store, valid, info)
+            return self._starting_together(store, valid, rank, size)
         refused = {int(r): why for v in verdicts for r, why in v.items()}
         if rank in refused:
             self.close()
@@ -405,7 +465,7 @@ class Membership:
                              f"built alike (nothing was sent to the run)")
         return not refused
 
-    def _starting_together(self, store: dist.Store, valid: list[bool], info) -> bool:
+    def _starting_together(self, store: dist.Store, valid: list[bool], rank: int, size: int) -> bool:
         """The run's start (no member of an earlier round): any failed proof fails every
         member. (Differing terms fail them too, in the backend's and DiLoCo's agreement.)"""
         if all(valid):
@@ -414,8 +474,8 @@ class Membership:
         # not take it away from a slower one. That one may leave while this one's wait is
         # in flight: all have read the proofs by then (this one too), so a lost store
         # changes nothing of the verdict.
-        ranks = range(info.world_size)
-        store.set(f"failed/{info.rank}", "1")
+        ranks = range(size)
+        store.set(f"failed/{rank}", "1")
         try:
             store.wait([f"failed/{r}" for r in ranks], self.group_timeout)
         except dist.DistError:
@@ -437,13 +497,25 @@ class Membership:
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
     def joiners_waiting(self) -> int:
-        """How many replicas wait to join (admitted by the members' next :meth:`next_round`)."""
+        """How many replicas wait to join (admitted by the members' next :meth:`next_round`).
+        Raises :class:`cgx.PeerError` where torch's rendezvous no longer holds this
+        replica in its round (it missed 3 heartbeats, or the round ended): its round may
+        be going on without torch, so it leaves it, as after a failed collective."""
         if self._handler is None:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: this replica left the run (close())")
+        if self._prepared is not None:  # the handler is the forming round's meanwhile
+            return 0
         try:
-            return self._handler.num_nodes_waiting()
+            waiting = self._handler.num_nodes_waiting()
+            dropped = self._members is not None and not rendezvous_access.in_round(self._handler,
+                                                                                    self._members.torch_round)
         except RendezvousError as e:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the rendezvous cannot be read: {e}") from e
+        if dropped:  # the round is torch's no more: the others may be forming the run's next one
+            raise PeerError(f"cgx.elastic: run {self.run_id!r}: torch's rendezvous no longer holds this replica in "
+                            f"round {self._members.torch_round} (it missed {_MISSED_HEARTBEATS} heartbeats, or the "
+                            f"round ended); it asks the rendezvous again")
+        return waiting
 
     def close(self) -> None:
         """Leaves the run, which goes on, and says so: the round's backend is shut down
@@ -451,6 +523,12 @@ class Membership:
         once) and this replica leaves the rendezvous, so the others' next round forms
         without it at once. A second call does nothing. (torch's ``shutdown()`` would
         close the rendezvous for every replica: that is :meth:`end_run`.)"""
+        try:
+            prepared = self._take_prepared()  # the handler is its meanwhile
+        except MembershipError:
+            prepared = None
+        if prepared is not None:
+            prepared[1].shutdown()
         self._leave_round()
         if self._handler is not None and self.rounds > 0:
             self._leave_rendezvous()
@@ -487,12 +565,28 @@ class Membership:
             self.round.backend.shutdown()
             self.round = None
 
-    def _backend_of(self, store: dist.Store, rank: int, size: int) -> _C.ProcessGroupCGX:
-        """The round's cgx backend, made as a group's is, on `store`. Gloo reports a
-        member lost while it connects as a plain RuntimeError: here it is the PeerError
-        it is, which recovery handles."""
+    def _round_store(self, torch_store: dist.Store, torch_round: int) -> dist.Store:
+        """The round's store for cgx's keys (the admission, the roll calls, the backends,
+        Round.store): on a client of its own where the rendezvous is c10d's, because
+        torch's heartbeats go through the handler's client, which a store wait holds for
+        as long as it waits: a wait there (a member silent while a backend connects, up
+        to `group_timeout`) would stop this member's heartbeats, and torch would drop it
+        from the rendezvous while its round went on."""
+        if self._rendezvous_backend != "c10d":
+            return torch_store
+        host, port = parse_rendezvous_endpoint(self._endpoint, default_port=29400)
+        client = dist.TCPStore(host, port, is_master=False, timeout=self.group_timeout)
+        return dist.PrefixStore(f"cgx-round-store/{self.run_id}/{torch_round}/", client)
+
+    def _backend_for(self, members: _Members) -> _C.ProcessGroupCGX:
+        """The round's cgx backend, made as a group's is, on the round's store. Gloo
+        reports a member lost while it connects as a plain RuntimeError: here it is the
+        PeerError it is, which recovery handles."""
+        prefix = "cgx-round/" if members.epoch == 0 else f"cgx-call-{members.epoch}/cgx-round/"
+        size = len(members.ranks)
         try:
-            return new_backend(store, rank, size, self.group_timeout, self.config)
+            return new_backend(dist.PrefixStore(prefix, members.store), members.rank, size, self.group_timeout,
+                               self.config)
         except RuntimeError as e:
             if isinstance(e, dist.DistError):
                 raise

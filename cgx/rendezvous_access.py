@@ -9,7 +9,8 @@ change to the rendezvous state is torch's compare-and-set write, which every ren
 backend (c10d, etcd) serves:
 
 - :func:`leave`: torch's exit operation alone (the first step of ``next_rendezvous``).
-- :func:`round_of`: the number of the round the handler last joined.
+- :func:`round_of`: the number of the round the handler last joined; :func:`in_round`:
+  whether this node is still one of its participants.
 - :func:`expire`: marks the given ranks of that round as having missed their heartbeats,
   so torch removes them at once (its own removal of a dead member, moved forward) and the
   next round forms without waiting 3 heartbeats for them.
@@ -33,6 +34,16 @@ def leave(handler, deadline: float) -> None:
 def round_of(handler) -> int:
     """The round of the rendezvous that `handler` joined last."""
     return handler._state_holder.state.round
+
+
+def in_round(handler, round_: int) -> bool:
+    """Whether this node is still a participant of round `round_`, as the rendezvous
+    state says (read again where the handler's copy is older than its cache's second).
+    It is not once the round is over or torch dropped this node (3 missed heartbeats)."""
+    with handler._heartbeat_lock:
+        handler._state_holder.sync()
+        state = handler._state_holder.state
+    return state.round == round_ and handler._this_node in state.participants
 
 
 class _Expire:

@@ -980,6 +980,55 @@ def test_diloco_survivors_go_on_and_admit_a_joiner_before_the_dead_ones_heartbea
         assert stats["replicas_lost"] == 1 and stats["replicas_joined"] == 1 and stats["replicas"] == 3, stats
 
 
+def _dead_in_the_verdict(replica, replicas, port):
+    """Replicas 0-2 start (heartbeats 1 s, group_timeout 8 s). As inner step 9 begins,
+    replica 2 shuts its round's backend down, so the round fails, answers the roll call
+    and dies (SIGKILL) before the next round's backend connects: the others wait for it
+    there up to group_timeout, then take a second roll call. Torch's heartbeats must go on
+    meanwhile (adversary, issue 54: a wait on the handler's own store client stopped them,
+    torch dropped the two, and a joiner waited in a round of its own while they trained
+    on without torch). Replica 3 starts once replica 2 is gone and must be admitted."""
+    import signal
+
+    import cgx
+    import cgx.elastic
+    from test_diloco import _model
+
+    run_id = "dead-in-verdict"
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    timing = {"min_replicas": 2, "group_timeout": datetime.timedelta(seconds=8)}
+    if replica == 3:
+        store = _rendezvous_store(port)
+        store.wait([f"{run_id}/pid"])
+        pid = int(store.get(f"{run_id}/pid"))
+        while not process_gone(pid):
+            time.sleep(0.01)
+        membership = _membership(replica, port, run_id, **timing)
+    else:
+        membership = _membership(replica, port, run_id, starting=3, **timing)
+        store = _rendezvous_store(port)
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, overlap=1, membership=membership)
+    if replica == 2:
+        store.set(f"{run_id}/pid", str(os.getpid()))
+        cgx.elastic.Membership._backend_for = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+
+        def fail(*_):
+            if diloco.step == 9:
+                membership.round.backend.shutdown()
+        inner.register_step_pre_hook(fail)
+    return _train_to_an_agreed_end(replica, port, run_id, model, inner, diloco, membership, store,
+                                   lambda: diloco.stats()["replicas_joined"] >= 1 or replica == 3, others=(1, 3))
+
+
+def test_diloco_members_stay_in_torchs_round_while_a_dead_one_holds_their_next_backend():
+    results = run_ranks(_dead_in_the_verdict, 4, args=(_free_port(),), expect_exit={2}, timeout_s=120)
+    (end0, digest0, stats0), (end1, digest1, stats1), (end3, digest3, _) = values(results[:2] + results[3:])
+    assert end0 == end1 == end3 and digest0 == digest1 == digest3
+    for stats in (stats0, stats1):
+        assert stats["replicas_lost"] == 1 and stats["replicas_joined"] == 1 and stats["replicas"] == 3, stats
+
+
 @pytest.mark.parametrize("how", ["checkpoint", "second death", "exact"])
 def test_diloco_survivors_stay_identical_through_failures_met_out_of_step_twice_or_on_the_exact_path(how):
     replicas = 4 if how == "second death" else 3

@@ -334,41 +334,42 @@ class DiLoCo:
         """Finishes the syncs due at this step and starts the one whose turn it is. Run
         again after the replicas re-formed (Recovery.run), it does what is left: an
         applied sync has left the in-flight list, and a fragment's sync starts once."""
-        admit = False
+        joining = []
         for sync in [s for s in self._in_flight if s.due == self.step]:
-            admit |= self._finish(sync)
+            joining.append(self._finish(sync))
         for fragment in self._fragments:
             if self.step % self.sync_every == fragment.offset and fragment.last_start != self.step:
                 self._change_members(fragment)
                 trained, strangers = _trained(self._model, self._optimizer)
-                joiners = 0 if self._recovery is None else self._recovery.joiners_to_admit(self._replicas.size)
+                joiners = 0 if self._recovery is None else self._recovery.joining(self._replicas.size)
                 sync = fragment.start(self._replicas, self.step, self.step + self.overlap, self.error_feedback,
                                       trained, strangers, joiners, keep=self._recovery is not None)
                 self._in_flight.append(sync)
                 fragment.last_start = self.step
                 if self.overlap == 0:
-                    admit |= self._finish(sync)
-        if admit and self._recovery is not None:
-            self._recovery.admit()
+                    joining.append(self._finish(sync))
+        if self._recovery is not None:
+            self._recovery.admit(joining)
 
-    def _finish(self, sync: _Sync, follow: bool = True) -> bool:
+    def _finish(self, sync: _Sync, follow: bool = True) -> list[int]:
         """Waits for the sync's allreduce, checks the agreement it carried, then applies it;
         with `follow`, then makes the synced set follow the trained set the replicas agreed
         on. A failed allreduce or agreement raises here and changes nothing (on a group its
         sync is dropped; in an elastic run it stays in flight, to be done again). Returns
-        whether a replica saw replicas waiting to join."""
+        what each replica's row says of joiners (Recovery.joining; empty where the
+        agreement was checked before)."""
         if self._recovery is None:
             self._in_flight.remove(sync)
         stats = self._replicas.stats
         started = time.perf_counter()
         waits = sync.work is not None and (self.overlap == 0 or not sync.work.is_completed())
-        joiners = False
+        joiners: list[int] = []
         # The agreement first: beside an exact sync it is a call of its own, and where the
         # replicas are out of step the exact sync's Gloo call has no partner to wait for.
         if not sync.checked:
             self._replicas.check(sync.agreement)
             sync.checked = True
-            joiners = bool(sync.agreement.rows[:, 2].any())
+            joiners = [int(v) for v in sync.agreement.rows[:, 2].tolist()]
         if sync.outer_gradient is not None and sync.work is not None:
             stats["waits"] += waits  # without overlap the step always waits
             sync.fragment.complete(sync, self._replicas)

@@ -32,12 +32,14 @@ _PATTERNS = ("strided", "sequential")
 # and a digest of the trained parameters, these two in 16-bit pieces (float32 carries them
 # exactly). close(), a fragment without members and an exact (Gloo) sync, whose sums a
 # longer buffer would order otherwise, send the rows alone. In an elastic run a row also
-# says whether this replica saw replicas waiting to join (the members admit them together),
-# and carries a digest of the fragment's global weights and outer momentum after its last
+# says how many replicas waiting to join this replica saw, or, once the members form the
+# round that admits them beside training, _READY where this replica's is formed (the
+# members admit them together, and move to that round together), and carries a digest of the fragment's global weights and outer momentum after its last
 # applied sync: a replica whose state differs is healed (ReplicasDiverged).
 _SYNC, _CLOSE = 0, 1
 _STEP_PIECES, _DIGEST_PIECES = 3, 4
-_HEAD = 3  # kind, strangers, joiners
+_HEAD = 3  # kind, strangers, joiners (or _READY)
+_READY = 0xFFFF
 _TRAINED = _HEAD + _STEP_PIECES  # where the trained parameters' digest starts
 _STATE = _TRAINED + _DIGEST_PIECES  # where the fragment's global weights' digest starts (0: not given)
 _ROW = _STATE + _DIGEST_PIECES
@@ -223,7 +225,7 @@ class _Replicas:
         rows = torch.zeros(self.size, _ROW, device=device)
         digest = int.from_bytes(hashlib.blake2b(repr(trained).encode(), digest_size=8).digest(), "little")
         rows[self.rank] = torch.tensor(
-            [kind, min(strangers, 0xFFFF), min(joiners, 0xFFFF), *_pieces(step, _STEP_PIECES),
+            [kind, min(strangers, 0xFFFF), min(joiners, _READY), *_pieces(step, _STEP_PIECES),
              *_pieces(digest, _DIGEST_PIECES), *_pieces(state, _DIGEST_PIECES)], dtype=torch.float32)
         return rows
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from cgx.diloco.outer_sync import _local, _Replicas, _trained
+from cgx.diloco.outer_sync import _READY, _local, _Replicas, _trained
 from cgx.elastic import Membership, Round
 from cgx.errors import CallMismatchError, MembershipError
 
@@ -40,6 +40,7 @@ class Recovery:
         self.membership = membership
         self.established = False  # holds the run's state (the run started with it, or it took it)
         self.took_state = False  # took it from a live member: a checkpoint would set it apart
+        self.preparing = False  # the round admitting joiners forms beside training (admit())
         self._ids: list[str] = []  # the replicas of the current round, by Membership.replica_id
         self.stats = {"rounds": 0, "replicas_lost": 0, "replicas_joined": 0, "syncs_redone": 0,
                       "reform_seconds": 0.0, "bytes_to_joiners": 0}
@@ -87,17 +88,29 @@ class Recovery:
                     raise
                 cause = e
 
-    def joiners_to_admit(self, replicas: int) -> int:
-        """The replicas waiting to join that a sync should tell the others of (none where
-        the round is full: a joiner waits for a place)."""
+    def joining(self, replicas: int) -> int:
+        """What this replica's row of a sync says of joiners: how many wait to join (none
+        where the round is full: a joiner waits for a place), or, while the round that
+        admits them forms beside training, _READY once it has formed here."""
+        if self.preparing:
+            return _READY if self.membership.next_round_formed else 0
         joiners = self.membership.joiners_waiting()
-        return 0 if joiners and replicas >= self.membership.max_replicas else joiners
+        return min(0 if joiners and replicas >= self.membership.max_replicas else joiners, _READY - 1)
 
-    def admit(self) -> None:
-        """The members saw replicas waiting to join: they move to the next round. Raises
-        TookState where this replica took another's state (its step's syncs run again)."""
-        if self._reform(cause=None):
-            raise TookState
+    def admit(self, rows: list[list[int]]) -> None:
+        """Admits joiners, by what the syncs just checked say (`rows`: each sync's
+        replicas' joining() values; every member holds the same): where a member saw
+        joiners waiting, the members start forming the round that admits them beside
+        training (Membership.prepare_next_round); where every member's round has formed,
+        they move to it together. Raises TookState where this replica took another's state
+        there (its step's syncs run again)."""
+        if not self.preparing:
+            if any(0 < v < _READY for row in rows for v in row):
+                self.membership.prepare_next_round()
+                self.preparing = True
+        elif any(row and all(v == _READY for v in row) for row in rows):
+            if self._reform(cause=None):
+                raise TookState
 
     def leave(self) -> None:
         self.membership.close()
@@ -110,6 +123,7 @@ class Recovery:
         they can; what the old round did not complete is done again in the new one.
         Returns whether this member took another's state (see :meth:`_enter_round`)."""
         started = time.perf_counter()
+        self.preparing = False  # next_round() takes the round formed beside training, if any
         try:
             return self._move_to_the_next_round(cause)
         finally:  # a failed attempt counts too: its time was spent
