@@ -51,7 +51,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P: the helpers here
 
-from outputs import default_output  # noqa: E402
+from outputs import default_output, parent_made  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 LIBRARIES = ("cgx", "torchft")
 SCENARIOS = ("full", "kill-restart")
@@ -117,6 +118,7 @@ class _Record:
 
     def __init__(self, config: dict) -> None:
         self.config, self.steps, self.syncs = config, [], []
+        self.sent = []  # (when, bytes of state sent to replicas taking it so far), at each change
         self._pace = config["step_ms"] / 1000
 
     def step(self, started: float, step: int, loss: float, synced: bool) -> None:
@@ -135,7 +137,7 @@ class _Record:
 
     def write(self, **more) -> None:
         with open(self.config["out"], "w") as f:
-            json.dump({"steps": self.steps, "syncs": self.syncs, **more}, f)
+            json.dump({"steps": self.steps, "syncs": self.syncs, "sent": self.sent, **more}, f)
 
 
 def cgx_replica(config: dict) -> None:
@@ -169,9 +171,11 @@ def cgx_replica(config: dict) -> None:
         loss.backward()
         inner.step()
         inner.zero_grad()
-        syncs = diloco.stats()["outer_syncs"]
-        record.step(started, diloco.step, loss.item(), syncs > synced)
-        synced = syncs
+        stats = diloco.stats()
+        record.step(started, diloco.step, loss.item(), stats["outer_syncs"] > synced)
+        synced = stats["outer_syncs"]
+        if stats["bytes_to_joiners"] != (record.sent[-1][1] if record.sent else 0):
+            record.sent.append((time.time(), stats["bytes_to_joiners"]))
     diloco.close()
     stats = dict(diloco.stats())
     weights = diloco.state_dict()["global_weights"]
@@ -181,7 +185,7 @@ def cgx_replica(config: dict) -> None:
             params[name].copy_(weight)
     record.write(digest=_digest(weights), val_loss=_validation_loss(model),
                  payload_bytes_per_sync=stats["payload_bytes"] / max(stats["outer_syncs"], 1),
-                 state_received=None, state_sent=stats.get("bytes_to_joiners", 0),
+                 state_received=None,
                  float32_bytes=sum(p.numel() * 4 for p in model.parameters()))
     if slot == 0:  # the store's host goes last
         membership.end_run()
@@ -250,7 +254,7 @@ def torchft_replica(config: dict) -> None:
             params[name].copy_(weight)
     record.write(digest=_digest(weights), val_loss=_validation_loss(model),
                  payload_bytes_per_sync=sum(p.numel() * 4 for p in model.parameters()) / FRAGMENTS,
-                 state_received=sum(received) if received else None, state_sent=None,
+                 state_received=sum(received) if received else None,
                  float32_bytes=sum(p.numel() * 4 for p in model.parameters()))
     manager.shutdown(wait=False)
 
@@ -344,7 +348,12 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
             lighthouse.kill()
             lighthouse.wait()
     live = {slot: json.load(open(outs[-1])) for slot, outs in outputs.items() if os.path.exists(outs[-1])}
+    losses = [loss for _, _, loss in live[0]["steps"]]
+    times = [t - started for t, _, _ in live[0]["steps"]]
+    every = SYNC_EVERY // FRAGMENTS  # the loss curve: replica 0's mean loss between syncs
+    curve = [(times[i + every - 1], statistics.mean(losses[i:i + every])) for i in range(0, len(losses) - every + 1, every)]
     result = {"library": library, "scenario": scenario, "tuning": tuning, "seed": seed, "steps": args.steps,
+              "curve": curve, "events": {what: when - started for what, when in began.items()},
               "val_loss": live[0]["val_loss"], "payload_bytes_per_sync": live[0]["payload_bytes_per_sync"],
               "float32_bytes": live[0]["float32_bytes"], "seconds": time.time() - started,
               "identical": len({r["digest"] for r in live.values()}) == 1}
@@ -358,9 +367,33 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
         result["restart_to_first_sync_s"] = joiner["syncs"][0] - began["restart"] if joiner["syncs"] else None
         result["stall_at_admission_s"] = max(_stall(r["steps"], began["restart"], joiner["syncs"][0] + 1.0)
                                              for r in survivors)
-        sent = sum(r["state_sent"] or 0 for r in survivors)
+        # cgx: what the survivors sent since the restart (a survivor behind at the kill took state too)
+        sent = sum(max((b for t, b in r["sent"] if t >= began["restart"]), default=0)
+                   - max((b for t, b in r["sent"] if t < began["restart"]), default=0) for r in survivors)
         result["state_to_joiner_bytes"] = joiner["state_received"] if library == "torchft" else sent
     return result
+
+
+def _plot(results: list[dict], seed: int, path: str) -> None:
+    """Replica 0's training loss against wall clock in the kill-restart runs of `seed`, a
+    panel per tuning, both libraries, with the kill and the restart marked."""
+    plt = pyplot()
+    runs = [r for r in results if r["scenario"] == "kill-restart" and r["seed"] == seed]
+    if plt is None or not runs:
+        return
+    tunings = list(dict.fromkeys(r["tuning"] for r in runs))
+    fig, axes = plt.subplots(1, len(tunings), figsize=(6 * len(tunings), 4), squeeze=False)
+    for ax, tuning in zip(axes[0], tunings):
+        for r, color in zip([r for r in runs if r["tuning"] == tuning], ("tab:blue", "tab:orange")):
+            ax.plot(*zip(*r["curve"]), color=color, label=r["library"])
+            for what, style in (("kill", ":"), ("restart", "--")):
+                ax.axvline(r["events"][what], color=color, linestyle=style, linewidth=1)
+        ax.set(title=f"{tuning} failure detection (dotted: kill, dashed: restart)", xlabel="wall clock, s",
+               ylabel="replica 0's training loss")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(parent_made(path), dpi=100)
+    print(f"wrote {path}")
 
 
 def _stall(steps: list, since: float, until: float) -> float:
@@ -381,6 +414,7 @@ def main() -> None:
     parser.add_argument("--group-timeout", type=int, default=30, help="every collective's timeout, s (both)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     parser.add_argument("--out", default=default_output("elastic_vs_torchft"))
+    parser.add_argument("--png", help="where to draw the loss curves (default: in --out)")
     parser.add_argument("--logs", help="keep the replicas' logs and records in this folder (default: a temporary one)")
     args = parser.parse_args()
     results = []
@@ -393,7 +427,7 @@ def main() -> None:
                     for library in args.libraries:  # alternated, run by run
                         print(f"[{library} {scenario} {tuning} seed {seed}] ...", flush=True)
                         results.append(run(library, scenario, tuning, seed, args, tmp))
-                        print("  " + json.dumps(results[-1]), flush=True)
+                        print("  " + json.dumps({k: v for k, v in results[-1].items() if k != "curve"}), flush=True)
     print(f"\nelastic DiLoCo beside torchft: 3 replicas, MLP, H={SYNC_EVERY}, {FRAGMENTS} fragments, "
           f"{args.steps} steps of >= {args.step_ms:g} ms, seeds {args.seeds}")
     print("| | " + " | ".join(f"{lib} {t}" for t in args.tunings for lib in args.libraries) + " |")
@@ -423,6 +457,7 @@ def main() -> None:
                     cells.append("-".join(dict.fromkeys(form.format(v) for v in (min(values), max(values)))))
         print(f"| {label} | " + " | ".join(cells) + " |")
     os.makedirs(args.out, exist_ok=True)
+    _plot(results, args.seeds[0], args.png or os.path.join(args.out, "elastic_vs_torchft.png"))
     path = os.path.join(args.out, "elastic_vs_torchft.json")
     with open(path, "w") as f:
         json.dump({"steps": args.steps, "step_ms": args.step_ms, "when": time.strftime("%Y-%m-%d"),
