@@ -77,7 +77,7 @@ class Round:
     rank: int  # this member's rank in the round (0..size-1; a member's rank may change between rounds)
     size: int  # the members of the round
     backend: _C.ProcessGroupCGX  # the round's cgx backend: collectives among its members
-    store: dist.Store  # the round's store (torch prefixes it per round)
+    store: dist.Store  # the round's store (on the rendezvous's store, prefixed per round)
 
 
 @dataclass

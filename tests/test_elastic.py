@@ -188,6 +188,41 @@ def _admit_a_joiner(replica, replicas, port):
     return result
 
 
+def _prepare_beside_the_work(replica, replicas, port):
+    """Replicas 0 and 1 run a round; replica 2 starts later. The two prepare the round that
+    admits it and go on with allreduces in the current one, each adding whether its next
+    round has formed: once both have, they move to it together, where replica 2 waits."""
+    membership = _membership(replica, port, "prepare", starting=2, min_replicas=2)
+    if replica == 2:
+        _rendezvous_store(port).wait(["prepare/formed"])
+        joined = membership.next_round()
+        result = [(joined.size, _sum_of_ranks(joined))]
+    else:
+        first = membership.round
+        result = [(first.size, _sum_of_ranks(first))]
+        _rendezvous_store(port).set("prepare/formed", "1")
+        _wait_for_a_joiner(membership)
+        membership.prepare_next_round()
+        waiting_meanwhile, calls = membership.joiners_waiting(), 0
+        while True:  # the work goes on in the current round
+            formed = torch.tensor([float(membership.next_round_formed)])
+            first.backend.allreduce([formed]).wait()
+            calls += 1
+            if formed.item() == first.size:
+                break
+        admitted = membership.next_round()
+        result += [(admitted.size, _sum_of_ranks(admitted)), waiting_meanwhile, calls > 1]
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 2], port, "prepare")
+    return result
+
+
+def test_members_prepare_the_round_that_admits_a_joiner_while_their_work_goes_on():
+    results = values(run_ranks(_prepare_beside_the_work, 3, args=(_free_port(),), timeout_s=120))
+    assert results[0] == results[1] == [(2, 3.0), (3, 6.0), 0, True], results
+    assert results[2] == [(3, 6.0)], results
+
+
 def _wait_for_a_joiner(membership) -> None:
     while membership.joiners_waiting() == 0:  # the hang guard is run_ranks' limit
         time.sleep(0.05)
