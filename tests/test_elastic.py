@@ -1051,6 +1051,51 @@ def _dead_in_the_verdict(replica, replicas, port):
                                    lambda: diloco.stats()["replicas_joined"] >= 1 or replica == 3, others=(1, 3))
 
 
+def _member_dies_as_the_next_round_connects(replica, replicas, port):
+    """Replicas 0-2 run; replica 3 joins. Member 2 dies (SIGKILL) as its thread builds the
+    backend of the round that admits the joiner, so that round's backend fails to connect
+    on the joiner too (adversary, issue 54: the joiner's DiLoCo(...) raised PeerError).
+    The joiner forms again and is admitted; all three end bit-identical."""
+    import signal
+    import threading
+
+    import cgx
+    import cgx.elastic
+    from test_diloco import _model
+
+    run_id = "dies-connecting"
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    timing = {"min_replicas": 2, "group_timeout": datetime.timedelta(seconds=8)}
+    if replica == 3:
+        store = _rendezvous_store(port)
+        store.wait([f"{run_id}/started"])
+        membership = _membership(replica, port, run_id, **timing)
+    else:
+        membership = _membership(replica, port, run_id, starting=3, **timing)
+        store = _rendezvous_store(port)
+    if replica == 2:
+        backend_for = cgx.elastic.Membership._backend_for
+
+        def die_beside_the_work(self, members):
+            if threading.current_thread().name == "cgx-next-round":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return backend_for(self, members)
+        cgx.elastic.Membership._backend_for = die_beside_the_work
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, overlap=1, membership=membership)
+    store.set(f"{run_id}/started", "1")
+    return _train_to_an_agreed_end(replica, port, run_id, model, inner, diloco, membership, store,
+                                   lambda: diloco.stats()["replicas_joined"] >= 1 or replica == 3, others=(1, 3))
+
+
+def test_diloco_a_joiner_whose_round_fails_to_connect_forms_again_and_is_admitted():
+    results = run_ranks(_member_dies_as_the_next_round_connects, 4, args=(_free_port(),), expect_exit={2},
+                        timeout_s=150)
+    (end0, digest0, stats0), (end1, digest1, _), (end3, digest3, _) = values(results[:2] + results[3:])
+    assert end0 == end1 == end3 and digest0 == digest1 == digest3
+    assert stats0["replicas"] == 3 and stats0["replicas_lost"] == 1, stats0
+
+
 def test_diloco_members_stay_in_torchs_round_while_a_dead_one_holds_their_next_backend():
     results = run_ranks(_dead_in_the_verdict, 4, args=(_free_port(),), expect_exit={2}, timeout_s=120)
     (end0, digest0, stats0), (end1, digest1, stats1), (end3, digest3, _) = values(results[:2] + results[3:])

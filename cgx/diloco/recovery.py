@@ -46,8 +46,17 @@ class Recovery:
                       "reform_seconds": 0.0, "bytes_to_joiners": 0}
 
     def first_replicas(self) -> _Replicas:
-        """The replicas of the round this replica starts in (formed here if none is)."""
-        return _Replicas.of_round(self.membership.round or self.membership.next_round())
+        """The replicas of the round this replica starts in (formed here if none is; where
+        a member is lost as it forms, its backend fails to connect: formed again)."""
+        while self.membership.round is None:
+            try:
+                self.membership.next_round()
+            except dist.DistError as e:
+                if isinstance(e, (CallMismatchError, MembershipError)):
+                    raise
+                _log.warning("cgx.DiLoCo: run %r: the first round failed as it formed (%s: %s); it forms again",
+                             self.membership.run_id, type(e).__name__, e)
+        return _Replicas.of_round(self.membership.round)
 
     def join(self) -> None:
         """The first round of this replica: the run's start, or a join (then the rest of
@@ -146,7 +155,11 @@ class Recovery:
             cause = cause.__cause__ or cause  # the backend's own words, without DiLoCo's out-of-step advice
             _log.warning("cgx.DiLoCo: run %r: a collective failed at inner step %d (%s: %s); the replicas re-form",
                          self.membership.run_id, diloco.step, type(cause).__name__, cause)
-        return self._enter_round(self.membership.next_round(after_failure=cause is not None), cause)
+        # A roll call is for those holding the run's state: a joiner that has not taken it
+        # yet (its members were slow to move to its round, or died) asks the rendezvous
+        # again, never going on without them (it would start a run of its own).
+        after_failure = cause is not None and self.established
+        return self._enter_round(self.membership.next_round(after_failure=after_failure), cause)
 
     def _enter_round(self, round_: Round, cause: Exception | None) -> bool:
         """This replica's part in forming `round_`, alike on every member. Everyone shows
