@@ -1,6 +1,6 @@
 """Elastic DiLoCo beside torchft: the same run, the same kills, both libraries.
 
-3 replicas of one rank each, processes on this machine (cgx's replicas are given
+3 replicas of one rank each (--replicas), processes on this machine (cgx's replicas are given
 separate CGX_HOSTNAMEs, so their traffic goes over TCP as torchft's Gloo does, and
 CGX_COMPRESSION_AUTO=0, so every sync is compressed as across sites), train a
 small MLP (4 layers, 38,538 parameters; a teacher network's 10 classes) with Streaming
@@ -15,8 +15,8 @@ cores and the run is long enough for healing to show).
            Lighthouse binary its wheel ships (pip install 'cgx[bench]'); it sends
            float32 on CPU (its quantization needs Triton)
 
-Scenarios: "full" (uninterrupted) and "kill-restart" (replica 2 killed with SIGKILL at 1/3
-of the steps, a new process started at 2/3). Tunings: "default" (each library's defaults:
+Scenarios: "full" (uninterrupted) and "kill-restart" (the last replica killed with SIGKILL
+at 1/3 of the steps, a new process started at 2/3). Tunings: "default" (each library's defaults:
 cgx heartbeat 5 s and roll call 2 s; torchft heartbeat timeout 5 s) and "fast" (cgx
 heartbeat 1 s and roll call 0.5 s; torchft heartbeat timeout 1 s). Every timeout of a
 collective is --group-timeout for both.
@@ -189,7 +189,7 @@ def cgx_replica(config: dict) -> None:
                  float32_bytes=sum(p.numel() * 4 for p in model.parameters()))
     if slot == 0:  # the store's host goes last
         membership.end_run()
-        store.wait([f"bench-done/{s}" for s in range(1, 3)])
+        store.wait([f"bench-done/{s}" for s in range(1, config["replicas"])])
     else:
         store.set(f"bench-done/{slot}", "1")
     membership.close()
@@ -291,13 +291,15 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
                                        "--heartbeat_timeout_ms", str(heartbeat_ms), "--bind", f"[::]:{port}"],
                                       stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, name + ".lh"), "w"))
     procs: dict[int, subprocess.Popen] = {}
-    outputs: dict[int, list[str]] = {s: [] for s in range(3)}
+    victim = args.replicas - 1  # the replica killed and started again (never the store's host, 0)
+    outputs: dict[int, list[str]] = {s: [] for s in range(args.replicas)}
     began: dict[str, float] = {}
 
     def start(slot: int) -> None:
         out = os.path.join(tmp, f"{name}-{slot}-{len(outputs[slot])}.json")
         outputs[slot].append(out)
         config = {"library": library, "slot": slot, "seed": seed, "steps": args.steps, "tuning": tuning,
+                  "replicas": args.replicas,
                   "run_id": name, "port": port, "lighthouse_port": port, "progress": progress, "out": out,
                   "step_ms": args.step_ms, "group_timeout": args.group_timeout}
         with open(out + ".config", "w") as f:
@@ -318,7 +320,7 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
 
     started = time.time()
     try:
-        for slot in range(3):
+        for slot in range(args.replicas):
             start(slot)
         killed = scenario != "kill-restart"
         while procs[0].poll() is None:
@@ -326,14 +328,14 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
                 raise TimeoutError(f"{name}: over {args.timeout} s")
             step = step_of_0()
             if not killed and step >= args.steps // 3:
-                procs[2].send_signal(signal.SIGKILL)
-                procs[2].wait()
+                procs[victim].send_signal(signal.SIGKILL)
+                procs[victim].wait()
                 began["kill"], killed = time.time(), True
             if killed and "kill" in began and "restart" not in began and step >= 2 * args.steps // 3:
                 began["restart"] = time.time()
-                start(2)
+                start(victim)
             for slot, p in procs.items():
-                if p.poll() not in (None, 0) and not (slot == 2 and "kill" in began and "restart" not in began):
+                if p.poll() not in (None, 0) and not (slot == victim and "kill" in began and "restart" not in began):
                     raise RuntimeError(f"{name}: replica {slot} failed ({p.returncode}); log {outputs[slot][-1]}.log")
             time.sleep(0.02)
         for p in procs.values():
@@ -353,17 +355,18 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
     every = SYNC_EVERY // FRAGMENTS  # the loss curve: replica 0's mean loss between syncs
     curve = [(times[i + every - 1], statistics.mean(losses[i:i + every])) for i in range(0, len(losses) - every + 1, every)]
     result = {"library": library, "scenario": scenario, "tuning": tuning, "seed": seed, "steps": args.steps,
+              "replicas": args.replicas,
               "curve": curve, "events": {what: when - started for what, when in began.items()},
               "val_loss": live[0]["val_loss"], "payload_bytes_per_sync": live[0]["payload_bytes_per_sync"],
               "float32_bytes": live[0]["float32_bytes"], "seconds": time.time() - started,
               "identical": len({r["digest"] for r in live.values()}) == 1}
     if scenario == "kill-restart":
-        survivors = [live[0], live[1]]
+        survivors = [live[s] for s in range(args.replicas) if s != victim]
         result["kill_to_next_sync_s"] = max(next(t for t in r["syncs"] if t > began["kill"]) for r in survivors) \
             - began["kill"]
-        if 2 not in live:
-            raise RuntimeError(f"{name}: the restarted replica left no record; log {outputs[2][-1]}.log")
-        joiner = live[2]
+        if victim not in live:
+            raise RuntimeError(f"{name}: the restarted replica left no record; log {outputs[victim][-1]}.log")
+        joiner = live[victim]
         result["restart_to_first_sync_s"] = joiner["syncs"][0] - began["restart"] if joiner["syncs"] else None
         result["stall_at_admission_s"] = max(_stall(r["steps"], began["restart"], joiner["syncs"][0] + 1.0)
                                              for r in survivors)
@@ -409,6 +412,7 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--tunings", nargs="+", choices=list(TUNINGS), default=list(TUNINGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--replicas", type=int, default=3, help="replicas of the run (the last is killed and started again)")
     parser.add_argument("--steps", type=int, default=768)
     parser.add_argument("--step-ms", type=float, default=40.0, help="the least time an inner step takes")
     parser.add_argument("--group-timeout", type=int, default=30, help="every collective's timeout, s (both)")
@@ -428,7 +432,7 @@ def main() -> None:
                         print(f"[{library} {scenario} {tuning} seed {seed}] ...", flush=True)
                         results.append(run(library, scenario, tuning, seed, args, tmp))
                         print("  " + json.dumps({k: v for k, v in results[-1].items() if k != "curve"}), flush=True)
-    print(f"\nelastic DiLoCo beside torchft: 3 replicas, MLP, H={SYNC_EVERY}, {FRAGMENTS} fragments, "
+    print(f"\nelastic DiLoCo beside torchft: {args.replicas} replicas, MLP, H={SYNC_EVERY}, {FRAGMENTS} fragments, "
           f"{args.steps} steps of >= {args.step_ms:g} ms, seeds {args.seeds}")
     print("| | " + " | ".join(f"{lib} {t}" for t in args.tunings for lib in args.libraries) + " |")
     print("|---|" + "---:|" * (len(args.tunings) * len(args.libraries)))
