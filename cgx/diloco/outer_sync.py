@@ -34,8 +34,9 @@ _PATTERNS = ("strided", "sequential")
 # longer buffer would order otherwise, send the rows alone. In an elastic run a row also
 # says how many replicas waiting to join this replica saw, or, once the members form the
 # round that admits them beside training, _READY where this replica's is formed (the
-# members admit them together, and move to that round together), and carries a digest of the fragment's global weights and outer momentum after its last
-# applied sync: a replica whose state differs is healed (ReplicasDiverged).
+# members admit them together, and move to that round together), and carries a digest of
+# the fragment's global weights and outer momentum after its last applied sync: a replica
+# whose state differs is healed (ReplicasDiverged).
 _SYNC, _CLOSE = 0, 1
 _STEP_PIECES, _DIGEST_PIECES = 3, 4
 _HEAD = 3  # kind, strangers, joiners (or _READY)
