@@ -353,7 +353,8 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
     losses = [loss for _, _, loss in live[0]["steps"]]
     times = [t - started for t, _, _ in live[0]["steps"]]
     every = SYNC_EVERY // FRAGMENTS  # the loss curve: replica 0's mean loss between syncs
-    curve = [(times[i + every - 1], statistics.mean(losses[i:i + every])) for i in range(0, len(losses) - every + 1, every)]
+    curve = [(times[i + every - 1], statistics.mean(losses[i:i + every]))
+             for i in range(0, len(losses) - every + 1, every)]
     result = {"library": library, "scenario": scenario, "tuning": tuning, "seed": seed, "steps": args.steps,
               "replicas": args.replicas,
               "curve": curve, "events": {what: when - started for what, when in began.items()},
@@ -412,7 +413,8 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--tunings", nargs="+", choices=list(TUNINGS), default=list(TUNINGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--replicas", type=int, default=3, help="replicas of the run (the last is killed and started again)")
+    parser.add_argument("--replicas", type=int, default=3,
+                        help="replicas of the run (the last is killed and started again)")
     parser.add_argument("--steps", type=int, default=768)
     parser.add_argument("--step-ms", type=float, default=40.0, help="the least time an inner step takes")
     parser.add_argument("--group-timeout", type=int, default=30, help="every collective's timeout, s (both)")
