@@ -38,7 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P: the helpers here
 
-from outputs import default_output  # noqa: E402
+from outputs import default_output, read_progress, write_progress  # noqa: E402
 
 PORT = 29400
 SCENARIOS = ("full3", "two", "kill-restart", "chaos")
@@ -86,9 +86,7 @@ def replica_main(config_path: str) -> None:
             done = diloco.stats()["outer_syncs"]
             record["syncs"].append((time.time(), diloco.step))
         if slot == 0:
-            with open(progress + ".tmp", "w") as f:
-                f.write(str(diloco.step))
-            os.replace(progress + ".tmp", progress)
+            write_progress(progress, diloco.step)
     diloco.close()
     record["stats"] = dict(diloco.stats())
     if slot == 0:
@@ -135,13 +133,6 @@ def run(scenario: str, seed: int, steps: int, link: str | None, args, tmp: str) 
         procs[slot] = hosts.popen(slot, [sys.executable, "-P", os.path.abspath(__file__), "--replica", config],
                                   env, stderr=log, stdout=log)
 
-    def step_of_0() -> int:
-        try:
-            with open(progress) as f:
-                return int(f.read() or 0)
-        except (FileNotFoundError, ValueError):
-            return 0
-
     started = time.time()
     with EmulatedHosts(replicas, rate=link) as hosts:
         for slot in range(replicas):
@@ -151,7 +142,7 @@ def run(scenario: str, seed: int, steps: int, link: str | None, args, tmp: str) 
         while procs[0].poll() is None:
             if time.time() - started > args.timeout:
                 raise TimeoutError(f"{scenario} seed {seed}: over {args.timeout} s")
-            now, step = time.time(), step_of_0()
+            now, step = time.time(), read_progress(progress)
             if scenario in ("kill-restart", "chaos") and step >= next_kill and step < 0.8 * steps and not down:
                 victim = 2 if scenario == "kill-restart" else rng.choice([s for s in range(1, replicas)])
                 procs[victim].send_signal(signal.SIGKILL)

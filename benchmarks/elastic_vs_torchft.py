@@ -51,7 +51,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P: the helpers here
 
-from outputs import default_output, parent_made  # noqa: E402
+from launch import free_port  # noqa: E402
+from outputs import default_output, parent_made, read_progress, write_progress  # noqa: E402
 from plotting import pyplot  # noqa: E402
 
 LIBRARIES = ("cgx", "torchft")
@@ -130,10 +131,7 @@ class _Record:
         if synced:
             self.syncs.append(now)
         if self.config["slot"] == 0:
-            progress = self.config["progress"]
-            with open(progress + ".tmp", "w") as f:
-                f.write(str(step))
-            os.replace(progress + ".tmp", progress)
+            write_progress(self.config["progress"], step)
 
     def write(self, **more) -> None:
         with open(self.config["out"], "w") as f:
@@ -214,10 +212,8 @@ def torchft_replica(config: dict) -> None:
         received.append(_tensor_bytes(state))
         return state
     HTTPTransport.recv_checkpoint = counted
-    with socket.socket() as s:  # this replica's own store (its group of one rank)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    port = free_port()  # this replica's own store (its group of one rank), served while the Manager runs
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841
     timeout = datetime.timedelta(seconds=config["group_timeout"])
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2, use_async_quorum=False,
                       load_state_dict=lambda state: (model.load_state_dict(state["model"]),
@@ -273,16 +269,10 @@ def _tensor_bytes(value) -> int:
 
 # ---- the driver
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> dict:
     name = f"{library}-{scenario}-{tuning}-{seed}"
     progress = os.path.join(tmp, name + ".progress")
-    port, lighthouse = _free_port(), None
+    port, lighthouse = free_port(), None
     if library == "torchft":
         binary = shutil.which("torchft_lighthouse") or os.path.join(os.path.dirname(sys.executable),
                                                                       "torchft_lighthouse")
@@ -311,13 +301,6 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
         procs[slot] = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), "--replica", out + ".config"],
                                        env=env, stdout=log, stderr=log)
 
-    def step_of_0() -> int:
-        try:
-            with open(progress) as f:
-                return int(f.read() or 0)
-        except (FileNotFoundError, ValueError):
-            return 0
-
     started = time.time()
     try:
         for slot in range(args.replicas):
@@ -326,7 +309,7 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
         while procs[0].poll() is None:
             if time.time() - started > args.timeout:
                 raise TimeoutError(f"{name}: over {args.timeout} s")
-            step = step_of_0()
+            step = read_progress(progress)
             if not killed and step >= args.steps // 3:
                 procs[victim].send_signal(signal.SIGKILL)
                 procs[victim].wait()

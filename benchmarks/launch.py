@@ -28,7 +28,8 @@ class RankFailure(RuntimeError):
     """A rank exited with an error or the job ran past its time limit."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free on this machine's loopback now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -46,7 +47,7 @@ def run_job(argv: Sequence[str], world_size: int, *, hosts: EmulatedHosts | None
     base.update(
         MASTER_ADDR=hosts.address(0) if hosts else "127.0.0.1",
         # A fresh namespace has every port free; on the shared loopback ask the kernel.
-        MASTER_PORT=str(29500 if hosts else _free_port()),
+        MASTER_PORT=str(29500 if hosts else free_port()),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(per_host),
         GLOO_SOCKET_IFNAME="eth0" if hosts else "lo",

@@ -18,3 +18,20 @@ def parent_made(path: str) -> str:
     """`path`, its folder created if missing."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     return path
+
+
+def write_progress(path: str, step: int) -> None:
+    """Tells a benchmark's driver this process's step (a file replaced whole, so a reader
+    never sees half of it)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(str(step))
+    os.replace(path + ".tmp", path)
+
+
+def read_progress(path: str) -> int:
+    """The step write_progress() last wrote to `path` (0 before the first)."""
+    try:
+        with open(path) as f:
+            return int(f.read() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0

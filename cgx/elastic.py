@@ -237,6 +237,12 @@ class Membership:
         threading.Thread(target=form, name="cgx-next-round", daemon=True).start()
 
     @property
+    def next_round_preparing(self) -> bool:
+        """Whether :meth:`prepare_next_round` was called and :meth:`next_round` has not
+        taken its round yet."""
+        return self._prepared is not None
+
+    @property
     def next_round_formed(self) -> bool:
         """Whether the round :meth:`prepare_next_round` forms is ready (or its forming
         failed: then :meth:`next_round` forms one itself)."""

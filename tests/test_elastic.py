@@ -915,7 +915,7 @@ def _joiner_dies_before_the_state(replica, replicas, port):
     import cgx
     import cgx.diloco.outer_sync
     from harness import process_gone
-    from test_diloco import _model, _train_step
+    from test_diloco import _model
 
     replicas_class = cgx.diloco.outer_sync._Replicas
     send = replicas_class.send
@@ -965,6 +965,24 @@ def test_a_joiner_dying_before_the_state_arrives_costs_the_reference_nothing():
     assert s0["replicas_lost"] >= 1 and s0["replicas"] == s1["replicas"] == 2, (s0, s1)
 
 
+def _three_and_a_joiner(replica, port, run_id, wait_for_the_death=True, **kwargs):
+    """Replicas 0-2 start run `run_id` together; replica 3 joins once their round formed
+    and, with `wait_for_the_death`, once replica 2's process is gone. Returns (membership,
+    the rendezvous store)."""
+    if replica == 3:
+        store = _rendezvous_store(port)  # replica 0's membership serves it
+        store.wait([f"{run_id}/pid"])
+        pid = int(store.get(f"{run_id}/pid"))
+        while wait_for_the_death and not process_gone(pid):
+            time.sleep(0.01)
+        return _membership(replica, port, run_id, **kwargs), store
+    membership = _membership(replica, port, run_id, starting=3, **kwargs)
+    store = _rendezvous_store(port)
+    if replica == 2:
+        store.set(f"{run_id}/pid", str(os.getpid()))
+    return membership, store
+
+
 def _go_on_before_the_dead_ones_heartbeats_stop(replica, replicas, port):
     """Replicas 0-2 start the run with heartbeats of 60 s, so torch's rendezvous would
     drop a silent member only after 180 s (3 missed), past this test's limit. Replica 2
@@ -979,20 +997,9 @@ def _go_on_before_the_dead_ones_heartbeats_stop(replica, replicas, port):
     run_id, slow_heart = "roll-call", {"heartbeat": datetime.timedelta(seconds=60), "min_replicas": 2}
     model = _model(replica)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    if replica == 3:
-        store = _rendezvous_store(port)  # replica 0's membership serves it
-        store.wait([f"{run_id}/pid"])
-        pid = int(store.get(f"{run_id}/pid"))
-        while not process_gone(pid):
-            time.sleep(0.01)
-        membership = _membership(replica, port, run_id, **slow_heart)
-    else:
-        membership = _membership(replica, port, run_id, starting=3, **slow_heart)
-        store = _rendezvous_store(port)
+    membership, store = _three_and_a_joiner(replica, port, run_id, **slow_heart)
     diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, overlap=1, membership=membership)
     if replica == 2:
-        store.set(f"{run_id}/pid", str(os.getpid()))
-
         def die(*_):
             if diloco.step == 9:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -1028,19 +1035,9 @@ def _dead_in_the_verdict(replica, replicas, port):
     model = _model(replica)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     timing = {"min_replicas": 2, "group_timeout": datetime.timedelta(seconds=8)}
-    if replica == 3:
-        store = _rendezvous_store(port)
-        store.wait([f"{run_id}/pid"])
-        pid = int(store.get(f"{run_id}/pid"))
-        while not process_gone(pid):
-            time.sleep(0.01)
-        membership = _membership(replica, port, run_id, **timing)
-    else:
-        membership = _membership(replica, port, run_id, starting=3, **timing)
-        store = _rendezvous_store(port)
+    membership, store = _three_and_a_joiner(replica, port, run_id, **timing)
     diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, overlap=1, membership=membership)
     if replica == 2:
-        store.set(f"{run_id}/pid", str(os.getpid()))
         cgx.elastic.Membership._backend_for = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
 
         def fail(*_):
@@ -1067,13 +1064,7 @@ def _member_dies_as_the_next_round_connects(replica, replicas, port):
     model = _model(replica)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     timing = {"min_replicas": 2, "group_timeout": datetime.timedelta(seconds=8)}
-    if replica == 3:
-        store = _rendezvous_store(port)
-        store.wait([f"{run_id}/started"])
-        membership = _membership(replica, port, run_id, **timing)
-    else:
-        membership = _membership(replica, port, run_id, starting=3, **timing)
-        store = _rendezvous_store(port)
+    membership, store = _three_and_a_joiner(replica, port, run_id, wait_for_the_death=False, **timing)
     if replica == 2:
         backend_for = cgx.elastic.Membership._backend_for
 
@@ -1083,7 +1074,6 @@ def _member_dies_as_the_next_round_connects(replica, replicas, port):
             return backend_for(self, members)
         cgx.elastic.Membership._backend_for = die_beside_the_work
     diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, overlap=1, membership=membership)
-    store.set(f"{run_id}/started", "1")
     return _train_to_an_agreed_end(replica, port, run_id, model, inner, diloco, membership, store,
                                    lambda: diloco.stats()["replicas_joined"] >= 1 or replica == 3, others=(1, 3))
 

@@ -40,7 +40,6 @@ class Recovery:
         self.membership = membership
         self.established = False  # holds the run's state (the run started with it, or it took it)
         self.took_state = False  # took it from a live member: a checkpoint would set it apart
-        self.preparing = False  # the round admitting joiners forms beside training (admit())
         self._ids: list[str] = []  # the replicas of the current round, by Membership.replica_id
         self.stats = {"rounds": 0, "replicas_lost": 0, "replicas_joined": 0, "syncs_redone": 0,
                       "reform_seconds": 0.0, "bytes_to_joiners": 0}
@@ -101,7 +100,7 @@ class Recovery:
         """What this replica's row of a sync says of joiners: how many wait to join (none
         where the round is full: a joiner waits for a place), or, while the round that
         admits them forms beside training, _READY once it has formed here."""
-        if self.preparing:
+        if self.membership.next_round_preparing:
             return _READY if self.membership.next_round_formed else 0
         joiners = self.membership.joiners_waiting()
         return min(0 if joiners and replicas >= self.membership.max_replicas else joiners, _READY - 1)
@@ -113,10 +112,9 @@ class Recovery:
         training (Membership.prepare_next_round); where every member's round has formed,
         they move to it together. Raises TookState where this replica took another's state
         there (its step's syncs run again)."""
-        if not self.preparing:
+        if not self.membership.next_round_preparing:
             if any(0 < v < _READY for row in rows for v in row):
                 self.membership.prepare_next_round()
-                self.preparing = True
         elif any(row and all(v == _READY for v in row) for row in rows):
             if self._reform(cause=None):
                 raise TookState
@@ -132,7 +130,6 @@ class Recovery:
         they can; what the old round did not complete is done again in the new one.
         Returns whether this member took another's state (see :meth:`_enter_round`)."""
         started = time.perf_counter()
-        self.preparing = False  # next_round() takes the round formed beside training, if any
         try:
             return self._move_to_the_next_round(cause)
         finally:  # a failed attempt counts too: its time was spent
