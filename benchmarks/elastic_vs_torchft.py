@@ -15,21 +15,29 @@ cores and the run is long enough for healing to show).
            Lighthouse binary its wheel ships (pip install 'cgx[bench]'); it sends
            float32 on CPU (its quantization needs Triton)
 
-Scenarios: "full" (uninterrupted) and "kill-restart" (the last replica killed with SIGKILL
-at 1/3 of the steps, a new process started at 2/3). Tunings: "default" (each library's defaults:
+Scenarios: "full" (uninterrupted), "kill-restart" (the last replica killed with SIGKILL
+at 1/3 of the steps, a new process started at 2/3) and "chaos" (every --chaos-every steps
+of replica 0 a replica other than 0, drawn from the seed, is killed and started again
+--chaos-down seconds later; one down at a time, none killed in the last fifth: the same
+schedule for both libraries). With --link, every replica runs on an emulated host of its
+own (benchmarks/netemu.py: a network namespace behind a link of that rate; root), the
+rendezvous store and the Lighthouse on replica 0's. Tunings: "default" (each library's defaults:
 cgx heartbeat 5 s and roll call 2 s; torchft heartbeat timeout 5 s) and "fast" (cgx
 heartbeat 1 s and roll call 0.5 s; torchft heartbeat timeout 1 s). Every timeout of a
 collective is --group-timeout for both.
 
     python benchmarks/elastic_vs_torchft.py                      # both, both tunings
     python benchmarks/elastic_vs_torchft.py --libraries cgx --tunings fast --seeds 0 1 2
+    python benchmarks/elastic_vs_torchft.py --scenarios full chaos --tunings default --link 10mbit --steps 2304
 
 Reports per run: the payload bytes of a sync, the final validation loss of the global
 weights, from the kill to the moment every survivor has completed a sync, from the new
 process's start to its first sync, the survivors' longest stall while the joiner is
 admitted (their longest inner step then, less their median step), the bytes of state a
 joiner received against the model's float32 size, and whether the live replicas' global
-weights are bit-identical at the end. Writes <out>/elastic_vs_torchft.json.
+weights are bit-identical at the end; under chaos, the failures, replica 0's wait from
+each kill to its next sync, each joiner's first sync, and the run's wall clock against
+the uninterrupted run's (what the failures cost). Writes <out>/elastic_vs_torchft.json.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import datetime
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -56,7 +65,7 @@ from outputs import default_output, parent_made, read_progress, write_progress  
 from plotting import pyplot  # noqa: E402
 
 LIBRARIES = ("cgx", "torchft")
-SCENARIOS = ("full", "kill-restart")
+SCENARIOS = ("full", "kill-restart", "chaos")
 TUNINGS = {  # seconds
     "default": {"cgx": {"heartbeat": 5, "roll_call": 2.0}, "torchft": {"heartbeat_timeout": 5.0}},
     "fast": {"cgx": {"heartbeat": 1, "roll_call": 0.5}, "torchft": {"heartbeat_timeout": 1.0}},
@@ -148,11 +157,11 @@ def cgx_replica(config: dict) -> None:
     model, _ = _model()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seconds = datetime.timedelta(seconds=1)
-    membership = cgx.elastic.Membership(f"127.0.0.1:{config['port']}", config["run_id"], is_host=slot == 0,
+    membership = cgx.elastic.Membership(f"{config['host0']}:{config['port']}", config["run_id"], is_host=slot == 0,
                                         min_replicas=2, heartbeat=tuning["heartbeat"] * seconds,
                                         roll_call=tuning["roll_call"] * seconds,
                                         group_timeout=config["group_timeout"] * seconds)
-    store = torch.distributed.TCPStore("127.0.0.1", config["port"], is_master=False,
+    store = torch.distributed.TCPStore(config["host0"], config["port"], is_master=False,
                                        timeout=datetime.timedelta(seconds=600))
     record = _Record(config)
     try:
@@ -199,28 +208,35 @@ def torchft_replica(config: dict) -> None:
     from torchft.checkpointing.http_transport import HTTPTransport
     from torchft.local_sgd import DiLoCo
 
-    slot, seed = config["slot"], config["seed"]
+    slot, seed, address = config["slot"], config["seed"], config["address"]
     torch.manual_seed(seed)
     model, layers = _model()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
     outer = [torch.optim.SGD(layer.parameters(), lr=0.7, momentum=0.9, nesterov=True) for layer in layers]
     received = []  # the bytes of state this replica received as it joined (tensors)
-    recv_checkpoint = HTTPTransport.recv_checkpoint
 
-    def counted(self, *args, **kwargs):
-        state = recv_checkpoint(self, *args, **kwargs)
-        received.append(_tensor_bytes(state))
-        return state
-    HTTPTransport.recv_checkpoint = counted
+    class Transport(HTTPTransport):
+        """torchft's checkpoint transport, at this replica's address (torchft's gives the
+        machine's host name, which an emulated host cannot reach), counting what it
+        receives."""
+
+        def address(self) -> str:
+            return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+        def recv_checkpoint(self, *args, **kwargs):
+            state = super().recv_checkpoint(*args, **kwargs)
+            received.append(_tensor_bytes(state))
+            return state
     port = free_port()  # this replica's own store (its group of one rank), served while the Manager runs
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841
+    store = torch.distributed.TCPStore(address, port, is_master=True, wait_for_workers=False)  # noqa: F841
     timeout = datetime.timedelta(seconds=config["group_timeout"])
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2, use_async_quorum=False,
                       load_state_dict=lambda state: (model.load_state_dict(state["model"]),
                                                      inner.load_state_dict(state["inner"])),
                       state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
-                      replica_id=f"replica_{slot}", store_addr="127.0.0.1", store_port=port, rank=0, world_size=1,
-                      lighthouse_addr=f"http://127.0.0.1:{config['lighthouse_port']}", timeout=timeout,
+                      replica_id=f"replica_{slot}", store_addr=address, store_port=port, rank=0, world_size=1,
+                      hostname=address, checkpoint_transport=Transport(timeout=timeout, num_chunks=0),
+                      lighthouse_addr=f"http://{config['host0']}:{config['lighthouse_port']}", timeout=timeout,
                       quorum_timeout=timeout, connect_timeout=timeout, init_sync=False)
     record = _Record(config)
     total_syncs = config["steps"] // (SYNC_EVERY // FRAGMENTS)
@@ -270,26 +286,28 @@ def _tensor_bytes(value) -> int:
 # ---- the driver
 
 def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> dict:
+    from netemu import EmulatedHosts
+
     name = f"{library}-{scenario}-{tuning}-{seed}"
     progress = os.path.join(tmp, name + ".progress")
-    port, lighthouse = free_port(), None
-    if library == "torchft":
-        binary = shutil.which("torchft_lighthouse") or os.path.join(os.path.dirname(sys.executable),
-                                                                      "torchft_lighthouse")
-        heartbeat_ms = int(TUNINGS[tuning]["torchft"]["heartbeat_timeout"] * 1000)
-        lighthouse = subprocess.Popen([binary, "--min_replicas", "2", "--join_timeout_ms", "10000",
-                                       "--heartbeat_timeout_ms", str(heartbeat_ms), "--bind", f"[::]:{port}"],
-                                      stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, name + ".lh"), "w"))
+    port = free_port()
     procs: dict[int, subprocess.Popen] = {}
-    victim = args.replicas - 1  # the replica killed and started again (never the store's host, 0)
     outputs: dict[int, list[str]] = {s: [] for s in range(args.replicas)}
-    began: dict[str, float] = {}
+    events: list[tuple[str, float, int]] = []  # (kill or restart, when, slot), in order
+    rng = random.Random(seed)
+    hosts = EmulatedHosts(args.replicas, rate=args.link) if args.link else None
+
+    def address(slot: int) -> str:
+        return hosts.address(slot) if hosts else "127.0.0.1"
+
+    def popen(slot: int, argv: list[str], **kwargs) -> subprocess.Popen:
+        return hosts.popen(slot, argv, **kwargs) if hosts else subprocess.Popen(argv, **kwargs)
 
     def start(slot: int) -> None:
         out = os.path.join(tmp, f"{name}-{slot}-{len(outputs[slot])}.json")
         outputs[slot].append(out)
         config = {"library": library, "slot": slot, "seed": seed, "steps": args.steps, "tuning": tuning,
-                  "replicas": args.replicas,
+                  "replicas": args.replicas, "address": address(slot), "host0": address(0),
                   "run_id": name, "port": port, "lighthouse_port": port, "progress": progress, "out": out,
                   "step_ms": args.step_ms, "group_timeout": args.group_timeout}
         with open(out + ".config", "w") as f:
@@ -297,85 +315,121 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
         # Compressed always (auto would send these small syncs exactly over loopback: a
         # site-to-site link is what the bytes are for).
         env = dict(os.environ, CGX_HOSTNAME=f"bench-host-{slot}", CGX_COMPRESSION_AUTO="0", OMP_NUM_THREADS="1")
+        if hosts:
+            env["GLOO_SOCKET_IFNAME"] = "eth0"
         log = open(out + ".log", "w")
-        procs[slot] = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), "--replica", out + ".config"],
-                                       env=env, stdout=log, stderr=log)
+        procs[slot] = popen(slot, [sys.executable, "-P", os.path.abspath(__file__), "--replica", out + ".config"],
+                            env=env, stdout=log, stderr=log)
 
     started = time.time()
-    try:
-        for slot in range(args.replicas):
-            start(slot)
-        killed = scenario != "kill-restart"
-        while procs[0].poll() is None:
-            if time.time() - started > args.timeout:
-                raise TimeoutError(f"{name}: over {args.timeout} s")
-            step = read_progress(progress)
-            if not killed and step >= args.steps // 3:
-                procs[victim].send_signal(signal.SIGKILL)
-                procs[victim].wait()
-                began["kill"], killed = time.time(), True
-            if killed and "kill" in began and "restart" not in began and step >= 2 * args.steps // 3:
-                began["restart"] = time.time()
-                start(victim)
-            for slot, p in procs.items():
-                if p.poll() not in (None, 0) and not (slot == victim and "kill" in began and "restart" not in began):
-                    raise RuntimeError(f"{name}: replica {slot} failed ({p.returncode}); log {outputs[slot][-1]}.log")
-            time.sleep(0.02)
-        for p in procs.values():
-            p.wait(timeout=120)
-        if procs[0].returncode != 0:
-            raise RuntimeError(f"{name}: replica 0 failed ({procs[0].returncode}); log {outputs[0][-1]}.log")
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-        if lighthouse is not None:
-            lighthouse.kill()
-            lighthouse.wait()
-    live = {slot: json.load(open(outs[-1])) for slot, outs in outputs.items() if os.path.exists(outs[-1])}
+    with hosts or contextlib.nullcontext():
+        lighthouse = None
+        if library == "torchft":
+            binary = shutil.which("torchft_lighthouse") or os.path.join(os.path.dirname(sys.executable),
+                                                                          "torchft_lighthouse")
+            heartbeat_ms = int(TUNINGS[tuning]["torchft"]["heartbeat_timeout"] * 1000)
+            lighthouse = popen(0, [binary, "--min_replicas", "2", "--join_timeout_ms", "10000",
+                                   "--heartbeat_timeout_ms", str(heartbeat_ms), "--bind", f"[::]:{port}"],
+                               stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, name + ".lh"), "w"))
+        try:
+            for slot in range(args.replicas):
+                start(slot)
+            down: dict[int, float] = {}  # slot -> when it starts again (-1: at 2/3 of the steps)
+            next_kill = {"full": args.steps + 1, "kill-restart": args.steps // 3}.get(scenario, args.chaos_every)
+            while procs[0].poll() is None:
+                if time.time() - started > args.timeout:
+                    raise TimeoutError(f"{name}: over {args.timeout} s")
+                step = read_progress(progress)
+                if step >= next_kill and step < 0.8 * args.steps and not down:
+                    victim = args.replicas - 1 if scenario == "kill-restart" else rng.randrange(1, args.replicas)
+                    procs[victim].send_signal(signal.SIGKILL)
+                    procs[victim].wait()
+                    events.append(("kill", time.time(), victim))
+                    if scenario == "kill-restart":
+                        down[victim], next_kill = -1.0, args.steps + 1  # once
+                    else:
+                        down[victim], next_kill = time.time() + args.chaos_down, step + args.chaos_every
+                for slot, when in list(down.items()):
+                    if (when < 0 and step >= 2 * args.steps // 3) or (0 <= when <= time.time()):
+                        del down[slot]
+                        events.append(("restart", time.time(), slot))
+                        start(slot)
+                for slot, p in procs.items():
+                    if p.poll() not in (None, 0) and slot not in down:
+                        raise RuntimeError(f"{name}: replica {slot} failed ({p.returncode}); "
+                                           f"log {outputs[slot][-1]}.log")
+                time.sleep(0.02)
+            for p in procs.values():
+                p.wait(timeout=120)
+            if procs[0].returncode != 0:
+                raise RuntimeError(f"{name}: replica 0 failed ({procs[0].returncode}); log {outputs[0][-1]}.log")
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+            if lighthouse is not None:
+                lighthouse.kill()
+                lighthouse.wait()
+    seconds = time.time() - started
+    records = {slot: [json.load(open(o)) if os.path.exists(o) else None for o in outs]
+               for slot, outs in outputs.items()}
+    live = {slot: rs[-1] for slot, rs in records.items() if rs[-1] is not None}
     losses = [loss for _, _, loss in live[0]["steps"]]
     times = [t - started for t, _, _ in live[0]["steps"]]
     every = SYNC_EVERY // FRAGMENTS  # the loss curve: replica 0's mean loss between syncs
     curve = [(times[i + every - 1], statistics.mean(losses[i:i + every]))
              for i in range(0, len(losses) - every + 1, every)]
     result = {"library": library, "scenario": scenario, "tuning": tuning, "seed": seed, "steps": args.steps,
-              "replicas": args.replicas,
-              "curve": curve, "events": {what: when - started for what, when in began.items()},
+              "replicas": args.replicas, "link": args.link or "loopback",
+              "curve": curve, "events": [(what, when - started, slot) for what, when, slot in events],
               "val_loss": live[0]["val_loss"], "payload_bytes_per_sync": live[0]["payload_bytes_per_sync"],
-              "float32_bytes": live[0]["float32_bytes"], "seconds": time.time() - started,
+              "float32_bytes": live[0]["float32_bytes"], "seconds": seconds,
               "identical": len({r["digest"] for r in live.values()}) == 1}
+    kills = [(when, slot) for what, when, slot in events if what == "kill"]
+    restarts = [(when, slot) for what, when, slot in events if what == "restart"]
+    # Each restart's record, in order per slot (the first record of a slot is its first start).
+    joiners = [records[slot][1 + sum(1 for _, s in restarts[:i] if s == slot)] for i, (_, slot) in
+               enumerate(restarts)]
+    result["failures"] = len(kills)
+    result["restart_to_first_sync_s"] = [j["syncs"][0] - when if j and j["syncs"] else None
+                                         for j, (when, _) in zip(joiners, restarts)]
     if scenario == "kill-restart":
+        (kill, victim), = kills
+        (restart, _), = restarts
         survivors = [live[s] for s in range(args.replicas) if s != victim]
-        result["kill_to_next_sync_s"] = max(next(t for t in r["syncs"] if t > began["kill"]) for r in survivors) \
-            - began["kill"]
-        if victim not in live:
+        result["kill_to_next_sync_s"] = max(next(t for t in r["syncs"] if t > kill) for r in survivors) - kill
+        joiner = joiners[0]
+        if joiner is None:
             raise RuntimeError(f"{name}: the restarted replica left no record; log {outputs[victim][-1]}.log")
-        joiner = live[victim]
-        result["restart_to_first_sync_s"] = joiner["syncs"][0] - began["restart"] if joiner["syncs"] else None
-        result["stall_at_admission_s"] = max(_stall(r["steps"], began["restart"], joiner["syncs"][0] + 1.0)
+        result["restart_to_first_sync_s"] = result["restart_to_first_sync_s"][0]
+        result["stall_at_admission_s"] = max(_stall(r["steps"], restart, joiner["syncs"][0] + 1.0)
                                              for r in survivors)
         # cgx: what the survivors sent since the restart (a survivor behind at the kill took state too)
-        sent = sum(max((b for t, b in r["sent"] if t >= began["restart"]), default=0)
-                   - max((b for t, b in r["sent"] if t < began["restart"]), default=0) for r in survivors)
+        sent = sum(max((b for t, b in r["sent"] if t >= restart), default=0)
+                   - max((b for t, b in r["sent"] if t < restart), default=0) for r in survivors)
         result["state_to_joiner_bytes"] = joiner["state_received"] if library == "torchft" else sent
+    elif kills:  # chaos: replica 0 lives throughout; its wait from each kill to its next sync
+        result["kill_to_next_sync_s"] = [next((t for t in live[0]["syncs"] if t > kill), seconds + started) - kill
+                                         for kill, _ in kills]
     return result
 
 
 def _plot(results: list[dict], seed: int, path: str) -> None:
-    """Replica 0's training loss against wall clock in the kill-restart runs of `seed`, a
-    panel per tuning, both libraries, with the kill and the restart marked."""
+    """Replica 0's training loss against wall clock in the kill-restart and chaos runs of
+    `seed`, a panel per scenario and tuning, both libraries, the kills and restarts marked."""
     plt = pyplot()
-    runs = [r for r in results if r["scenario"] == "kill-restart" and r["seed"] == seed]
+    runs = [r for r in results if r["scenario"] in ("kill-restart", "chaos") and r["seed"] == seed]
     if plt is None or not runs:
         return
-    tunings = list(dict.fromkeys(r["tuning"] for r in runs))
-    fig, axes = plt.subplots(1, len(tunings), figsize=(6 * len(tunings), 4), squeeze=False)
-    for ax, tuning in zip(axes[0], tunings):
-        for r, color in zip([r for r in runs if r["tuning"] == tuning], ("tab:blue", "tab:orange")):
+    panels = list(dict.fromkeys((r["scenario"], r["tuning"]) for r in runs))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (scenario, tuning) in zip(axes[0], panels):
+        for r, color in zip([r for r in runs if (r["scenario"], r["tuning"]) == (scenario, tuning)],
+                            ("tab:blue", "tab:orange")):
             ax.plot(*zip(*r["curve"]), color=color, label=r["library"])
-            for what, style in (("kill", ":"), ("restart", "--")):
-                ax.axvline(r["events"][what], color=color, linestyle=style, linewidth=1)
-        ax.set(title=f"{tuning} failure detection (dotted: kill, dashed: restart)", xlabel="wall clock, s",
+            for what, when, _ in r["events"]:
+                ax.axvline(when, color=color, linestyle=":" if what == "kill" else "--", linewidth=1)
+        ax.set(title=f"{scenario}, {tuning} detection (dotted: kill, dashed: restart)", xlabel="wall clock, s",
                ylabel="replica 0's training loss")
         ax.legend()
     fig.tight_layout()
@@ -401,6 +455,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=768)
     parser.add_argument("--step-ms", type=float, default=40.0, help="the least time an inner step takes")
     parser.add_argument("--group-timeout", type=int, default=30, help="every collective's timeout, s (both)")
+    parser.add_argument("--chaos-every", type=int, default=192, help="chaos: steps of replica 0 between kills")
+    parser.add_argument("--chaos-down", type=float, default=3.0, help="chaos: seconds a killed replica stays down")
+    parser.add_argument("--link", help="each replica on an emulated host behind a link of this rate (e.g. 10mbit; "
+                                       "root); default: all on this machine's loopback")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     parser.add_argument("--out", default=default_output("elastic_vs_torchft"))
     parser.add_argument("--png", help="where to draw the loss curves (default: in --out)")
@@ -412,13 +470,13 @@ def main() -> None:
     with (contextlib.nullcontext(args.logs) if args.logs else tempfile.TemporaryDirectory()) as tmp:
         for seed in args.seeds:
             for scenario in args.scenarios:
-                for tuning in args.tunings if scenario == "kill-restart" else args.tunings[:1]:
+                for tuning in args.tunings if scenario != "full" else args.tunings[:1]:
                     for library in args.libraries:  # alternated, run by run
                         print(f"[{library} {scenario} {tuning} seed {seed}] ...", flush=True)
                         results.append(run(library, scenario, tuning, seed, args, tmp))
                         print("  " + json.dumps({k: v for k, v in results[-1].items() if k != "curve"}), flush=True)
     print(f"\nelastic DiLoCo beside torchft: {args.replicas} replicas, MLP, H={SYNC_EVERY}, {FRAGMENTS} fragments, "
-          f"{args.steps} steps of >= {args.step_ms:g} ms, seeds {args.seeds}")
+          f"{args.steps} steps of >= {args.step_ms:g} ms, seeds {args.seeds}, link {args.link or 'loopback'}")
     print("| | " + " | ".join(f"{lib} {t}" for t in args.tunings for lib in args.libraries) + " |")
     print("|---|" + "---:|" * (len(args.tunings) * len(args.libraries)))
     rows = [("payload bytes a sync", "payload_bytes_per_sync", "{:,.0f}", "kill-restart"),
@@ -428,10 +486,28 @@ def main() -> None:
             ("restart -> the joiner's first sync, s", "restart_to_first_sync_s", "{:.2f}", "kill-restart"),
             ("survivors' stall when the joiner is admitted, s", "stall_at_admission_s", "{:.2f}", "kill-restart"),
             ("state sent to the joiner / model", "state_ratio", "{:.1f}x", "kill-restart"),
-            ("global weights bit-identical", "identical", "{}", "kill-restart")]
+            ("global weights bit-identical", "identical", "{}", "kill-restart"),
+            ("chaos: replicas killed and restarted", "failures", "{:.0f}", "chaos"),
+            ("chaos: final loss", "val_loss", "{:.4f}", "chaos"),
+            ("chaos: final loss against uninterrupted", "loss_vs_full", "{:+.2%}", "chaos"),
+            ("chaos: wall clock lost to the failures, s", "failure_cost_s", "{:.1f}", "chaos"),
+            ("chaos: kill -> replica 0's next sync, s (median)", "kill_to_next_sync_median", "{:.2f}", "chaos"),
+            ("chaos: restart -> the joiner's first sync, s (median)", "first_sync_median", "{:.2f}", "chaos"),
+            ("chaos: global weights bit-identical", "identical", "{}", "chaos")]
     for r in results:
         if r.get("state_to_joiner_bytes") is not None:
             r["state_ratio"] = r["state_to_joiner_bytes"] / r["float32_bytes"]
+        full = next((f for f in results if f["scenario"] == "full" and f["library"] == r["library"]
+                     and f["seed"] == r["seed"]), None)
+        if r["scenario"] == "chaos":
+            if full is not None:
+                r["loss_vs_full"] = r["val_loss"] / full["val_loss"] - 1
+                r["failure_cost_s"] = r["seconds"] - full["seconds"]
+            if r.get("kill_to_next_sync_s"):
+                r["kill_to_next_sync_median"] = statistics.median(r["kill_to_next_sync_s"])
+            firsts = [t for t in r["restart_to_first_sync_s"] if t is not None]
+            if firsts:
+                r["first_sync_median"] = statistics.median(firsts)
     for label, key, form, scenario in rows:
         cells = []
         for tuning in args.tunings:
@@ -444,12 +520,13 @@ def main() -> None:
                     cells.append("yes" if all(values) else "no")
                 else:
                     cells.append("-".join(dict.fromkeys(form.format(v) for v in (min(values), max(values)))))
-        print(f"| {label} | " + " | ".join(cells) + " |")
+        if any(cells):
+            print(f"| {label} | " + " | ".join(cells) + " |")
     os.makedirs(args.out, exist_ok=True)
     _plot(results, args.seeds[0], args.png or os.path.join(args.out, "elastic_vs_torchft.png"))
     path = os.path.join(args.out, "elastic_vs_torchft.json")
     with open(path, "w") as f:
-        json.dump({"steps": args.steps, "step_ms": args.step_ms, "when": time.strftime("%Y-%m-%d"),
+        json.dump({"steps": args.steps, "step_ms": args.step_ms, "link": args.link or "loopback", "when": time.strftime("%Y-%m-%d"),
                    "machine": socket.gethostname(), "results": results}, f, indent=1)
     print(f"wrote {path}")
 

@@ -60,7 +60,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from cgx import _C, rendezvous_access
-from cgx.backend import gather, new_backend, shared_settings, with_process_settings
+from cgx.backend import new_backend, shared_settings, with_process_settings
 from cgx.config import Config, check_int, from_env
 from cgx.errors import MembershipError, PeerError
 
@@ -68,6 +68,9 @@ __all__ = ["Membership", "Round"]
 
 _log = logging.getLogger("cgx.elastic")
 _MISSED_HEARTBEATS = 3  # torch's rendezvous drops a member that missed this many
+# The participants of a torch rendezvous round see it complete up to about this far apart
+# (each polls the state once a second, read through a cache of a second).
+_ROUND_SKEW = 2.0
 
 
 @dataclass(eq=False)
@@ -91,6 +94,7 @@ class _Members:
     epoch: int  # roll calls since the rendezvous round formed
     ranks: list[int]  # the members, by their rank in the rendezvous round
     rank: int  # this member's place in `ranks`
+    beside: tuple[int, ...] = ()  # the ranks that formed it beside their training (prepare_next_round)
 
 
 class Membership:
@@ -178,6 +182,7 @@ class Membership:
         self.rounds = 0  # rounds this replica was a member of
         self._members: _Members | None = None
         self._prepared: concurrent.futures.Future | None = None  # the next round, forming (prepare_next_round)
+        self._failed_meanwhile: float | None = None  # when the current round failed while the next one forms
         self._endpoint, self._rendezvous_backend = endpoint, rendezvous
         self._terms: dict[str, Any] = {}
         self.set_terms("cgx", {"version": _cgx_version(), "settings": shared_settings(config)})
@@ -206,10 +211,16 @@ class Membership:
         and those that were waiting to join. Raises :class:`cgx.MembershipError` where no
         round forms within `join_timeout` (fewer than `min_replicas` present) or the
         rendezvous cannot be reached."""
+        if after_failure and self._prepared is not None:
+            self._failed_meanwhile = time.monotonic()  # the forming round gives up on those it lost (_gather)
         prepared = self._take_prepared()
         self._leave_round()
         if prepared is not None:
-            return self._enter(*prepared)
+            members, backend = prepared
+            # Those that formed it without preparing (joiners) wait for this before
+            # their first collective in it.
+            dist.PrefixStore("cgx-moved/", members.store).set(str(members.rank), "1")
+            return self._enter(members, backend)
         members = self._roll_call() if after_failure and self._members is not None else None
         return self._enter(members or self._form())
 
@@ -218,7 +229,8 @@ class Membership:
         admission checks, the round's backend) while this one goes on, so that the
         members admit joiners without stopping for the rendezvous: every member calls it,
         trains on, and calls :meth:`next_round` together once :attr:`next_round_formed`
-        (the joiners wait in the new round until then, up to `group_timeout`). Meanwhile
+        (the joiners' :meth:`next_round` returns only then, however long the members
+        train: as long as they are in torch's round, up to `join_timeout`). Meanwhile
         :meth:`joiners_waiting` says 0. A second call before :meth:`next_round` does
         nothing."""
         if self._prepared is not None:
@@ -226,10 +238,11 @@ class Membership:
         if self.round is None:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: only a member of a round prepares the next one")
         prepared: concurrent.futures.Future = concurrent.futures.Future()
+        self._failed_meanwhile = None
 
         def form() -> None:
             try:
-                members = self._form()
+                members = self._form(beside=True)
                 prepared.set_result((members, self._backend_for(members)))
             except BaseException as e:  # noqa: BLE001  (next_round() raises it, or forms the round itself)
                 prepared.set_exception(e)
@@ -263,16 +276,19 @@ class Membership:
                          "again", self.run_id, type(e).__name__, e)
             return None
 
-    def _form(self) -> _Members:
-        """The next round of torch's rendezvous, every newcomer admitted."""
+    def _form(self, beside: bool = False) -> _Members:
+        """The next round of torch's rendezvous, every newcomer admitted (`beside`: formed
+        by prepare_next_round while this member's training goes on)."""
         if self.rounds == 0:
             self._check_terms()
         while True:
             info = self._rendezvous()
             torch_round = rendezvous_access.round_of(self._handler)
             store = self._round_store(info.store, torch_round)
-            if self._admitted_everyone(store, info.rank, info.world_size):
-                return _Members(store, info.store, torch_round, 0, list(range(info.world_size)), info.rank)
+            formed_beside = self._admit(store, torch_round, info.rank, info.world_size, beside)
+            if formed_beside is not None:
+                return _Members(store, info.store, torch_round, 0, list(range(info.world_size)), info.rank,
+                                tuple(formed_beside))
             # A replica was refused, or went silent while the round formed: the others
             # form it again without it (a refused one leaves; a silent one did not ask).
 
@@ -283,11 +299,51 @@ class Membership:
         self._members = members
         rank, size = members.rank, len(members.ranks)
         store = members.store if members.epoch == 0 else dist.PrefixStore(f"cgx-call-{members.epoch}/", members.store)
-        self.round = Round(rank, size, backend or self._backend_for(members), store)
+        if backend is None:
+            backend = self._backend_for(members)
+            try:
+                self._wait_for_the_move(members)
+            except BaseException:
+                backend.shutdown()
+                raise
+        self.round = Round(rank, size, backend, store)
         self.rounds += 1
         if rank == 0:
             self._publish_terms()
         return self.round
+
+    def _wait_for_the_move(self, members: _Members) -> None:
+        """Where members formed this round beside their training, this replica (a joiner)
+        waits until they have moved to it (next_round), which they do at a sync of theirs
+        however far apart syncs are: as long as each is in torch's round, up to
+        `join_timeout`. A member gone from it (it died, or left without moving) fails the
+        wait with a PeerError: the replica forms the next round."""
+        waiting_for = [r for r in members.beside if r != members.ranks[members.rank]]
+        if not waiting_for:
+            return
+        moves = dist.PrefixStore("cgx-moved/", members.store)
+        keys = [str(r) for r in waiting_for]
+        deadline = time.monotonic() + self.join_timeout.total_seconds()
+        next_check = time.monotonic() + 1.0
+        while not moves.check(keys):
+            time.sleep(0.02)
+            now = time.monotonic()
+            if now < next_check:
+                continue
+            next_check = now + 1.0
+            try:
+                present = rendezvous_access.ranks_in_round(self._handler, members.torch_round)
+            except RendezvousError as e:
+                raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the rendezvous cannot be read: {e}") from e
+            gone = None if present is None else sorted(set(waiting_for) - present)
+            if present is None or gone:
+                raise PeerError(f"cgx.elastic: run {self.run_id!r}: while this replica waited for the members of "
+                                f"its new round to move to it, " + (
+                                    f"torch's rendezvous dropped this replica from round {members.torch_round}"
+                                    if present is None else f"ranks {gone} of it left torch's rendezvous"))
+            if now > deadline:
+                raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the members of this replica's new round did "
+                                      f"not move to it within join_timeout={self.join_timeout}")
 
     def _roll_call(self) -> _Members | None:
         """The members of the failed round that answer a roll call on its store within
@@ -424,7 +480,8 @@ class Membership:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: no round formed: "
                                   f"{type(e).__name__}: {e}") from e
 
-    def _admitted_everyone(self, round_store: dist.Store, rank: int, size: int) -> bool:
+    def _admit(self, round_store: dist.Store, torch_round: int, rank: int, size: int,
+               beside: bool) -> list[int] | None:
         """The run's secret and terms, checked as the round forms, before its backend
         exists (so before a byte of a collective moves): the check of a replica that did
         not meet the published terms first (it came as the run started, or by another
@@ -433,32 +490,34 @@ class Membership:
         an HMAC of the challenge and its rank, and shows a digest of its terms. Every
         member then gives its verdict: the members of earlier rounds refuse a newcomer
         whose proof fails or whose terms differ (MembershipError or ValueError on it; it
-        leaves, and the others form the round again without it: False). Every wait is
-        bounded by `group_timeout`: a replica silent past it is left behind (False: it
-        did not ask for the next round). In a round of newcomers only (the run's start),
-        a failed proof fails every member."""
+        leaves, and the others form the round again without it: None). A replica gone
+        meanwhile is left behind (None; see :meth:`_gather`). In a round of newcomers only (the run's start),
+        a failed proof fails every member. Returns the ranks that form the round beside
+        their training (`beside` on each), or None where it forms again without one."""
         store = dist.PrefixStore("cgx-admission/", round_store)
-        timeout = self.group_timeout
+
+        def gather(key: str, value: str) -> list[str]:
+            return self._gather(store, key, value, torch_round, rank, size, beside)
         try:
-            nonces = gather(store, "nonce", rank, size, secrets.token_hex(16), timeout)
+            nonces = gather("nonce", secrets.token_hex(16))
             challenge = hashlib.sha256("/".join(nonces).encode()).hexdigest()
-            claim = json.dumps([self._proof(challenge, rank), self.rounds > 0, self._terms_digest()])
-            claims = [json.loads(c) for c in gather(store, "claim", rank, size, claim, timeout)]
-            valid = [hmac.compare_digest(proof, self._proof(challenge, r)) for r, (proof, _, _) in enumerate(claims)]
-            starting = not any(member for _, member, _ in claims)
+            claim = json.dumps([self._proof(challenge, rank), self.rounds > 0, self._terms_digest(), beside])
+            claims = [json.loads(c) for c in gather("claim", claim)]
+            valid = [hmac.compare_digest(proof, self._proof(challenge, r)) for r, (proof, *_) in enumerate(claims)]
+            starting = not any(member for _, member, *_ in claims)
             verdict = {}
             if self.rounds > 0:  # an established member judges the newcomers
-                for r, (_, member, terms) in enumerate(claims):
+                for r, (_, member, terms, _) in enumerate(claims):
                     if not valid[r]:
                         verdict[r] = "secret"
                     elif not member and terms != self._terms_digest():
                         verdict[r] = "terms"
-            verdicts = [json.loads(v) for v in gather(store, "verdict", rank, size,
-                                                      json.dumps(verdict), timeout)]
+            verdicts = [json.loads(v) for v in gather("verdict", json.dumps(verdict))]
         except dist.DistError:
-            return False
+            return None
         if starting:
-            return self._starting_together(store, valid, rank, size)
+            self._starting_together(store, valid, rank, size)
+            return []
         refused = {int(r): why for v in verdicts for r, why in v.items()}
         if rank in refused:
             self.close()
@@ -469,13 +528,54 @@ class Membership:
             raise ValueError(f"cgx.elastic: run {self.run_id!r} refused this replica: its terms (its cgx version, "
                              f"CGX_* settings or DiLoCo's) differ from the run's; every replica of a run must be "
                              f"built alike (nothing was sent to the run)")
-        return not refused
+        return None if refused else [r for r, (*_, formed_beside) in enumerate(claims) if formed_beside]
 
-    def _starting_together(self, store: dist.Store, valid: list[bool], rank: int, size: int) -> bool:
+    def _gather(self, store: dist.Store, key: str, value: str, torch_round: int, rank: int, size: int,
+                beside: bool) -> list[str]:
+        """Every rank's `value` under `key` in a forming round (rendezvous round
+        `torch_round`), given up on (DistStoreError) where a rank will not write: one
+        silent for `group_timeout`; one that torch's rendezvous no longer holds in the
+        round (it left, or missed its heartbeats: read once a second); and, where this
+        member forms it beside a round that failed meanwhile, one that has not written
+        within `roll_call` of that failure and of this wait's start, and of the time the
+        round's participants may see it complete apart (it most likely died with the
+        failed round: it is dropped from torch's rendezvous, as a roll call drops the
+        silent). The rest form the next round without it."""
+        store.set(f"{key}/{rank}", value)
+        keys = [f"{key}/{r}" for r in range(size)]
+        started = time.monotonic()
+        next_check = started + 1.0
+        while not store.check(keys):
+            time.sleep(0.005)
+            now = time.monotonic()
+            failed_at = self._failed_meanwhile
+            if beside and failed_at is not None and \
+                    now > max(failed_at, started) + self.roll_call.total_seconds() + _ROUND_SKEW:
+                silent = [r for r in range(size) if not store.check([f"{key}/{r}"])]
+                try:
+                    rendezvous_access.expire(self._handler, torch_round, rank, silent,
+                                             now + self.group_timeout.total_seconds())
+                except (RendezvousError, RuntimeError) as e:
+                    _log.info("cgx.elastic: run %r: could not tell the rendezvous that ranks %s are gone (%s: %s)",
+                              self.run_id, silent, type(e).__name__, e)
+                raise dist.DistStoreError(f"ranks {silent} of the forming round are silent after a failure")
+            if now >= next_check:
+                next_check = now + 1.0
+                try:
+                    present = rendezvous_access.ranks_in_round(self._handler, torch_round)
+                except RendezvousError as e:
+                    raise dist.DistStoreError(f"the rendezvous cannot be read: {e}") from e
+                if present is None or len(present) < size:
+                    raise dist.DistStoreError("a rank of the forming round left torch's rendezvous")
+            if now > started + self.group_timeout.total_seconds():
+                raise dist.DistStoreError(f"a rank of the forming round was silent for {self.group_timeout}")
+        return [store.get(k).decode() for k in keys]
+
+    def _starting_together(self, store: dist.Store, valid: list[bool], rank: int, size: int) -> None:
         """The run's start (no member of an earlier round): any failed proof fails every
         member. (Differing terms fail them too, in the backend's and DiLoCo's agreement.)"""
         if all(valid):
-            return True
+            return
         # Each waits until all have read the proofs, so that the one serving the store does
         # not take it away from a slower one. That one may leave while this one's wait is
         # in flight: all have read the proofs by then (this one too), so a lost store

@@ -10,7 +10,8 @@ backend (c10d, etcd) serves:
 
 - :func:`leave`: torch's exit operation alone (the first step of ``next_rendezvous``).
 - :func:`round_of`: the number of the round the handler last joined; :func:`in_round`:
-  whether this node is still one of its participants.
+  whether this node is still one of its participants; :func:`ranks_in_round`: the ranks
+  of those that still are.
 - :func:`expire`: marks the given ranks of that round as having missed their heartbeats,
   so torch removes them at once (its own removal of a dead member, moved forward) and the
   next round forms without waiting 3 heartbeats for them.
@@ -40,10 +41,18 @@ def in_round(handler, round_: int) -> bool:
     """Whether this node is still a participant of round `round_`, as the rendezvous
     state says (read again where the handler's copy is older than its cache's second).
     It is not once the round is over or torch dropped this node (3 missed heartbeats)."""
+    return ranks_in_round(handler, round_) is not None
+
+
+def ranks_in_round(handler, round_: int) -> set[int] | None:
+    """The ranks of round `round_` still in it (torch drops one that leaves or misses 3
+    heartbeats), as :func:`in_round` reads them; None where this node is not."""
     with handler._heartbeat_lock:
         handler._state_holder.sync()
         state = handler._state_holder.state
-    return state.round == round_ and handler._this_node in state.participants
+    if state.round != round_ or handler._this_node not in state.participants:
+        return None
+    return set(state.participants.values())
 
 
 class _Expire:

@@ -190,9 +190,11 @@ def _admit_a_joiner(replica, replicas, port):
 
 def _prepare_beside_the_work(replica, replicas, port):
     """Replicas 0 and 1 run a round; replica 2 starts later. The two prepare the round that
-    admits it and go on with allreduces in the current one, each adding whether its next
-    round has formed: once both have, they move to it together, where replica 2 waits."""
-    membership = _membership(replica, port, "prepare", starting=2, min_replicas=2)
+    admits it and go on with allreduces in the current one, for longer than a collective's
+    timeout after their next round has formed (a sync interval longer than group_timeout):
+    once both are done, they move to it together, where replica 2 has waited for them."""
+    group_timeout = datetime.timedelta(seconds=4)
+    membership = _membership(replica, port, "prepare", starting=2, min_replicas=2, group_timeout=group_timeout)
     if replica == 2:
         _rendezvous_store(port).wait(["prepare/formed"])
         joined = membership.next_round()
@@ -203,12 +205,15 @@ def _prepare_beside_the_work(replica, replicas, port):
         _rendezvous_store(port).set("prepare/formed", "1")
         _wait_for_a_joiner(membership)
         membership.prepare_next_round()
-        waiting_meanwhile, calls = membership.joiners_waiting(), 0
+        waiting_meanwhile, calls, formed_at = membership.joiners_waiting(), 0, None
         while True:  # the work goes on in the current round
-            formed = torch.tensor([float(membership.next_round_formed)])
-            first.backend.allreduce([formed]).wait()
+            if formed_at is None and membership.next_round_formed:
+                formed_at = time.monotonic()
+            done = formed_at is not None and time.monotonic() - formed_at > group_timeout.total_seconds() + 1
+            flag = torch.tensor([float(done)])
+            first.backend.allreduce([flag]).wait()
             calls += 1
-            if formed.item() == first.size:
+            if flag.item() == first.size:
                 break
         admitted = membership.next_round()
         result += [(admitted.size, _sum_of_ranks(admitted)), waiting_meanwhile, calls > 1]
@@ -221,6 +226,80 @@ def test_members_prepare_the_round_that_admits_a_joiner_while_their_work_goes_on
     results = values(run_ranks(_prepare_beside_the_work, 3, args=(_free_port(),), timeout_s=120))
     assert results[0] == results[1] == [(2, 3.0), (3, 6.0), 0, True], results
     assert results[2] == [(3, 6.0)], results
+
+
+def _members_leave_before_moving(replica, replicas, port):
+    """Replicas 0 and 1 prepare the round that admits replica 2, then leave the run
+    without moving to it: replica 2's wait for them ends (PeerError, which DiLoCo's
+    recovery answers by forming again), long before its join_timeout."""
+    import cgx
+
+    membership = _membership(replica, port, "leave-before", starting=2, min_replicas=2,
+                             join_timeout=datetime.timedelta(seconds=100))
+    store = _rendezvous_store(port)
+    result = None
+    if replica == 2:
+        store.wait(["leave-before/formed"])
+        started = time.monotonic()
+        with pytest.raises(cgx.PeerError, match=r"ranks \[0, 1\] of it left torch's rendezvous") as caught:
+            membership.next_round()
+        result = (time.monotonic() - started < 100, str(caught.value))
+    else:
+        store.set("leave-before/formed", "1")
+        _wait_for_a_joiner(membership)
+        membership.prepare_next_round()
+        while not membership.next_round_formed:
+            time.sleep(0.05)
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 2], port, "leave-before")
+    return result
+
+
+def test_a_joiner_stops_waiting_for_members_that_leave_before_moving_to_its_round():
+    result = values(run_ranks(_members_leave_before_moving, 3, args=(_free_port(),), timeout_s=90))[2]
+    assert result[0], result
+
+
+def _member_dies_while_the_next_round_forms(replica, replicas, port):
+    """Replicas 0-2 run a round and prepare the one that admits replica 3; replica 2 dies
+    (SIGKILL) as its part in that round's admission begins, so the round that formed
+    beside their work holds a dead member. The survivors' work fails (PeerError); their
+    next round forms without the dead one and with the joiner, before group_timeout (the
+    time a wait for a silent member takes) and before torch's rendezvous would drop it."""
+    import signal
+
+    import cgx
+
+    group_timeout = datetime.timedelta(seconds=60)
+    # Heartbeats of 60 s: torch's rendezvous would drop the dead one after 180 s.
+    membership, store = _three_and_a_joiner(replica, port, "dies-forming", wait_for_the_death=False, min_replicas=2,
+                                            group_timeout=group_timeout, heartbeat=datetime.timedelta(seconds=60))
+    if replica == 3:
+        joined = membership.next_round()
+        result = [(joined.size, _sum_of_ranks(joined))]
+    else:
+        first = membership.round
+        if replica == 2:
+            membership._gather = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+        _wait_for_a_joiner(membership)
+        membership.prepare_next_round()
+        with pytest.raises(cgx.PeerError):
+            while True:  # the work goes on until the dead one's connections close
+                _sum_of_ranks(first)
+        started = time.monotonic()
+        next_round = membership.next_round(after_failure=True)
+        result = [(next_round.size, _sum_of_ranks(next_round)), time.monotonic() - started < group_timeout.seconds]
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 3], port, "dies-forming")
+    return result
+
+
+def test_members_whose_next_round_formed_with_a_member_that_died_form_it_again_at_once():
+    results = run_ranks(_member_dies_while_the_next_round_forms, 4, args=(_free_port(),), expect_exit={2},
+                        timeout_s=150)
+    member0, member1, joiner = values(results[:2] + results[3:])
+    assert member0 == member1 == [(3, 6.0), True], results
+    assert joiner == [(3, 6.0)], results
 
 
 def _wait_for_a_joiner(membership) -> None:
@@ -509,6 +588,9 @@ def _start_with_different_secrets_the_host_leaving_first(replica, replicas, port
 
             def get(self, key):
                 return self._store.get(key)
+
+            def check(self, keys):
+                return self._store.check(keys)
 
             def wait(self, keys, timeout):
                 if keys[0].startswith("failed/"):  # the last wait: after the host is gone
@@ -1299,8 +1381,9 @@ def test_a_host_group_that_waits_less_than_a_re_form_is_warned_about_on_the_lead
 def _joiner_stops_in_admission(replica, replicas, port):
     """Replicas 0 and 1 train; replica 2 joins and is stopped (SIGSTOP, as a frozen host)
     as the round forms, before it shows its nonce. The members' admission waits for it
-    at most group_timeout (10 s here; issue 53 finding 4: the store's fixed 60 s), then
-    they form the round again without it (its heartbeats stopped with it) and train on."""
+    until torch's rendezvous drops it (its heartbeats stopped with it: 3 s here), never
+    past group_timeout (10 s here; issue 53 finding 4: the store's fixed 60 s), then they
+    form the round again without it and train on."""
     import signal
 
     import cgx
@@ -1312,14 +1395,14 @@ def _joiner_stops_in_admission(replica, replicas, port):
     if replica == 2:
         store = _rendezvous_store(port)  # replica 0's membership serves it
         store.wait(["frozen/started"])
-        gather = cgx.elastic.gather
+        gather = cgx.elastic.Membership._gather
 
-        def stop_first(where, key, *args):
+        def stop_first(self, where, key, *args):
             if key == "nonce":
                 store.set("frozen/pid", str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGSTOP)
-            return gather(where, key, *args)
-        cgx.elastic.gather = stop_first
+            return gather(self, where, key, *args)
+        cgx.elastic.Membership._gather = stop_first
         membership = _membership(replica, port, "frozen", min_replicas=2)
         cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
         return "not reached"
