@@ -137,6 +137,9 @@ class _Record:
             time.sleep(left)
         now = time.time()
         self.steps.append((now, step, loss))
+        if synced and not self.syncs:  # kept where this process is killed before it writes its record
+            with open(self.config["out"] + ".first_sync", "w") as f:
+                f.write(str(now))
         if synced:
             self.syncs.append(now)
         if self.config["slot"] == 0:
@@ -387,18 +390,18 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
               "identical": len({r["digest"] for r in live.values()}) == 1}
     kills = [(when, slot) for what, when, slot in events if what == "kill"]
     restarts = [(when, slot) for what, when, slot in events if what == "restart"]
-    # Each restart's record, in order per slot (the first record of a slot is its first start).
-    joiners = [records[slot][1 + sum(1 for _, s in restarts[:i] if s == slot)] for i, (_, slot) in
-               enumerate(restarts)]
+    # Each restart's output, in order per slot (the first of a slot is its first start).
+    joined = [outputs[slot][1 + sum(1 for _, s in restarts[:i] if s == slot)] for i, (_, slot) in enumerate(restarts)]
     result["failures"] = len(kills)
-    result["restart_to_first_sync_s"] = [j["syncs"][0] - when if j and j["syncs"] else None
-                                         for j, (when, _) in zip(joiners, restarts)]
+    result["restart_to_first_sync_s"] = [float(open(out + ".first_sync").read()) - when
+                                         if os.path.exists(out + ".first_sync") else None
+                                         for out, (when, _) in zip(joined, restarts)]
     if scenario == "kill-restart":
         (kill, victim), = kills
         (restart, _), = restarts
         survivors = [live[s] for s in range(args.replicas) if s != victim]
         result["kill_to_next_sync_s"] = max(next(t for t in r["syncs"] if t > kill) for r in survivors) - kill
-        joiner = joiners[0]
+        joiner = records[victim][1]
         if joiner is None:
             raise RuntimeError(f"{name}: the restarted replica left no record; log {outputs[victim][-1]}.log")
         result["restart_to_first_sync_s"] = result["restart_to_first_sync_s"][0]
