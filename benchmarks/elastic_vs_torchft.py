@@ -9,7 +9,7 @@ AdamW, outer Nesterov SGD (lr 0.7, momentum 0.9). An inner step takes --step-ms 
 model's compute is ~1 ms; the rest is a sleep, so the replicas do not compete for the
 cores and the run is long enough for healing to show).
 
-  cgx      cgx.DiLoCo(bits=4) over cgx.elastic.Membership (the c10d rendezvous store in
+  cgx      cgx.DiLoCo(bits=4, or --bits) over cgx.elastic.Membership (the c10d rendezvous store in
            replica 0)
   torchft  torchft 0.2.0's DiLoCo and Manager over its Gloo process group, with the
            Lighthouse binary its wheel ships (pip install 'cgx[bench]'); it sends
@@ -168,7 +168,7 @@ def cgx_replica(config: dict) -> None:
                                        timeout=datetime.timedelta(seconds=600))
     record = _Record(config)
     try:
-        diloco = cgx.DiLoCo(model, inner, sync_every=SYNC_EVERY, fragments=FRAGMENTS, bits=4, overlap=0,
+        diloco = cgx.DiLoCo(model, inner, sync_every=SYNC_EVERY, fragments=FRAGMENTS, bits=config.get("bits", 4), overlap=0,
                             membership=membership)
     except cgx.MembershipError:  # started as the run ended
         store.set(f"bench-done/{slot}", "1")
@@ -235,6 +235,7 @@ def torchft_replica(config: dict) -> None:
     timeout = datetime.timedelta(seconds=config["group_timeout"])
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2, use_async_quorum=False,
                       load_state_dict=lambda state: (model.load_state_dict(state["model"]),
+                                                     None if config.get("cold_optimizer") else
                                                      inner.load_state_dict(state["inner"])),
                       state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
                       replica_id=f"replica_{slot}", store_addr=address, store_port=port, rank=0, world_size=1,
@@ -312,7 +313,8 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
         config = {"library": library, "slot": slot, "seed": seed, "steps": args.steps, "tuning": tuning,
                   "replicas": args.replicas, "address": address(slot), "host0": address(0),
                   "run_id": name, "port": port, "lighthouse_port": port, "progress": progress, "out": out,
-                  "step_ms": args.step_ms, "group_timeout": args.group_timeout}
+                  "step_ms": args.step_ms, "group_timeout": args.group_timeout, "bits": args.bits,
+                  "cold_optimizer": args.torchft_cold_optimizer}
         with open(out + ".config", "w") as f:
             json.dump(config, f)
         # Compressed always (auto would send these small syncs exactly over loopback: a
@@ -458,6 +460,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=768)
     parser.add_argument("--step-ms", type=float, default=40.0, help="the least time an inner step takes")
     parser.add_argument("--group-timeout", type=int, default=30, help="every collective's timeout, s (both)")
+    parser.add_argument("--bits", type=int, default=4, help="cgx's outer gradients' bits (32: exact)")
+    parser.add_argument("--torchft-cold-optimizer", action="store_true",
+                        help="torchft's joiner loads the local weights it receives but not the inner optimizer's "
+                             "state (its AdamW starts cold, as cgx's joiner's does)")
     parser.add_argument("--chaos-every", type=int, default=192, help="chaos: steps of replica 0 between kills")
     parser.add_argument("--chaos-down", type=float, default=3.0, help="chaos: seconds a killed replica stays down")
     parser.add_argument("--link", help="each replica on an emulated host behind a link of this rate (e.g. 10mbit; "

@@ -8,7 +8,8 @@ import dataclasses
 import datetime
 import json
 import socket
-from typing import Any, Iterator
+import time
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -64,9 +65,10 @@ def create_backend(dist_options, backend_options=None) -> _C.ProcessGroupCGX:
 
 
 def new_backend(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
-                config: Config | None = None) -> _C.ProcessGroupCGX:
+                config: Config | None = None, give_up: GiveUp | None = None) -> _C.ProcessGroupCGX:
     """A ProcessGroupCGX of `size` ranks on `store`, as :func:`create_backend` makes a
-    group's (`config`: its settings; None: the CGX_* variables)."""
+    group's (`config`: its settings; None: the CGX_* variables; `give_up`: see
+    :func:`gather`, for the settings' exchange, where a rank that died is met first)."""
     # Every rank counts the groups it created on this store prefix, so the n-th one gets
     # fresh keys even where an earlier one (destroyed, re-initialized) left keys behind.
     incarnation = store.add(f"cgx/incarnation/{rank}", 1)
@@ -78,12 +80,12 @@ def new_backend(store: dist.Store, rank: int, size: int, timeout: datetime.timed
         problem = None
     except ValueError as e:
         config, problem = None, str(e)
-    config = _check_same_config(cgx_store, rank, size, config, problem, timeout)
+    config = _check_same_config(cgx_store, rank, size, config, problem, timeout, give_up)
     if config.uses_mpi:
         mpi.require(config)
     exact = new_gloo_group(dist.PrefixStore(f"gloo/{incarnation}/", store), rank, size, timeout)
     exact_cuda = None
-    if cuda_exact_backend(gather(cgx_store, "gpu", rank, size, _this_gpu(), timeout)) == "nccl":
+    if cuda_exact_backend(gather(cgx_store, "gpu", rank, size, _this_gpu(), timeout, give_up)) == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         nccl_store = dist.PrefixStore(f"nccl/{incarnation}/", store)
@@ -121,22 +123,37 @@ def shared_settings(config: Config) -> dict[str, Any]:
     return {v.name: getattr(config, v.field) for v in VARIABLES if v.field in _SHARED_FIELDS}
 
 
-def gather(store: dist.Store, key: str, rank: int, size: int, value: str, timeout: datetime.timedelta) -> list[str]:
+# Called while a gather() waits, with when the wait started and a function that lists the
+# ranks that have not written yet; raises (DistStoreError) to end the wait.
+GiveUp = Callable[[float, Callable[[], list[int]]], None]
+
+
+def gather(store: dist.Store, key: str, rank: int, size: int, value: str, timeout: datetime.timedelta,
+           give_up: GiveUp | None = None) -> list[str]:
     """Every rank's `value` under `key`, waiting at most `timeout` for them
-    (DistStoreError past it: a rank that died before it wrote)."""
+    (DistStoreError past it: a rank that died before it wrote). With `give_up`, the
+    wait polls and asks it every few milliseconds whether to end sooner."""
     store.set(f"{key}/{rank}", value)
     keys = [f"{key}/{r}" for r in range(size)]
-    store.wait(keys, timeout)
+    if give_up is None:
+        store.wait(keys, timeout)
+    else:
+        started = time.monotonic()
+        while not store.check(keys):
+            if time.monotonic() > started + timeout.total_seconds():
+                raise dist.DistStoreError(f"cgx: not every rank wrote {key!r} within {timeout}")
+            give_up(started, lambda: [r for r in range(size) if not store.check([keys[r]])])
+            time.sleep(0.005)
     return [store.get(k).decode() for k in keys]
 
 
 def _check_same_config(store: dist.Store, rank: int, size: int, config: Config | None,
-                       problem: str | None, timeout: datetime.timedelta) -> Config:
+                       problem: str | None, timeout: datetime.timedelta, give_up: GiveUp | None) -> Config:
     """Ranks with different settings would take different paths and meet only at the
     timeout: compare them at creation instead, and fail on every rank alike, also where
     one rank's settings could not be read (`problem`). Returns this rank's config."""
     mine = json.dumps({"problem": problem} if problem else list(shared_settings(config).values()))
-    configs = [json.loads(c) for c in gather(store, "config", rank, size, mine, timeout)]
+    configs = [json.loads(c) for c in gather(store, "config", rank, size, mine, timeout, give_up)]
     bad = [(r, c["problem"]) for r, c in enumerate(configs) if isinstance(c, dict)]
     if bad:
         r, message = bad[0]

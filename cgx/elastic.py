@@ -51,7 +51,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousError, RendezvousParameters,
@@ -60,7 +60,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from cgx import _C, rendezvous_access
-from cgx.backend import new_backend, shared_settings, with_process_settings
+from cgx.backend import GiveUp, gather, new_backend, shared_settings, with_process_settings
 from cgx.config import Config, check_int, from_env
 from cgx.errors import MembershipError, PeerError
 
@@ -210,9 +210,10 @@ class Membership:
         admit joiners) it waits for the next round to form: the members still present,
         and those that were waiting to join. Raises :class:`cgx.MembershipError` where no
         round forms within `join_timeout` (fewer than `min_replicas` present) or the
-        rendezvous cannot be reached."""
+        rendezvous cannot be reached, and :class:`cgx.PeerError` where a member was lost
+        as the round's backend connected (ask again)."""
         if after_failure and self._prepared is not None:
-            self._failed_meanwhile = time.monotonic()  # the forming round gives up on those it lost (_gather)
+            self._failed_meanwhile = time.monotonic()  # the forming round gives up on those it lost (_give_up_on_the_gone)
         prepared = self._take_prepared()
         self._leave_round()
         if prepared is not None:
@@ -243,7 +244,7 @@ class Membership:
         def form() -> None:
             try:
                 members = self._form(beside=True)
-                prepared.set_result((members, self._backend_for(members)))
+                prepared.set_result((members, self._backend_for(members, beside=True)))
             except BaseException as e:  # noqa: BLE001  (next_round() raises it, or forms the round itself)
                 prepared.set_exception(e)
         self._prepared = prepared
@@ -325,7 +326,7 @@ class Membership:
         keys = [str(r) for r in waiting_for]
         deadline = time.monotonic() + self.join_timeout.total_seconds()
         next_check = time.monotonic() + 1.0
-        while not moves.check(keys):
+        while not self._reach_the_store(lambda: moves.check(keys)):
             time.sleep(0.02)
             now = time.monotonic()
             if now < next_check:
@@ -344,6 +345,16 @@ class Membership:
             if now > deadline:
                 raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the members of this replica's new round did "
                                       f"not move to it within join_timeout={self.join_timeout}")
+
+    def _reach_the_store(self, read: Callable[[], Any]) -> Any:
+        """`read` of the rendezvous's store, where its failing means the store's host is
+        gone (a TCPStore client does not connect again): the run cannot form rounds any
+        more (MembershipError, not a PeerError to form again after)."""
+        try:
+            return read()
+        except dist.DistError as e:
+            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the rendezvous store at {self._endpoint} cannot "
+                                  f"be reached (its host is gone?): {type(e).__name__}: {e}") from e
 
     def _roll_call(self) -> _Members | None:
         """The members of the failed round that answer a roll call on its store within
@@ -418,9 +429,9 @@ class Membership:
         spend nothing on it: no round, no store wait. Where none are published the run has
         not started, and this replica's first round starts it."""
         store = self._store_of_terms()
-        if store is None or not store.check([self._terms_key]):
+        if store is None or not self._reach_the_store(lambda: store.check([self._terms_key])):
             return
-        published = json.loads(store.get(self._terms_key))
+        published = json.loads(self._reach_the_store(lambda: store.get(self._terms_key)))
         run_id = self.run_id
         if not hmac.compare_digest(published["tag"], self._tag(published["terms"])):
             self.close()
@@ -491,18 +502,19 @@ class Membership:
         member then gives its verdict: the members of earlier rounds refuse a newcomer
         whose proof fails or whose terms differ (MembershipError or ValueError on it; it
         leaves, and the others form the round again without it: None). A replica gone
-        meanwhile is left behind (None; see :meth:`_gather`). In a round of newcomers only (the run's start),
+        meanwhile is left behind (None; see :meth:`_give_up_on_the_gone`). In a round of newcomers only (the run's start),
         a failed proof fails every member. Returns the ranks that form the round beside
         their training (`beside` on each), or None where it forms again without one."""
         store = dist.PrefixStore("cgx-admission/", round_store)
+        give_up = self._give_up_on_the_gone(torch_round, list(range(size)), rank, beside)
 
-        def gather(key: str, value: str) -> list[str]:
-            return self._gather(store, key, value, torch_round, rank, size, beside)
+        def gathered(key: str, value: str) -> list[str]:
+            return gather(store, key, rank, size, value, self.group_timeout, give_up)
         try:
-            nonces = gather("nonce", secrets.token_hex(16))
+            nonces = gathered("nonce", secrets.token_hex(16))
             challenge = hashlib.sha256("/".join(nonces).encode()).hexdigest()
             claim = json.dumps([self._proof(challenge, rank), self.rounds > 0, self._terms_digest(), beside])
-            claims = [json.loads(c) for c in gather("claim", claim)]
+            claims = [json.loads(c) for c in gathered("claim", claim)]
             valid = [hmac.compare_digest(proof, self._proof(challenge, r)) for r, (proof, *_) in enumerate(claims)]
             starting = not any(member for _, member, *_ in claims)
             verdict = {}
@@ -512,7 +524,7 @@ class Membership:
                         verdict[r] = "secret"
                     elif not member and terms != self._terms_digest():
                         verdict[r] = "terms"
-            verdicts = [json.loads(v) for v in gather("verdict", json.dumps(verdict))]
+            verdicts = [json.loads(v) for v in gathered("verdict", json.dumps(verdict))]
         except dist.DistError:
             return None
         if starting:
@@ -530,30 +542,28 @@ class Membership:
                              f"built alike (nothing was sent to the run)")
         return None if refused else [r for r, (*_, formed_beside) in enumerate(claims) if formed_beside]
 
-    def _gather(self, store: dist.Store, key: str, value: str, torch_round: int, rank: int, size: int,
-                beside: bool) -> list[str]:
-        """Every rank's `value` under `key` in a forming round (rendezvous round
-        `torch_round`), given up on (DistStoreError) where a rank will not write: one
-        silent for `group_timeout`; one that torch's rendezvous no longer holds in the
-        round (it left, or missed its heartbeats: read once a second); and, where this
-        member forms it beside a round that failed meanwhile, one that has not written
-        within `roll_call` of that failure and of this wait's start, and of the time the
-        round's participants may see it complete apart (it most likely died with the
-        failed round: it is dropped from torch's rendezvous, as a roll call drops the
-        silent). The rest form the next round without it."""
-        store.set(f"{key}/{rank}", value)
-        keys = [f"{key}/{r}" for r in range(size)]
-        started = time.monotonic()
-        next_check = started + 1.0
-        while not store.check(keys):
-            time.sleep(0.005)
+    def _give_up_on_the_gone(self, torch_round: int, ranks: list[int], me: int, beside: bool) -> GiveUp:
+        """How a wait of a forming round (the members `ranks` of rendezvous round
+        `torch_round`; this member is rank `me` of it) gives up on a member that will not
+        write (DistStoreError: the round forms again without it), sooner than
+        `group_timeout`: once torch's rendezvous no longer holds it in the round (it left,
+        or missed its heartbeats; read once a second); and, where this member forms the
+        round beside a round that failed meanwhile (`beside`), once it has been silent for
+        `roll_call` after that failure and after the wait's start, plus the time the
+        round's participants may see it complete apart: it most likely died with the
+        failed round, and is dropped from torch's rendezvous, as a roll call drops the
+        silent. (A live member slower than that is dropped too: it joins again.)"""
+        next_check = time.monotonic() + 1.0
+
+        def give_up(started: float, missing) -> None:
+            nonlocal next_check
             now = time.monotonic()
             failed_at = self._failed_meanwhile
             if beside and failed_at is not None and \
                     now > max(failed_at, started) + self.roll_call.total_seconds() + _ROUND_SKEW:
-                silent = [r for r in range(size) if not store.check([f"{key}/{r}"])]
+                silent = [ranks[i] for i in missing()]
                 try:
-                    rendezvous_access.expire(self._handler, torch_round, rank, silent,
+                    rendezvous_access.expire(self._handler, torch_round, me, silent,
                                              now + self.group_timeout.total_seconds())
                 except (RendezvousError, RuntimeError) as e:
                     _log.info("cgx.elastic: run %r: could not tell the rendezvous that ranks %s are gone (%s: %s)",
@@ -565,11 +575,9 @@ class Membership:
                     present = rendezvous_access.ranks_in_round(self._handler, torch_round)
                 except RendezvousError as e:
                     raise dist.DistStoreError(f"the rendezvous cannot be read: {e}") from e
-                if present is None or len(present) < size:
-                    raise dist.DistStoreError("a rank of the forming round left torch's rendezvous")
-            if now > started + self.group_timeout.total_seconds():
-                raise dist.DistStoreError(f"a rank of the forming round was silent for {self.group_timeout}")
-        return [store.get(k).decode() for k in keys]
+                if present is None or not set(ranks) <= present:
+                    raise dist.DistStoreError("a member of the forming round left torch's rendezvous")
+        return give_up
 
     def _starting_together(self, store: dist.Store, valid: list[bool], rank: int, size: int) -> None:
         """The run's start (no member of an earlier round): any failed proof fails every
@@ -684,15 +692,20 @@ class Membership:
         client = dist.TCPStore(host, port, is_master=False, timeout=self.group_timeout)
         return dist.PrefixStore(f"cgx-round-store/{self.run_id}/{torch_round}/", client)
 
-    def _backend_for(self, members: _Members) -> _C.ProcessGroupCGX:
-        """The round's cgx backend, made as a group's is, on the round's store. Gloo
-        reports a member lost while it connects as a plain RuntimeError: here it is the
-        PeerError it is, which recovery handles."""
+    def _backend_for(self, members: _Members, beside: bool = False) -> _C.ProcessGroupCGX:
+        """The round's cgx backend, made as a group's is, on the round's store (its
+        settings' exchange gives up on a member gone as the admission's waits do; `beside`:
+        formed by prepare_next_round). Gloo reports a member lost while it connects as a
+        plain RuntimeError: here it is the PeerError it is, which recovery handles."""
         prefix = "cgx-round/" if members.epoch == 0 else f"cgx-call-{members.epoch}/cgx-round/"
         size = len(members.ranks)
+        give_up = self._give_up_on_the_gone(members.torch_round, members.ranks, members.ranks[members.rank], beside)
         try:
             return new_backend(dist.PrefixStore(prefix, members.store), members.rank, size, self.group_timeout,
-                               self.config)
+                               self.config, give_up)
+        except dist.DistStoreError as e:  # a member gone before it showed its settings
+            raise PeerError(f"cgx.elastic: run {self.run_id!r}: the round's backend could not connect its "
+                            f"{size} members: {e}") from e
         except RuntimeError as e:
             if isinstance(e, dist.DistError):
                 raise

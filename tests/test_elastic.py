@@ -260,10 +260,10 @@ def test_a_joiner_stops_waiting_for_members_that_leave_before_moving_to_its_roun
     assert result[0], result
 
 
-def _member_dies_while_the_next_round_forms(replica, replicas, port):
+def _member_dies_while_the_next_round_forms(replica, replicas, port, where):
     """Replicas 0-2 run a round and prepare the one that admits replica 3; replica 2 dies
-    (SIGKILL) as its part in that round's admission begins, so the round that formed
-    beside their work holds a dead member. The survivors' work fails (PeerError); their
+    (SIGKILL) as its part in that round's admission (`where`) or backend begins, so the
+    round that formed beside their work holds a dead member. The survivors' work fails (PeerError); their
     next round forms without the dead one and with the joiner, before group_timeout (the
     time a wait for a silent member takes) and before torch's rendezvous would drop it."""
     import signal
@@ -275,12 +275,17 @@ def _member_dies_while_the_next_round_forms(replica, replicas, port):
     membership, store = _three_and_a_joiner(replica, port, "dies-forming", wait_for_the_death=False, min_replicas=2,
                                             group_timeout=group_timeout, heartbeat=datetime.timedelta(seconds=60))
     if replica == 3:
-        joined = membership.next_round()
+        while True:  # as DiLoCo does: a round that lost a member as it connected is asked for again
+            try:
+                joined = membership.next_round()
+                break
+            except cgx.PeerError:
+                pass
         result = [(joined.size, _sum_of_ranks(joined))]
     else:
         first = membership.round
         if replica == 2:
-            membership._gather = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+            setattr(cgx.elastic, where, lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         _wait_for_a_joiner(membership)
         membership.prepare_next_round()
         with pytest.raises(cgx.PeerError):
@@ -294,12 +299,41 @@ def _member_dies_while_the_next_round_forms(replica, replicas, port):
     return result
 
 
-def test_members_whose_next_round_formed_with_a_member_that_died_form_it_again_at_once():
-    results = run_ranks(_member_dies_while_the_next_round_forms, 4, args=(_free_port(),), expect_exit={2},
+@pytest.mark.parametrize("where", ["gather", "new_backend"])
+def test_members_whose_next_round_formed_with_a_member_that_died_form_it_again_at_once(where):
+    results = run_ranks(_member_dies_while_the_next_round_forms, 4, args=(_free_port(), where), expect_exit={2},
                         timeout_s=150)
     member0, member1, joiner = values(results[:2] + results[3:])
     assert member0 == member1 == [(3, 6.0), True], results
     assert joiner == [(3, 6.0)], results
+
+
+def _store_host_dies_before_moving(replica, replicas, port):
+    """Replicas 0 (the store's host) and 1 prepare the round that admits replica 2, then
+    die before moving to it: replica 2's wait for them ends in a MembershipError (the run
+    cannot form rounds without its store), not in an error DiLoCo answers by forming
+    again (which it did, a dozen times a second, for minutes)."""
+    import signal
+
+    import cgx
+
+    membership = _membership(replica, port, "host-dies", starting=2, min_replicas=2)
+    if replica == 2:
+        _rendezvous_store(port).wait(["host-dies/formed"])
+        with pytest.raises(cgx.MembershipError, match="cannot be (reached|read)") as caught:
+            membership.next_round()
+        return str(caught.value)
+    _rendezvous_store(port).set("host-dies/formed", "1")
+    _wait_for_a_joiner(membership)
+    membership.prepare_next_round()
+    while not membership.next_round_formed:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_joiner_waiting_for_members_whose_store_host_dies_gets_a_membership_error():
+    results = run_ranks(_store_host_dies_before_moving, 3, args=(_free_port(),), expect_exit={0, 1}, timeout_s=90)
+    assert "cgx.elastic" in values(results[2:])[0]
 
 
 def _wait_for_a_joiner(membership) -> None:
@@ -1395,14 +1429,14 @@ def _joiner_stops_in_admission(replica, replicas, port):
     if replica == 2:
         store = _rendezvous_store(port)  # replica 0's membership serves it
         store.wait(["frozen/started"])
-        gather = cgx.elastic.Membership._gather
+        gather = cgx.elastic.gather
 
-        def stop_first(self, where, key, *args):
+        def stop_first(where, key, *args):
             if key == "nonce":
                 store.set("frozen/pid", str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGSTOP)
-            return gather(self, where, key, *args)
-        cgx.elastic.Membership._gather = stop_first
+            return gather(where, key, *args)
+        cgx.elastic.gather = stop_first
         membership = _membership(replica, port, "frozen", min_replicas=2)
         cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
         return "not reached"
