@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -241,9 +242,11 @@ def _members_leave_before_moving(replica, replicas, port):
     if replica == 2:
         store.wait(["leave-before/formed"])
         started = time.monotonic()
-        with pytest.raises(cgx.PeerError, match=r"ranks \[0, 1\] of it left torch's rendezvous") as caught:
+        try:
             membership.next_round()
-        result = (time.monotonic() - started < 100, str(caught.value))
+            result = "joined"
+        except cgx.PeerError as e:
+            result = (time.monotonic() - started < 100, str(e))
     else:
         store.set("leave-before/formed", "1")
         _wait_for_a_joiner(membership)
@@ -257,7 +260,8 @@ def _members_leave_before_moving(replica, replicas, port):
 
 def test_a_joiner_stops_waiting_for_members_that_leave_before_moving_to_its_round():
     result = values(run_ranks(_members_leave_before_moving, 3, args=(_free_port(),), timeout_s=90))[2]
-    assert result[0], result
+    # Both left; the joiner's check, once a second, may come between the two.
+    assert result[0] and re.search(r"ranks \[(0|1|0, 1)\] of it left torch's rendezvous", result[1]), result
 
 
 def _member_dies_while_the_next_round_forms(replica, replicas, port, where):
@@ -293,6 +297,9 @@ def _member_dies_while_the_next_round_forms(replica, replicas, port, where):
                 _sum_of_ranks(first)
         started = time.monotonic()
         next_round = membership.next_round(after_failure=True)
+        while next_round.size < 3:  # the joiner gave up a moment later: it is admitted next
+            _wait_for_a_joiner(membership)
+            next_round = membership.next_round()
         result = [(next_round.size, _sum_of_ranks(next_round)), time.monotonic() - started < group_timeout.seconds]
     membership.close()
     _host_stays_until_the_others_are_done(replica, [1, 3], port, "dies-forming")
