@@ -168,8 +168,8 @@ def cgx_replica(config: dict) -> None:
                                        timeout=datetime.timedelta(seconds=600))
     record = _Record(config)
     try:
-        diloco = cgx.DiLoCo(model, inner, sync_every=SYNC_EVERY, fragments=FRAGMENTS, bits=config.get("bits", 4), overlap=0,
-                            membership=membership)
+        diloco = cgx.DiLoCo(model, inner, sync_every=SYNC_EVERY, fragments=FRAGMENTS, bits=config.get("bits", 4),
+                            overlap=0, membership=membership)
     except cgx.MembershipError:  # started as the run ended
         store.set(f"bench-done/{slot}", "1")
         return
@@ -535,8 +535,9 @@ def main() -> None:
     _plot(results, args.seeds[0], args.png or os.path.join(args.out, "elastic_vs_torchft.png"))
     path = os.path.join(args.out, "elastic_vs_torchft.json")
     with open(path, "w") as f:
-        json.dump({"steps": args.steps, "step_ms": args.step_ms, "link": args.link or "loopback", "when": time.strftime("%Y-%m-%d"),
-                   "machine": socket.gethostname(), "results": results}, f, indent=1)
+        json.dump({"steps": args.steps, "step_ms": args.step_ms, "link": args.link or "loopback",
+                   "when": time.strftime("%Y-%m-%d"), "machine": socket.gethostname(), "results": results}, f,
+                  indent=1)
     print(f"wrote {path}")
 
 

@@ -213,7 +213,7 @@ class Membership:
         rendezvous cannot be reached, and :class:`cgx.PeerError` where a member was lost
         as the round's backend connected (ask again)."""
         if after_failure and self._prepared is not None:
-            self._failed_meanwhile = time.monotonic()  # the forming round gives up on those it lost (_give_up_on_the_gone)
+            self._failed_meanwhile = time.monotonic()  # the forming round gives up on those it lost
         prepared = self._take_prepared()
         self._leave_round()
         if prepared is not None:
@@ -319,32 +319,24 @@ class Membership:
         however far apart syncs are: as long as each is in torch's round, up to
         `join_timeout`. A member gone from it (it died, or left without moving) fails the
         wait with a PeerError: the replica forms the next round."""
-        waiting_for = [r for r in members.beside if r != members.ranks[members.rank]]
+        me = members.ranks[members.rank]
+        waiting_for = [r for r in members.beside if r != me]
         if not waiting_for:
             return
         moves = dist.PrefixStore("cgx-moved/", members.store)
         keys = [str(r) for r in waiting_for]
-        deadline = time.monotonic() + self.join_timeout.total_seconds()
-        next_check = time.monotonic() + 1.0
+        give_up = self._give_up_on_the_gone(members.torch_round, waiting_for, me, beside=False)
+        started = time.monotonic()
         while not self._reach_the_store(lambda: moves.check(keys)):
-            time.sleep(0.02)
-            now = time.monotonic()
-            if now < next_check:
-                continue
-            next_check = now + 1.0
-            try:
-                present = rendezvous_access.ranks_in_round(self._handler, members.torch_round)
-            except RendezvousError as e:
-                raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the rendezvous cannot be read: {e}") from e
-            gone = None if present is None else sorted(set(waiting_for) - present)
-            if present is None or gone:
-                raise PeerError(f"cgx.elastic: run {self.run_id!r}: while this replica waited for the members of "
-                                f"its new round to move to it, " + (
-                                    f"torch's rendezvous dropped this replica from round {members.torch_round}"
-                                    if present is None else f"ranks {gone} of it left torch's rendezvous"))
-            if now > deadline:
+            if time.monotonic() > started + self.join_timeout.total_seconds():
                 raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the members of this replica's new round did "
                                       f"not move to it within join_timeout={self.join_timeout}")
+            try:
+                give_up(started, lambda: [])
+            except dist.DistStoreError as e:
+                raise PeerError(f"cgx.elastic: run {self.run_id!r}: while this replica waited for the members of its "
+                                f"new round to move to it, {e}") from e
+            time.sleep(0.02)
 
     def _reach_the_store(self, read: Callable[[], Any]) -> Any:
         """`read` of the rendezvous's store, where its failing means the store's host is
@@ -502,9 +494,10 @@ class Membership:
         member then gives its verdict: the members of earlier rounds refuse a newcomer
         whose proof fails or whose terms differ (MembershipError or ValueError on it; it
         leaves, and the others form the round again without it: None). A replica gone
-        meanwhile is left behind (None; see :meth:`_give_up_on_the_gone`). In a round of newcomers only (the run's start),
-        a failed proof fails every member. Returns the ranks that form the round beside
-        their training (`beside` on each), or None where it forms again without one."""
+        meanwhile is left behind (None; see :meth:`_give_up_on_the_gone`). In a round of
+        newcomers only (the run's start), a failed proof fails every member. Returns the
+        ranks that form the round beside their training (`beside` on each), or None where
+        it forms again without one."""
         store = dist.PrefixStore("cgx-admission/", round_store)
         give_up = self._give_up_on_the_gone(torch_round, list(range(size)), rank, beside)
 
@@ -545,7 +538,8 @@ class Membership:
     def _give_up_on_the_gone(self, torch_round: int, ranks: list[int], me: int, beside: bool) -> GiveUp:
         """How a wait of a forming round (the members `ranks` of rendezvous round
         `torch_round`; this member is rank `me` of it) gives up on a member that will not
-        write (DistStoreError: the round forms again without it), sooner than
+        write (DistStoreError: the round forms again without it; MembershipError where
+        the rendezvous cannot be read), sooner than
         `group_timeout`: once torch's rendezvous no longer holds it in the round (it left,
         or missed its heartbeats; read once a second); and, where this member forms the
         round beside a round that failed meanwhile (`beside`), once it has been silent for
@@ -555,7 +549,7 @@ class Membership:
         silent. (A live member slower than that is dropped too: it joins again.)"""
         next_check = time.monotonic() + 1.0
 
-        def give_up(started: float, missing) -> None:
+        def give_up(started: float, missing: Callable[[], list[int]]) -> None:
             nonlocal next_check
             now = time.monotonic()
             failed_at = self._failed_meanwhile
@@ -574,9 +568,13 @@ class Membership:
                 try:
                     present = rendezvous_access.ranks_in_round(self._handler, torch_round)
                 except RendezvousError as e:
-                    raise dist.DistStoreError(f"the rendezvous cannot be read: {e}") from e
-                if present is None or not set(ranks) <= present:
-                    raise dist.DistStoreError("a member of the forming round left torch's rendezvous")
+                    raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the rendezvous cannot be read: "
+                                          f"{e}") from e
+                if present is None:
+                    raise dist.DistStoreError(f"torch's rendezvous dropped this replica from round {torch_round}")
+                gone = sorted(set(ranks) - present)
+                if gone:
+                    raise dist.DistStoreError(f"ranks {gone} of it left torch's rendezvous")
         return give_up
 
     def _starting_together(self, store: dist.Store, valid: list[bool], rank: int, size: int) -> None:
