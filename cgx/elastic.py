@@ -220,7 +220,11 @@ class Membership:
             members, backend = prepared
             # Those that formed it without preparing (joiners) wait for this before
             # their first collective in it.
-            dist.PrefixStore("cgx-moved/", members.store).set(str(members.rank), "1")
+            try:
+                self._reach_the_store(lambda: dist.PrefixStore("cgx-moved/", members.store).set(str(members.rank), "1"))
+            except MembershipError:
+                backend.shutdown()
+                raise
             return self._enter(members, backend)
         members = self._roll_call() if after_failure and self._members is not None else None
         return self._enter(members or self._form())

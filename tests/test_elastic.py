@@ -241,12 +241,11 @@ def _members_leave_before_moving(replica, replicas, port):
     result = None
     if replica == 2:
         store.wait(["leave-before/formed"])
-        started = time.monotonic()
         try:
             membership.next_round()
             result = "joined"
         except cgx.PeerError as e:
-            result = (time.monotonic() - started < 100, str(e))
+            result = str(e)
     else:
         store.set("leave-before/formed", "1")
         _wait_for_a_joiner(membership)
@@ -259,9 +258,11 @@ def _members_leave_before_moving(replica, replicas, port):
 
 
 def test_a_joiner_stops_waiting_for_members_that_leave_before_moving_to_its_round():
+    # The run's limit (90 s) comes before the joiner's join_timeout (100 s): a wait bounded
+    # only by that fails the test. Both left; the joiner's check, once a second, may come
+    # between the two.
     result = values(run_ranks(_members_leave_before_moving, 3, args=(_free_port(),), timeout_s=90))[2]
-    # Both left; the joiner's check, once a second, may come between the two.
-    assert result[0] and re.search(r"ranks \[(0|1|0, 1)\] of it left torch's rendezvous", result[1]), result
+    assert re.search(r"ranks \[(0|1|0, 1)\] of it left torch's rendezvous", result), result
 
 
 def _member_dies_while_the_next_round_forms(replica, replicas, port, where):
@@ -1131,12 +1132,18 @@ def _go_on_before_the_dead_ones_heartbeats_stop(replica, replicas, port):
                                    lambda: diloco.stats()["replicas_joined"] >= 1 or replica == 3, others=(1, 3))
 
 
+def _survivors_and_joiner_stats(results) -> tuple[dict, dict]:
+    """Replica 2 of four died (run_ranks' results): the other three ended at one step
+    with one global digest. Returns the stats of replicas 0 and 1."""
+    (end0, digest0, stats0), (end1, digest1, stats1), (end3, digest3, _) = values(results[:2] + results[3:])
+    assert end0 == end1 == end3 and digest0 == digest1 == digest3
+    return stats0, stats1
+
+
 def test_diloco_survivors_go_on_and_admit_a_joiner_before_the_dead_ones_heartbeats_stop():
     results = run_ranks(_go_on_before_the_dead_ones_heartbeats_stop, 4, args=(_free_port(),), expect_exit={2},
                         timeout_s=120)
-    (end0, digest0, stats0), (end1, digest1, stats1), (end3, digest3, _) = values(results[:2] + results[3:])
-    assert end0 == end1 == end3 and digest0 == digest1 == digest3
-    for stats in (stats0, stats1):
+    for stats in _survivors_and_joiner_stats(results):
         assert stats["replicas_lost"] == 1 and stats["replicas_joined"] == 1 and stats["replicas"] == 3, stats
 
 
@@ -1204,16 +1211,13 @@ def _member_dies_as_the_next_round_connects(replica, replicas, port):
 def test_diloco_a_joiner_whose_round_fails_to_connect_forms_again_and_is_admitted():
     results = run_ranks(_member_dies_as_the_next_round_connects, 4, args=(_free_port(),), expect_exit={2},
                         timeout_s=150)
-    (end0, digest0, stats0), (end1, digest1, _), (end3, digest3, _) = values(results[:2] + results[3:])
-    assert end0 == end1 == end3 and digest0 == digest1 == digest3
+    stats0, _ = _survivors_and_joiner_stats(results)
     assert stats0["replicas"] == 3 and stats0["replicas_lost"] == 1, stats0
 
 
 def test_diloco_members_stay_in_torchs_round_while_a_dead_one_holds_their_next_backend():
     results = run_ranks(_dead_in_the_verdict, 4, args=(_free_port(),), expect_exit={2}, timeout_s=120)
-    (end0, digest0, stats0), (end1, digest1, stats1), (end3, digest3, _) = values(results[:2] + results[3:])
-    assert end0 == end1 == end3 and digest0 == digest1 == digest3
-    for stats in (stats0, stats1):
+    for stats in _survivors_and_joiner_stats(results):
         assert stats["replicas_lost"] == 1 and stats["replicas_joined"] == 1 and stats["replicas"] == 3, stats
 
 

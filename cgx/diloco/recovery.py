@@ -46,16 +46,24 @@ class Recovery:
 
     def first_replicas(self) -> _Replicas:
         """The replicas of the round this replica starts in (formed here if none is; where
-        a member is lost as it forms, its backend fails to connect: formed again)."""
-        while self.membership.round is None:
+        a member is lost as it forms, its backend fails to connect: formed again, until
+        the membership's join_timeout has passed: a replica whose rounds keep failing
+        would cost the members a round each time)."""
+        membership = self.membership
+        deadline = time.monotonic() + membership.join_timeout.total_seconds()
+        while membership.round is None:
             try:
-                self.membership.next_round()
+                membership.next_round()
             except dist.DistError as e:
                 if isinstance(e, (CallMismatchError, MembershipError)):
                     raise
+                if time.monotonic() > deadline:
+                    raise MembershipError(f"cgx.DiLoCo: run {membership.run_id!r}: no first round formed within "
+                                          f"join_timeout={membership.join_timeout}; the last attempt failed with "
+                                          f"{type(e).__name__}: {e}") from e
                 _log.warning("cgx.DiLoCo: run %r: the first round failed as it formed (%s: %s); it forms again",
-                             self.membership.run_id, type(e).__name__, e)
-        return _Replicas.of_round(self.membership.round)
+                             membership.run_id, type(e).__name__, e)
+        return _Replicas.of_round(membership.round)
 
     def join(self) -> None:
         """The first round of this replica: the run's start, or a join (then the rest of
