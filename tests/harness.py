@@ -31,6 +31,9 @@ against a fresh interpreter, and what this module does about it:
   caller copies to its own sys.stdout and sys.stderr when the ranks end, so that pytest
   shows them with the test that ran them (a fork would otherwise write to wherever the
   server's descriptors pointed when it started).
+- A hang: the ranks still running at the limit write every thread's Python stack
+  (faulthandler, on SIGUSR1) before they are killed; the AssertionError shows those
+  stacks, and what the ranks that did return raised.
 - Exit: a forked rank ends with os._exit, so after reporting it runs the atexit handlers
   itself (a handler that hangs is caught by the limit, as at a spawned rank's exit);
   Python's finalisation and C++ static destructors do not run.
@@ -43,9 +46,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import faulthandler
 import gc
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -112,6 +117,9 @@ def init_cgx(rank: int, world_size: int, timeout_s: float = 60.0, pg_options=Non
 def _rank_main(rank, fn, world_size, environ, result_dir, args, forked):
     if forked:
         _become_fresh(environ, os.path.join(result_dir, str(rank)))
+    global _stacks
+    _stacks = open(os.path.join(result_dir, f"{rank}.stacks"), "w")  # noqa: SIM115  (the rank's lifetime)
+    faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)
     try:
         value: Any = fn(rank, world_size, *args)
     except BaseException as e:  # reported to the parent, which decides
@@ -151,6 +159,7 @@ def _become_fresh(environ: dict[str, str], output: str) -> None:
 
 _context = None
 _server_environ: dict[str, str] = {}
+_stacks = None  # in a rank: where it writes its threads' stacks on SIGUSR1 (a hang)
 
 
 def _forkserver():
@@ -235,7 +244,12 @@ def run_ranks(
         deadline = time.monotonic() + timeout_s
         for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
-        hung = any(p.is_alive() for p in processes)
+        running = [rank for rank, p in enumerate(processes) if p.is_alive()]
+        hung = bool(running)
+        for rank in running:  # each writes its stacks (faulthandler's C handler: at once, even in a blocked call)
+            os.kill(processes[rank].pid, signal.SIGUSR1)
+        if hung:
+            time.sleep(1.0)
         for p in processes:
             if hung:
                 p.kill()
@@ -243,7 +257,13 @@ def run_ranks(
         if forked:
             _replay_output(tmp, world_size)
         if hung:
-            raise AssertionError(f"ranks still running after {timeout_s} s (hang?)")
+            # What the ranks that did return raised: often why the others waited on.
+            raised = [f"rank {rank} raised {r.type}: {r.message}\n{r.traceback}"
+                      for rank, r in enumerate(_reported(tmp, world_size)) if isinstance(r, RankError)]
+            stacks = [f"rank {rank}'s threads at the limit:\n{_read(os.path.join(tmp, f'{rank}.stacks'))}"
+                      for rank in running]
+            raise AssertionError("\n".join([f"ranks {running} still running after {timeout_s} s (hang?)", *raised,
+                                            *stacks]))
         results = []
         for rank, process in enumerate(processes):
             path = os.path.join(tmp, f"{rank}.pkl")
@@ -260,6 +280,27 @@ def run_ranks(
                   if isinstance(r, RankError)]
         raise AssertionError(f"left in /dev/shm: {sorted(leaked)}; rank errors: {errors}")
     return results
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read() or "(nothing written)"
+    except FileNotFoundError:
+        return "(no file: the rank had not started)"
+
+
+def _reported(result_dir: str, world_size: int) -> list[Any]:
+    """Each rank's reported result (its return value or RankError), None where it did not report."""
+    reported = []
+    for rank in range(world_size):
+        path = os.path.join(result_dir, f"{rank}.pkl")
+        try:
+            with open(path, "rb") as f:
+                reported.append(pickle.load(f))
+        except (FileNotFoundError, EOFError, pickle.UnpicklingError):  # none, or cut short by the kill
+            reported.append(None)
+    return reported
 
 
 def values(results: list[Any]) -> list[Any]:

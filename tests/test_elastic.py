@@ -808,20 +808,23 @@ def _grow_and_shrink(replica, replicas, port):
 
     membership = _membership(replica, port, "grow", starting=3, min_replicas=2)  # replica 0's serves the store
     store = _rendezvous_store(port)
-    if replica == 3:
-        store.wait(["step-10"])
-    if replica == 4:
-        store.wait(["joined"])
-    model = _model(replica)
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sync_every = 8 if replica == 4 else _SYNC_EVERY
     try:
+        if replica == 3:
+            store.wait(["step-10"])
+        if replica == 4:
+            store.wait(["joined"])
+        model = _model(replica)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sync_every = 8 if replica == 4 else _SYNC_EVERY
         diloco = cgx.DiLoCo(model, inner, sync_every=sync_every, fragments=2, bits=4, overlap=1,
                             membership=membership)
     except ValueError as e:
         store.set("refused", "1")
         _host_stays_until_the_others_are_done(replica, [1, 3, 4], port, "grow")
         return str(e)
+    except BaseException as e:  # the members would train on, waiting for what this replica was to do
+        store.set("failed", f"replica {replica}: {type(e).__name__}: {e}")
+        raise
     if replica == 3:
         store.set("joined", "1")
     digests = {}
@@ -833,6 +836,8 @@ def _grow_and_shrink(replica, replicas, port):
     while diloco.step < _STEPS or not replica_2_left():
         if replica == 0 and diloco.step == 10:
             store.set("step-10", "1")
+        if store.check(["failed"]):
+            raise AssertionError(f"the members stop: {store.get('failed').decode()}")
         if replica == 2 and store.check(["refused"]):  # replica 3 joined before replica 4 was refused
             diloco.leave()
             _host_stays_until_the_others_are_done(replica, [1, 3, 4], port, "grow")

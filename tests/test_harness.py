@@ -113,6 +113,12 @@ def _sleeps(rank, world):
         time.sleep(600)
 
 
+def _raises_while_another_waits(rank, world):
+    if rank == 0:
+        raise KeyError("rank 0's own error")
+    time.sleep(600)
+
+
 def _raises(rank, world):
     if rank == 1:
         raise KeyError("rank 1's own error")
@@ -129,6 +135,9 @@ def test_a_hang_is_killed_at_the_limit_and_errors_and_deaths_are_reported():
     started = time.monotonic()
     with pytest.raises(AssertionError, match="still running after 3 s"):
         run_ranks(_sleeps, 2, timeout_s=3)
+    with pytest.raises(AssertionError, match=r"(?s)ranks \[1\] still running.*rank 0 raised KeyError.*"
+                                             r"rank 1's threads at the limit.*_raises_while_another_waits"):
+        run_ranks(_raises_while_another_waits, 2, timeout_s=3)  # why the others waited on
     assert time.monotonic() - started < 30
     assert multiprocessing.active_children() == []
     results = run_ranks(_raises, 2)
