@@ -867,6 +867,70 @@ def test_diloco_admits_a_joiner_refuses_one_built_otherwise_and_lets_one_leave()
         assert (stats["replicas_joined"], stats["replicas_lost"], stats["replicas"]) == (1, 1, 3), stats
 
 
+def _outer_gradients_with_a_joiner(replica, replicas, port):
+    """Replicas 0 and 1 run exact DiLoCo (2 fragments, sync_every 4); replica 2 joins at a
+    sync of theirs after step 6; all end 8 steps after it joined. Each records, for every
+    sync it sent into, its own outer gradient (global - local) and the sync's average."""
+    import cgx
+    import cgx.diloco.outer_sync
+    from test_diloco import _model, _train_step
+
+    fragment_class = cgx.diloco.outer_sync._Fragment
+    start, apply = fragment_class.start, fragment_class.apply
+    sent, averages = {}, {}
+
+    def recording_start(self, replicas_, step, *args, delta=None, **kwargs):
+        if delta is None and self.members:
+            sent[(self.index, step)] = torch.cat([(m.global_weight - m.param.detach()).reshape(-1)
+                                                  for m in self.members])
+        return start(self, replicas_, step, *args, delta=delta, **kwargs)
+
+    def recording_apply(self, sync, *args):
+        averages[(self.index, sync.agreement.step)] = sync.outer_gradient.clone()
+        return apply(self, sync, *args)
+    fragment_class.start, fragment_class.apply = recording_start, recording_apply
+    membership = _membership(replica, port, "weighed", starting=2, min_replicas=2)
+    store = _rendezvous_store(port)
+    if replica == 2:
+        store.wait(["weighed-step-6"])
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=32, membership=membership)
+    joined_at = diloco.step if replica == 2 else None
+    while joined_at is None or diloco.step < joined_at + 2 * _SYNC_EVERY:
+        if replica == 0 and diloco.step == 6:
+            store.set("weighed-step-6", "1")
+        _train_step(model, inner, replica, diloco.step)
+        if joined_at is None and diloco.stats()["replicas_joined"]:
+            joined_at = diloco.step
+    diloco.close()
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 2], port, "weighed")
+    return joined_at, sent, averages
+
+
+def test_a_joiners_first_outer_gradients_count_by_the_inner_steps_they_hold():
+    """A joiner restarts its local weights from the global ones at a sync of the members:
+    its next sync of a fragment holds fewer inner steps than theirs, and counts for that
+    many in the average (exact DiLoCo: the average is checked against the three outer
+    gradients), not as much as a whole interval."""
+    results = values(run_ranks(_outer_gradients_with_a_joiner, 3, args=(_free_port(),), timeout_s=120))
+    joined_at = results[2][0]
+    assert results[0][0] == results[1][0] == joined_at
+    partial = 0
+    for key, average in results[2][2].items():
+        fragment, step = key
+        if step <= joined_at:
+            continue
+        joiner = min(step - joined_at, _SYNC_EVERY) / _SYNC_EVERY
+        partial += joiner < 1
+        weights = [1.0, 1.0, joiner]
+        expected = sum(w * r[1][key].double() for w, r in zip(weights, results)) / sum(weights)
+        torch.testing.assert_close(average.double(), expected, rtol=1e-5, atol=1e-7)
+        assert torch.equal(results[0][2][key], average) and torch.equal(results[1][2][key], average)
+    assert partial >= 1  # a sync where the joiner held fewer steps than the members
+
+
 def _below_min_replicas(replica, replicas, port):
     import signal
 

@@ -341,9 +341,12 @@ class DiLoCo:
             if self.step % self.sync_every == fragment.offset and fragment.last_start != self.step:
                 self._change_members(fragment)
                 trained, strangers = _trained(self._model, self._optimizer)
-                joiners = 0 if self._recovery is None else self._recovery.joining(self._replicas.size)
+                joiners, scale = 0, None
+                if self._recovery is not None:
+                    joiners = self._recovery.joining(self._replicas.size)
+                    scale = self._recovery.contribution(self.step)
                 sync = fragment.start(self._replicas, self.step, self.step + self.overlap, self.error_feedback,
-                                      trained, strangers, joiners, keep=self._recovery is not None)
+                                      trained, strangers, joiners, keep=self._recovery is not None, scale=scale)
                 self._in_flight.append(sync)
                 fragment.last_start = self.step
                 if self.overlap == 0:

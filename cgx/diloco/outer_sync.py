@@ -362,10 +362,11 @@ class _Fragment:
 
     def start(self, replicas: _Replicas, step: int, due: int, error_feedback: bool,
               trained: list[tuple[str, tuple[int, ...]]], strangers: int, joiners: int = 0,
-              keep: bool = False, delta: torch.Tensor | None = None) -> _Sync:
-        """Launches the allreduce of the outer gradient (global - local; `delta` instead,
-        for a sync done again), the agreement's rows after it (beside it for an exact
-        sync). With `keep`, the sync keeps a copy of the outer gradient it sent."""
+              keep: bool = False, delta: torch.Tensor | None = None, scale: float | None = None) -> _Sync:
+        """Launches the allreduce of the outer gradient (global - local, times `scale`
+        where given: this replica's weight in the average; `delta` instead, for a sync
+        done again), the agreement's rows after it (beside it for an exact sync). With
+        `keep`, the sync keeps a copy of the outer gradient it sent (before `scale`)."""
         # The rows travel with the outer gradient, so they live on its device.
         device = self.members[0].global_weight.device if self.members else torch.device("cpu")
         state = _digest([m.global_weight for m in self.members] + [
@@ -379,6 +380,8 @@ class _Fragment:
             if delta is None:
                 delta = torch.cat([(m.global_weight - _local(m.param).float()).reshape(-1) for m in self.members])
             sent = delta.clone() if keep else None
+            if scale is not None:
+                delta.mul_(scale)
             flat = torch.cat([delta, *([] if exact_sync else [rows.view(-1)])])
         residual = None
         if error_feedback and self.compressed:

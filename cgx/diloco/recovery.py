@@ -41,6 +41,9 @@ class Recovery:
         self.established = False  # holds the run's state (the run started with it, or it took it)
         self.took_state = False  # took it from a live member: a checkpoint would set it apart
         self._ids: list[str] = []  # the replicas of the current round, by Membership.replica_id
+        # replica id -> the inner step its local weights restarted from the global ones (it
+        # took the run's state): its outer gradients hold fewer steps until sync_every later.
+        self._restarted: dict[str, int] = {}
         self.stats = {"rounds": 0, "replicas_lost": 0, "replicas_joined": 0, "syncs_redone": 0,
                       "reform_seconds": 0.0, "bytes_to_joiners": 0}
 
@@ -129,6 +132,22 @@ class Recovery:
 
     def leave(self) -> None:
         self.membership.close()
+
+    def contribution(self, step: int, senders: list[bool] | None = None) -> float | None:
+        """The factor this replica scales its outer gradient by in a sync started at inner
+        step `step`, so that the sync's average weighs each replica by the inner steps its
+        outer gradient holds (of sync_every): fewer for one whose local weights restarted
+        from the global ones since (a joiner's first syncs, whose few steps would else
+        count as much as a whole interval), none for one that did not send into a sync
+        done again (`senders`, by rank). None where every weight is the same."""
+        every = self._diloco.sync_every
+        weights = [0.0 if senders is not None and not senders[r]
+                   else min(max(step - self._restarted.get(i, step - every), 0), every) / every
+                   for r, i in enumerate(self._ids)]
+        total = sum(weights)
+        if total == 0 or all(w == weights[0] for w in weights):
+            return None
+        return len(weights) * weights[self._diloco._replicas.rank] / total
 
     # ---- the replicas re-form
 
@@ -229,6 +248,9 @@ class Recovery:
             if me in takers:
                 diloco._restart_local_weights()
         self._settle_in_flight(positions, reference, takers)
+        for r in takers:  # after the syncs done again: what the takers sent there came from their own weights
+            self._restarted[positions[r]["id"]] = positions[reference]["step"]
+        self._restarted = {i: s for i, s in self._restarted.items() if i in self._ids}
         self.established = True
         self.took_state |= me in takers
         return me in takers
@@ -261,7 +283,8 @@ class Recovery:
         """The syncs in flight, as the reference has them: the averages it completed are
         sent to every member that lacks them; the syncs it did not complete are done again in
         this round, each member sending what it sent before (scaled, so that the average
-        is over those that sent) or zeros. Residuals from the old round are dropped."""
+        is over those that sent, weighed as :meth:`contribution` says) or zeros. Residuals
+        from the old round are dropped."""
         diloco = self._diloco
         replicas, in_flight = diloco._replicas, diloco._in_flight
         size = replicas.size
@@ -277,13 +300,14 @@ class Recovery:
                     replicas.send([sync.outer_gradient], reference, lacking)
                 sync.work, sync.agreement.work, sync.checked = None, None, True
             else:
-                again.append((i, sum(1 for r in range(size) if key in theirs[r] and theirs[r][key]["sent"])))
+                again.append((i, [key in theirs[r] and theirs[r][key]["sent"] for r in range(size)]))
         for i, senders in again:
             old = in_flight[i]
             fragment = old.fragment
             delta = None
             if fragment.members:
-                delta = (old.sent * (size / senders) if old.sent is not None
+                scale = self.contribution(old.agreement.step, senders)
+                delta = (old.sent * (1.0 if scale is None else scale) if old.sent is not None
                          else torch.zeros(fragment.numel, device=fragment.members[0].global_weight.device))
             sync = fragment.start(replicas, old.agreement.step, old.due, diloco.error_feedback,
                                   old.agreement.trained, 0, delta=delta)
