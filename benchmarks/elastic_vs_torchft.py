@@ -416,6 +416,14 @@ def run(library: str, scenario: str, tuning: str, seed: int, args, tmp: str) -> 
     elif kills:  # chaos: replica 0 lives throughout; its wait from each kill to its next sync
         result["kill_to_next_sync_s"] = [next((t for t in live[0]["syncs"] if t > kill), seconds + started) - kill
                                          for kill, _ in kills]
+        # Replica 0's inner steps while the killed one was away (from its kill to its restart's
+        # first sync): steps whose average lacks a replica's progress (one victim at a time).
+        # (A restart that never synced (killed first) counts as away until the next kill.)
+        ends = [k for k, _ in kills[1:]] + [seconds + started]
+        back = [when + first if first is not None else end
+                for (when, _), first, end in zip(restarts, result["restart_to_first_sync_s"], ends)]
+        result["steps_with_a_replica_missing"] = sum(1 for t, _, _ in live[0]["steps"]
+                                                     if any(k <= t <= b for (k, _), b in zip(kills, back)))
     return result
 
 
@@ -502,6 +510,7 @@ def main() -> None:
             ("chaos: wall clock lost to the failures, s", "failure_cost_s", "{:.1f}", "chaos"),
             ("chaos: kill -> replica 0's next sync, s (median)", "kill_to_next_sync_median", "{:.2f}", "chaos"),
             ("chaos: restart -> the joiner's first sync, s (median)", "first_sync_median", "{:.2f}", "chaos"),
+            ("chaos: replica 0's steps with a replica missing", "steps_with_a_replica_missing", "{:.0f}", "chaos"),
             ("chaos: global weights bit-identical", "identical", "{}", "chaos")]
     for r in results:
         if r.get("state_to_joiner_bytes") is not None:
