@@ -95,6 +95,7 @@ class _Members:
     ranks: list[int]  # the members, by their rank in the rendezvous round
     rank: int  # this member's place in `ranks`
     beside: tuple[int, ...] = ()  # the ranks that formed it beside their training (prepare_next_round)
+    nodes: tuple[str, ...] = ()  # each rank's node, as torch's rendezvous state names it
 
 
 class Membership:
@@ -290,12 +291,14 @@ class Membership:
             info = self._rendezvous()
             torch_round = rendezvous_access.round_of(self._handler)
             store = self._round_store(info.store, torch_round)
-            formed_beside = self._admit(store, torch_round, info.rank, info.world_size, beside)
-            if formed_beside is not None:
+            admitted = self._admit(store, torch_round, info.rank, info.world_size, beside)
+            if admitted is not None:
+                formed_beside, nodes = admitted
                 return _Members(store, info.store, torch_round, 0, list(range(info.world_size)), info.rank,
-                                tuple(formed_beside))
-            # A replica was refused, or went silent while the round formed: the others
-            # form it again without it (a refused one leaves; a silent one did not ask).
+                                tuple(formed_beside), tuple(nodes))
+            # A replica was refused, or went silent while the round formed, or a member
+            # of the current round was left out of it: the others form it again (a
+            # refused one leaves; a silent one did not ask; one left out joins it).
 
     def _enter(self, members: _Members, backend: _C.ProcessGroupCGX | None = None) -> Round:
         # On the store's host, the store serves the others as long as this object lives,
@@ -393,7 +396,7 @@ class Membership:
         if len(present) < self.min_replicas:
             return None
         return _Members(members.store, members.torch_store, members.torch_round, members.epoch + 1, present,
-                        present.index(me))
+                        present.index(me), nodes=members.nodes)
 
     def _expire(self, members: _Members, gone: list[int]) -> None:
         """Tells torch's rendezvous that the members `gone` (ranks of its round) are:
@@ -488,7 +491,7 @@ class Membership:
                                   f"{type(e).__name__}: {e}") from e
 
     def _admit(self, round_store: dist.Store, torch_round: int, rank: int, size: int,
-               beside: bool) -> list[int] | None:
+               beside: bool) -> tuple[list[int], list[str]] | None:
         """The run's secret and terms, checked as the round forms, before its backend
         exists (so before a byte of a collective moves): the check of a replica that did
         not meet the published terms first (it came as the run started, or by another
@@ -499,9 +502,18 @@ class Membership:
         whose proof fails or whose terms differ (MembershipError or ValueError on it; it
         leaves, and the others form the round again without it: None). A replica gone
         meanwhile is left behind (None; see :meth:`_give_up_on_the_gone`). In a round of
-        newcomers only (the run's start), a failed proof fails every member. Returns the
-        ranks that form the round beside their training (`beside` on each), or None where
-        it forms again without one."""
+        newcomers only (the run's start), a failed proof fails every member.
+
+        A round formed beside training must hold every member of the current round that
+        still asks for it: torch's rendezvous closes a round a last call after its first
+        two participants, and a member whose poll came later (a starved thread) waits for
+        the round after, which forms only once this one's members leave it; the others
+        would wait for it to be ready forever. So the members forming it beside show
+        their current round's nodes, and where one of those is missing and waits in
+        torch's wait list, everyone forms the round again (None), with it.
+
+        Returns the ranks that form the round beside their training (`beside` on each)
+        and every rank's node, or None where it forms again."""
         store = dist.PrefixStore("cgx-admission/", round_store)
         give_up = self._give_up_on_the_gone(torch_round, list(range(size)), rank, beside)
 
@@ -510,24 +522,30 @@ class Membership:
         try:
             nonces = gathered("nonce", secrets.token_hex(16))
             challenge = hashlib.sha256("/".join(nonces).encode()).hexdigest()
-            claim = json.dumps([self._proof(challenge, rank), self.rounds > 0, self._terms_digest(), beside])
+            current = [self._members.nodes[r] for r in self._members.ranks] if beside and self._members else []
+            claim = json.dumps([self._proof(challenge, rank), self.rounds > 0, self._terms_digest(), beside,
+                                rendezvous_access.node_of(self._handler), current])
             claims = [json.loads(c) for c in gathered("claim", claim)]
             valid = [hmac.compare_digest(proof, self._proof(challenge, r)) for r, (proof, *_) in enumerate(claims)]
             starting = not any(member for _, member, *_ in claims)
-            verdict = {}
+            nodes = [node for *_, node, _ in claims]
+            verdict: dict[str, Any] = {"refused": {}, "left out": self._left_out(claims, nodes)}
             if self.rounds > 0:  # an established member judges the newcomers
-                for r, (_, member, terms, _) in enumerate(claims):
+                for r, (_, member, terms, *_) in enumerate(claims):
                     if not valid[r]:
-                        verdict[r] = "secret"
+                        verdict["refused"][r] = "secret"
                     elif not member and terms != self._terms_digest():
-                        verdict[r] = "terms"
+                        verdict["refused"][r] = "terms"
             verdicts = [json.loads(v) for v in gathered("verdict", json.dumps(verdict))]
+        except MembershipError:
+            raise
         except dist.DistError:
             return None
         if starting:
             self._starting_together(store, valid, rank, size)
-            return []
-        refused = {int(r): why for v in verdicts for r, why in v.items()}
+            return [], nodes
+        refused = {int(r): why for v in verdicts for r, why in v["refused"].items()}
+        left_out = sorted({node for v in verdicts for node in v["left out"]})
         if rank in refused:
             self.close()
             if refused[rank] == "secret":
@@ -537,7 +555,24 @@ class Membership:
             raise ValueError(f"cgx.elastic: run {self.run_id!r} refused this replica: its terms (its cgx version, "
                              f"CGX_* settings or DiLoCo's) differ from the run's; every replica of a run must be "
                              f"built alike (nothing was sent to the run)")
-        return None if refused else [r for r, (*_, formed_beside) in enumerate(claims) if formed_beside]
+        if left_out and not refused:
+            _log.info("cgx.elastic: run %r: the round formed without member(s) %s of the current round, which wait "
+                      "for the next; it forms again", self.run_id, left_out)
+        if refused or left_out:
+            return None
+        return [r for r, (_, _, _, formed_beside, *_) in enumerate(claims) if formed_beside], nodes
+
+    def _left_out(self, claims: list[list[Any]], nodes: list[str]) -> list[str]:
+        """The nodes that the members forming this round beside their training had in
+        their current round, missing from it, and waiting in torch's wait list (left
+        out as it formed; one gone is not waited for)."""
+        missing = {node for *_, current in claims for node in current} - set(nodes)
+        if not missing:
+            return []
+        try:
+            return sorted(missing & rendezvous_access.waiting(self._handler))
+        except RendezvousError as e:
+            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the rendezvous cannot be read: {e}") from e
 
     def _give_up_on_the_gone(self, torch_round: int, ranks: list[int], me: int, beside: bool) -> GiveUp:
         """How a wait of a forming round (the members `ranks` of rendezvous round

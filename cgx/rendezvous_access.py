@@ -11,7 +11,8 @@ backend (c10d, etcd) serves:
 - :func:`leave`: torch's exit operation alone (the first step of ``next_rendezvous``).
 - :func:`round_of`: the number of the round the handler last joined; :func:`in_round`:
   whether this node is still one of its participants; :func:`ranks_in_round`: the ranks
-  of those that still are.
+  of those that still are; :func:`node_of`: how the state names this node;
+  :func:`waiting`: the nodes waiting for the next round.
 - :func:`expire`: marks the given ranks of that round as having missed their heartbeats,
   so torch removes them at once (its own removal of a dead member, moved forward) and the
   next round forms without waiting 3 heartbeats for them.
@@ -44,15 +45,30 @@ def in_round(handler, round_: int) -> bool:
     return ranks_in_round(handler, round_) is not None
 
 
+def node_of(handler) -> str:
+    """How the rendezvous state names this node."""
+    return repr(handler._this_node)
+
+
+def waiting(handler) -> set[str]:
+    """The nodes in the rendezvous's wait list (for the round after the current one), as
+    :func:`in_round` reads the state."""
+    return {repr(node) for node in _state(handler).wait_list}
+
+
 def ranks_in_round(handler, round_: int) -> set[int] | None:
     """The ranks of round `round_` still in it (torch drops one that leaves or misses 3
     heartbeats), as :func:`in_round` reads them; None where this node is not."""
-    with handler._heartbeat_lock:
-        handler._state_holder.sync()
-        state = handler._state_holder.state
+    state = _state(handler)
     if state.round != round_ or handler._this_node not in state.participants:
         return None
     return set(state.participants.values())
+
+
+def _state(handler):
+    with handler._heartbeat_lock:
+        handler._state_holder.sync()
+        return handler._state_holder.state
 
 
 class _Expire:

@@ -195,13 +195,23 @@ def _schedule(rank, world, overlap, pattern):
     settings = cgx.get_backend().settings
     layer_bytes = max(layout_bytes([(0, m.weight.numel(), 4, settings.bucket_size), (0, m.bias.numel(), 32, 1)],
                                    settings.skip_incomplete_buckets) for m in model if isinstance(m, torch.nn.Linear))
-    return fragments, changed, merges_exact, diloco.stats(), layer_bytes
+    # Offsets stay the construction's (0, 2, 4, 6): a sync_every at or below one would
+    # leave that fragment without a step to sync at.
+    try:
+        diloco.sync_every = 6
+        stranded = None
+    except ValueError as e:
+        stranded = str(e)
+    diloco.sync_every = 7 + overlap
+    return fragments, changed, merges_exact, diloco.stats(), layer_bytes, (stranded, diloco.sync_every)
 
 
 @pytest.mark.parametrize("overlap,pattern", [(0, "strided"), (2, "strided"), (1, "sequential")])
 def test_each_fragment_syncs_once_per_interval_at_its_offset(overlap, pattern):
     results = values(run_ranks(_schedule, 2, args=(overlap, pattern), timeout_s=120))
-    fragments, changed, merges_exact, stats, layer_bytes = results[0]
+    fragments, changed, merges_exact, stats, layer_bytes, (stranded, sync_every) = results[0]
+    assert "sync_every=6 leaves fragment(s) [3] (offsets [6]" in stranded, stranded
+    assert sync_every == 7 + overlap
     assert len(fragments) == 4 and all(fragments)
     for p, names in enumerate(fragments):
         starts = [t for t in range(1, 25) if t % 8 == p * 8 // 4]

@@ -59,7 +59,16 @@ _STATE_KEYS = ("rank", "world_size", "fragments", "joining", "leaving", "step", 
 def _schedule_field(name: str) -> property:
     """DiLoCo's attribute for the hyper-parameter `name` of its _Schedule."""
     def set_field(self, value: Any) -> None:
-        self._schedule = dataclasses.replace(self._schedule, **{name: value})
+        schedule = dataclasses.replace(self._schedule, **{name: value})
+        # The fragments keep their offsets (a sync in flight is never moved): one at or
+        # above sync_every would never sync again.
+        stranded = [f for f in self._fragments if f.offset >= schedule.sync_every]
+        if stranded:
+            raise ValueError(f"cgx.DiLoCo: sync_every={schedule.sync_every} leaves fragment(s) "
+                             f"{[f.index for f in stranded]} (offsets {[f.offset for f in stranded]}, fixed at "
+                             f"construction) without a step to sync at; sync_every must stay above "
+                             f"{max(f.offset for f in self._fragments)}")
+        self._schedule = schedule
     return property(lambda self: getattr(self._schedule, name), set_field)
 
 

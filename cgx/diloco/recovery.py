@@ -141,9 +141,16 @@ class Recovery:
         count as much as a whole interval), none for one that did not send into a sync
         done again (`senders`, by rank). None where every weight is the same."""
         every = self._diloco.sync_every
-        weights = [0.0 if senders is not None and not senders[r]
-                   else min(max(step - self._restarted.get(i, step - every), 0), every) / every
-                   for r, i in enumerate(self._ids)]
+
+        def weight(rank: int, replica: str) -> float:
+            if senders is None:
+                return min(max(step - self._restarted.get(replica, step - every), 0), every) / every
+            if not senders[rank]:
+                return 0.0
+            # A sender that restarted since it sent: what it sent predates that restart.
+            restarted = self._restarted.get(replica, step - every)
+            return 1.0 if restarted >= step else min(step - restarted, every) / every
+        weights = [weight(r, i) for r, i in enumerate(self._ids)]
         total = sum(weights)
         if total == 0 or all(w == weights[0] for w in weights):
             return None
@@ -224,6 +231,10 @@ class Recovery:
             self.established = True
             return False
         reference = _reference(positions)
+        # Who restarted where, as the reference has it: a replica that missed rounds (a
+        # joiner, one dropped and back) holds an older record, and every replica must
+        # weigh a sync's outer gradients alike (see contribution()).
+        self._restarted = dict(positions[reference]["restarted"])
         takers = [r for r, p in enumerate(positions) if p["state"] != positions[reference]["state"]]
         me = replicas.rank
         # A member as far as the reference with other weights diverged: what it sent into
@@ -277,6 +288,7 @@ class Recovery:
             "layout": layout,
             "in_flight": [{"key": s.key, "completed": s.completed, "sent": s.sent is not None}
                           for s in diloco._in_flight],
+            "restarted": self._restarted,
         }
 
     def _settle_in_flight(self, positions: list[dict[str, Any]], reference: int, takers: list[int]) -> None:
