@@ -879,9 +879,7 @@ def _outer_gradients_with_a_joiner(replica, replicas, port):
     """Replicas 0 and 1 run exact DiLoCo (2 fragments, sync_every 4); replica 2 joins at a
     sync of theirs after step 6; all end 8 steps after it joined. Each records, for every
     sync it sent into, its own outer gradient (global - local) and the sync's average."""
-    import cgx
     import cgx.diloco.outer_sync
-    from test_diloco import _model, _train_step
 
     fragment_class = cgx.diloco.outer_sync._Fragment
     start, apply = fragment_class.start, fragment_class.apply
@@ -898,23 +896,35 @@ def _outer_gradients_with_a_joiner(replica, replicas, port):
         return apply(self, sync, *args)
     fragment_class.start, fragment_class.apply = recording_start, recording_apply
     membership = _membership(replica, port, "weighed", starting=2, min_replicas=2)
-    store = _rendezvous_store(port)
-    if replica == 2:
-        store.wait(["weighed-step-6"])
-    model = _model(replica)
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=32, membership=membership)
-    joined_at = diloco.step if replica == 2 else None
-    while joined_at is None or diloco.step < joined_at + 2 * _SYNC_EVERY:
-        if replica == 0 and diloco.step == 6:
-            store.set("weighed-step-6", "1")
-        _train_step(model, inner, replica, diloco.step)
-        if joined_at is None and diloco.stats()["replicas_joined"]:
-            joined_at = diloco.step
-    diloco.close()
+    _, joined_at = _join_at_step_6(replica, 2, _rendezvous_store(port), "weighed", membership, bits=32)
     membership.close()
     _host_stays_until_the_others_are_done(replica, [1, 2], port, "weighed")
     return joined_at, sent, averages
+
+
+def _join_at_step_6(replica, joiner, store, run, membership, bits, after_step=None):
+    """Replica `joiner` joins the run once replica 0 is at inner step 6 (it says so on
+    `store`); every replica trains until 2 sync intervals after the join, calling
+    `after_step(diloco)` after each step, then closes. Returns DiLoCo and the join's step."""
+    import cgx
+    from test_diloco import _model, _train_step
+
+    if replica == joiner:
+        store.wait([f"{run}-step-6"])
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=bits, membership=membership)
+    joined_at = diloco.step if replica == joiner else None
+    while joined_at is None or diloco.step < joined_at + 2 * _SYNC_EVERY:
+        if replica == 0 and diloco.step == 6:
+            store.set(f"{run}-step-6", "1")
+        _train_step(model, inner, replica, diloco.step)
+        if after_step is not None:
+            after_step(diloco)
+        if joined_at is None and diloco.stats()["replicas_joined"]:
+            joined_at = diloco.step
+    diloco.close()
+    return diloco, joined_at
 
 
 def test_a_joiners_first_outer_gradients_count_by_the_inner_steps_they_hold():
@@ -950,7 +960,6 @@ def _a_member_late_to_the_joiners_round(replica, replicas, port):
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     import cgx
-    from test_diloco import _model, _train_step
 
     # Heartbeats of 2 s: member 1 stays in torch's wait list while its thread is held (6 s).
     membership = _membership(replica, port, "late", starting=3, min_replicas=2, heartbeat=datetime.timedelta(seconds=2))
@@ -976,22 +985,9 @@ def _a_member_late_to_the_joiners_round(replica, replicas, port):
         left_out.extend(nodes)
         return nodes
     cgx.elastic.Membership._left_out = recording
-    store = _rendezvous_store(port)
-    if replica == 3:
-        store.wait(["late-step-6"])
-    model = _model(replica)
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
-    joined_at = diloco.step if replica == 3 else None
     digests = {}
-    while joined_at is None or diloco.step < joined_at + 2 * _SYNC_EVERY:
-        if replica == 0 and diloco.step == 6:
-            store.set("late-step-6", "1")
-        _train_step(model, inner, replica, diloco.step)
-        digests[diloco.step] = _global_digest(diloco)
-        if joined_at is None and diloco.stats()["replicas_joined"]:
-            joined_at = diloco.step
-    diloco.close()
+    diloco, _ = _join_at_step_6(replica, 3, _rendezvous_store(port), "late", membership, bits=4,
+                                after_step=lambda d: digests.__setitem__(d.step, _global_digest(d)))
     stats = dict(diloco.stats())
     membership.close()
     _host_stays_until_the_others_are_done(replica, [1, 2, 3], port, "late")
