@@ -355,6 +355,14 @@ class Membership:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the rendezvous store at {self._endpoint} cannot "
                                   f"be reached (its host is gone?): {type(e).__name__}: {e}") from e
 
+    def _read_the_rendezvous(self, read: Callable[[], Any]) -> Any:
+        """`read` of torch's rendezvous state, where its failing means no round can form
+        any more (MembershipError)."""
+        try:
+            return read()
+        except RendezvousError as e:
+            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the rendezvous cannot be read: {e}") from e
+
     def _roll_call(self) -> _Members | None:
         """The members of the failed round that answer a roll call on its store within
         `roll_call`: every member waits for the others' answers until all have answered
@@ -522,19 +530,20 @@ class Membership:
         try:
             nonces = gathered("nonce", secrets.token_hex(16))
             challenge = hashlib.sha256("/".join(nonces).encode()).hexdigest()
-            current = [self._members.nodes[r] for r in self._members.ranks] if beside and self._members else []
-            claim = json.dumps([self._proof(challenge, rank), self.rounds > 0, self._terms_digest(), beside,
-                                rendezvous_access.node_of(self._handler), current])
-            claims = [json.loads(c) for c in gathered("claim", claim)]
-            valid = [hmac.compare_digest(proof, self._proof(challenge, r)) for r, (proof, *_) in enumerate(claims)]
-            starting = not any(member for _, member, *_ in claims)
-            nodes = [node for *_, node, _ in claims]
+            claim = {"proof": self._proof(challenge, rank), "member": self.rounds > 0,
+                     "terms": self._terms_digest(), "beside": beside, "node": rendezvous_access.node_of(self._handler),
+                     "current": [self._members.nodes[r] for r in self._members.ranks] if beside and self._members
+                     else []}
+            claims = [json.loads(c) for c in gathered("claim", json.dumps(claim))]
+            valid = [hmac.compare_digest(c["proof"], self._proof(challenge, r)) for r, c in enumerate(claims)]
+            starting = not any(c["member"] for c in claims)
+            nodes = [c["node"] for c in claims]
             verdict: dict[str, Any] = {"refused": {}, "left out": self._left_out(claims, nodes)}
             if self.rounds > 0:  # an established member judges the newcomers
-                for r, (_, member, terms, *_) in enumerate(claims):
+                for r, c in enumerate(claims):
                     if not valid[r]:
                         verdict["refused"][r] = "secret"
-                    elif not member and terms != self._terms_digest():
+                    elif not c["member"] and c["terms"] != self._terms_digest():
                         verdict["refused"][r] = "terms"
             verdicts = [json.loads(v) for v in gathered("verdict", json.dumps(verdict))]
         except MembershipError:
@@ -560,19 +569,16 @@ class Membership:
                       "for the next; it forms again", self.run_id, left_out)
         if refused or left_out:
             return None
-        return [r for r, (_, _, _, formed_beside, *_) in enumerate(claims) if formed_beside], nodes
+        return [r for r, c in enumerate(claims) if c["beside"]], nodes
 
-    def _left_out(self, claims: list[list[Any]], nodes: list[str]) -> list[str]:
+    def _left_out(self, claims: list[dict[str, Any]], nodes: list[str]) -> list[str]:
         """The nodes that the members forming this round beside their training had in
         their current round, missing from it, and waiting in torch's wait list (left
         out as it formed; one gone is not waited for)."""
-        missing = {node for *_, current in claims for node in current} - set(nodes)
+        missing = {node for claim in claims for node in claim["current"]} - set(nodes)
         if not missing:
             return []
-        try:
-            return sorted(missing & rendezvous_access.waiting(self._handler))
-        except RendezvousError as e:
-            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the rendezvous cannot be read: {e}") from e
+        return sorted(missing & self._read_the_rendezvous(lambda: rendezvous_access.waiting(self._handler)))
 
     def _give_up_on_the_gone(self, torch_round: int, ranks: list[int], me: int, beside: bool) -> GiveUp:
         """How a wait of a forming round (the members `ranks` of rendezvous round
@@ -604,11 +610,8 @@ class Membership:
                 raise dist.DistStoreError(f"ranks {silent} of the forming round are silent after a failure")
             if now >= next_check:
                 next_check = now + 1.0
-                try:
-                    present = rendezvous_access.ranks_in_round(self._handler, torch_round)
-                except RendezvousError as e:
-                    raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the rendezvous cannot be read: "
-                                          f"{e}") from e
+                present = self._read_the_rendezvous(lambda: rendezvous_access.ranks_in_round(self._handler,
+                                                                                              torch_round))
                 if present is None:
                     raise dist.DistStoreError(f"torch's rendezvous dropped this replica from round {torch_round}")
                 gone = sorted(set(ranks) - present)
@@ -656,12 +659,9 @@ class Membership:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: this replica left the run (close())")
         if self._prepared is not None:  # the handler is the forming round's meanwhile
             return 0
-        try:
-            waiting = self._handler.num_nodes_waiting()
-            dropped = self._members is not None and not rendezvous_access.in_round(self._handler,
-                                                                                    self._members.torch_round)
-        except RendezvousError as e:
-            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: the rendezvous cannot be read: {e}") from e
+        waiting = self._read_the_rendezvous(self._handler.num_nodes_waiting)
+        dropped = self._members is not None and not self._read_the_rendezvous(
+            lambda: rendezvous_access.in_round(self._handler, self._members.torch_round))
         if dropped:  # the round is torch's no more: the others may be forming the run's next one
             raise PeerError(f"cgx.elastic: run {self.run_id!r}: torch's rendezvous no longer holds this replica in "
                             f"round {self._members.torch_round} (it missed {_MISSED_HEARTBEATS} heartbeats, or the "

@@ -246,10 +246,9 @@ def run_ranks(
             process.join(max(0.0, deadline - time.monotonic()))
         running = [rank for rank, p in enumerate(processes) if p.is_alive()]
         hung = bool(running)
-        for rank in running:  # each writes its stacks (faulthandler's C handler: at once, even in a blocked call)
+        for rank in running:  # each writes its stacks (faulthandler's C handler, even in a blocked call)
             os.kill(processes[rank].pid, signal.SIGUSR1)
-        if hung:
-            time.sleep(1.0)
+        _wait_for_the_stacks(tmp, running)
         for p in processes:
             if hung:
                 p.kill()
@@ -280,6 +279,15 @@ def run_ranks(
                   if isinstance(r, RankError)]
         raise AssertionError(f"left in /dev/shm: {sorted(leaked)}; rank errors: {errors}")
     return results
+
+
+def _wait_for_the_stacks(result_dir: str, ranks: list[int]) -> None:
+    """Until each of `ranks` has written its stacks (diagnostics of a hang: at most 10 s,
+    so a rank that cannot run its handler does not hold the report)."""
+    deadline = time.monotonic() + 10.0
+    paths = [os.path.join(result_dir, f"{rank}.stacks") for rank in ranks]
+    while time.monotonic() < deadline and not all(os.path.exists(p) and os.path.getsize(p) for p in paths):
+        time.sleep(0.05)
 
 
 def _read(path: str) -> str:
