@@ -54,7 +54,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousError, RendezvousParameters,
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousError,
+                                                  RendezvousGracefulExitError, RendezvousParameters,
                                                   RendezvousTimeoutError)
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -184,6 +185,10 @@ class Membership:
         self._members: _Members | None = None
         self._prepared: concurrent.futures.Future | None = None  # the next round, forming (prepare_next_round)
         self._failed_meanwhile: float | None = None  # when the current round failed while the next one forms
+        # The nodes of members that torch's rendezvous left out of the next round as it
+        # formed (form_next_round_again): a next round without them is formed again.
+        self._left_out: set[str] = set()
+        self._forming = threading.Lock()  # the next round's result against form_next_round_again
         self._endpoint, self._rendezvous_backend = endpoint, rendezvous
         self._terms: dict[str, Any] = {}
         self.set_terms("cgx", {"version": _cgx_version(), "settings": shared_settings(config)})
@@ -238,22 +243,83 @@ class Membership:
         (the joiners' :meth:`next_round` returns only then, however long the members
         train: as long as they are in torch's round, up to `join_timeout`). Meanwhile
         :meth:`joiners_waiting` says 0. A second call before :meth:`next_round` does
-        nothing."""
+        nothing.
+
+        torch's rendezvous may form that round without a member: it closes a round a last
+        call after its second participant, and a member whose thread polls later (starved
+        on a busy machine) waits for the round after, as one does that finds the round
+        full (`max_replicas`). The others' round is then formed and that member's never
+        is: it sees so in :attr:`left_out_of_next_round`, and the members, told (in the
+        work, as for :attr:`next_round_formed`), call :meth:`form_next_round_again`."""
         if self._prepared is not None:
             return
         if self.round is None:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: only a member of a round prepares the next one")
-        prepared: concurrent.futures.Future = concurrent.futures.Future()
         self._failed_meanwhile = None
+        self._left_out = set()
+        self._start_forming()
+
+    def _start_forming(self) -> None:
+        prepared: concurrent.futures.Future = concurrent.futures.Future()
 
         def form() -> None:
             try:
-                members = self._form(beside=True)
-                prepared.set_result((members, self._backend_for(members, beside=True)))
+                while True:
+                    members = self._form(beside=True)
+                    try:
+                        backend = self._backend_for(members, beside=True)
+                    except PeerError:
+                        if self._lacks_the_left_out(members):  # the others left it as this one connected
+                            continue
+                        raise
+                    with self._forming:
+                        if not self._lacks_the_left_out(members):
+                            prepared.set_result((members, backend))
+                            return
+                    backend.shutdown()
             except BaseException as e:  # noqa: BLE001  (next_round() raises it, or forms the round itself)
                 prepared.set_exception(e)
         self._prepared = prepared
         threading.Thread(target=form, name="cgx-next-round", daemon=True).start()
+
+    @property
+    def left_out_of_next_round(self) -> bool:
+        """Whether torch's rendezvous formed the round :meth:`prepare_next_round` forms
+        without this member (it then waits for the round after): the members, told, call
+        :meth:`form_next_round_again` with its rank. Reads the rendezvous state."""
+        prepared, members = self._prepared, self._members
+        if prepared is None or prepared.done() or members is None:
+            return False
+        formed = self._read_the_rendezvous(lambda: rendezvous_access.formed_without(self._handler,
+                                                                                     members.torch_round))
+        return formed is not None
+
+    def form_next_round_again(self, ranks: list[int]) -> None:
+        """Drops the round :meth:`prepare_next_round` formed (or forms) where it lacks a
+        member of `ranks` (ranks of the current round, each left out of it:
+        :attr:`left_out_of_next_round`), and forms the next round again beside this one,
+        which then holds them (they wait for it in torch's rendezvous). Every member
+        calls it, with the same ranks, at the same point of the work; a member whose
+        round holds them keeps it. Once the current round has failed, a round without
+        them is kept: they may have died with it."""
+        members = self._members
+        with self._forming:
+            self._left_out |= {members.nodes[members.ranks[r]] for r in ranks}
+            prepared = self._prepared
+            # One still forming drops its round as it forms it; one that failed stays
+            # failed (next_round forms a round itself).
+            if prepared is None or not prepared.done() or prepared.exception() is not None:
+                return
+            formed, backend = prepared.result()
+            if not self._lacks_the_left_out(formed):
+                return
+        _log.info("cgx.elastic: run %r: the next round formed without member(s) %s of this one, which wait for the "
+                  "round after; it forms again", self.run_id, sorted(ranks))
+        backend.shutdown()
+        self._start_forming()
+
+    def _lacks_the_left_out(self, members: _Members) -> bool:
+        return self._failed_meanwhile is None and not self._left_out <= set(members.nodes)
 
     @property
     def next_round_preparing(self) -> bool:
@@ -296,9 +362,8 @@ class Membership:
                 formed_beside, nodes = admitted
                 return _Members(store, info.store, torch_round, 0, list(range(info.world_size)), info.rank,
                                 tuple(formed_beside), tuple(nodes))
-            # A replica was refused, or went silent while the round formed, or a member
-            # of the current round was left out of it: the others form it again (a
-            # refused one leaves; a silent one did not ask; one left out joins it).
+            # A replica was refused, or went silent while the round formed: the others
+            # form it again (a refused one leaves; a silent one did not ask).
 
     def _enter(self, members: _Members, backend: _C.ProcessGroupCGX | None = None) -> Round:
         # On the store's host, the store serves the others as long as this object lives,
@@ -486,7 +551,7 @@ class Membership:
         try:
             with _unshared_bootstrap_store():
                 return self._handler.next_rendezvous()
-        except RendezvousClosedError as e:
+        except (RendezvousClosedError, RendezvousGracefulExitError) as e:  # (the latter: while waiting for a place)
             raise MembershipError(f"cgx.elastic: run {self.run_id!r} has ended: a replica called end_run() "
                                   f"(the rendezvous is closed)") from e
         except RendezvousTimeoutError as e:
@@ -512,14 +577,6 @@ class Membership:
         meanwhile is left behind (None; see :meth:`_give_up_on_the_gone`). In a round of
         newcomers only (the run's start), a failed proof fails every member.
 
-        A round formed beside training must hold every member of the current round that
-        still asks for it: torch's rendezvous closes a round a last call after its first
-        two participants, and a member whose poll came later (a starved thread) waits for
-        the round after, which forms only once this one's members leave it; the others
-        would wait for it to be ready forever. So the members forming it beside show
-        their current round's nodes, and where one of those is missing and waits in
-        torch's wait list, everyone forms the round again (None), with it.
-
         Returns the ranks that form the round beside their training (`beside` on each)
         and every rank's node, or None where it forms again."""
         store = dist.PrefixStore("cgx-admission/", round_store)
@@ -531,14 +588,12 @@ class Membership:
             nonces = gathered("nonce", secrets.token_hex(16))
             challenge = hashlib.sha256("/".join(nonces).encode()).hexdigest()
             claim = {"proof": self._proof(challenge, rank), "member": self.rounds > 0,
-                     "terms": self._terms_digest(), "beside": beside, "node": rendezvous_access.node_of(self._handler),
-                     "current": [self._members.nodes[r] for r in self._members.ranks] if beside and self._members
-                     else []}
+                     "terms": self._terms_digest(), "beside": beside, "node": rendezvous_access.node_of(self._handler)}
             claims = [json.loads(c) for c in gathered("claim", json.dumps(claim))]
             valid = [hmac.compare_digest(c["proof"], self._proof(challenge, r)) for r, c in enumerate(claims)]
             starting = not any(c["member"] for c in claims)
             nodes = [c["node"] for c in claims]
-            verdict: dict[str, Any] = {"refused": {}, "left out": self._left_out(claims, nodes)}
+            verdict: dict[str, Any] = {"refused": {}}
             if self.rounds > 0:  # an established member judges the newcomers
                 for r, c in enumerate(claims):
                     if not valid[r]:
@@ -554,7 +609,6 @@ class Membership:
             self._starting_together(store, valid, rank, size)
             return [], nodes
         refused = {int(r): why for v in verdicts for r, why in v["refused"].items()}
-        left_out = sorted({node for v in verdicts for node in v["left out"]})
         if rank in refused:
             self.close()
             if refused[rank] == "secret":
@@ -564,21 +618,9 @@ class Membership:
             raise ValueError(f"cgx.elastic: run {self.run_id!r} refused this replica: its terms (its cgx version, "
                              f"CGX_* settings or DiLoCo's) differ from the run's; every replica of a run must be "
                              f"built alike (nothing was sent to the run)")
-        if left_out and not refused:
-            _log.info("cgx.elastic: run %r: the round formed without member(s) %s of the current round, which wait "
-                      "for the next; it forms again", self.run_id, left_out)
-        if refused or left_out:
+        if refused:
             return None
         return [r for r, c in enumerate(claims) if c["beside"]], nodes
-
-    def _left_out(self, claims: list[dict[str, Any]], nodes: list[str]) -> list[str]:
-        """The nodes that the members forming this round beside their training had in
-        their current round, missing from it, and waiting in torch's wait list (left
-        out as it formed; one gone is not waited for)."""
-        missing = {node for claim in claims for node in claim["current"]} - set(nodes)
-        if not missing:
-            return []
-        return sorted(missing & self._read_the_rendezvous(lambda: rendezvous_access.waiting(self._handler)))
 
     def _give_up_on_the_gone(self, torch_round: int, ranks: list[int], me: int, beside: bool) -> GiveUp:
         """How a wait of a forming round (the members `ranks` of rendezvous round

@@ -12,7 +12,7 @@ backend (c10d, etcd) serves:
 - :func:`round_of`: the number of the round the handler last joined; :func:`in_round`:
   whether this node is still one of its participants; :func:`ranks_in_round`: the ranks
   of those that still are; :func:`node_of`: how the state names this node;
-  :func:`waiting`: the nodes waiting for the next round.
+  :func:`formed_without`: whether a later round formed without this node.
 - :func:`expire`: marks the given ranks of that round as having missed their heartbeats,
   so torch removes them at once (its own removal of a dead member, moved forward) and the
   next round forms without waiting 3 heartbeats for them.
@@ -21,6 +21,7 @@ backend (c10d, etcd) serves:
 from __future__ import annotations
 
 import datetime
+import pickle
 import time
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _RendezvousExitOp
@@ -50,10 +51,17 @@ def node_of(handler) -> str:
     return repr(handler._this_node)
 
 
-def waiting(handler) -> set[str]:
-    """The nodes in the rendezvous's wait list (for the round after the current one), as
-    :func:`in_round` reads the state."""
-    return {repr(node) for node in _state(handler).wait_list}
+def formed_without(handler, round_: int) -> int | None:
+    """The number of a round after `round_` that is complete without this node, else
+    None. Read from the rendezvous's backend itself, not through the handler's copy of
+    the state: a thread of this process may be in the handler's ``next_rendezvous``."""
+    response = handler._state_holder._backend.get_state()
+    if response is None:
+        return None
+    state = pickle.loads(response[0])
+    if state.round > round_ and state.complete and handler._this_node not in state.participants:
+        return state.round
+    return None
 
 
 def ranks_in_round(handler, round_: int) -> set[int] | None:

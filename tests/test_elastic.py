@@ -949,64 +949,88 @@ def test_a_joiners_first_outer_gradients_count_by_the_inner_steps_they_hold():
     assert partial >= 1  # a sync where the joiner held fewer steps than the members
 
 
-def _a_member_late_to_the_joiners_round(replica, replicas, port):
-    """Replicas 0-2 run; replica 3 joins. Member 1's thread that forms the joiner's round
-    beside its training comes late to torch's round (as a starved thread's poll would):
-    it stays out until that round has formed without it (read in the rendezvous state),
-    so it waits for the round after. All end 8 steps after the join."""
-    import pickle
+def _a_member_late_to_the_joiners_round(replica, replicas, port, full):
+    """Replicas 0-2 run; replica 3 joins (`full`: 3 and 4, with max_replicas 4). Member 1's
+    thread that forms the joiners' round beside its training comes late to torch's round
+    (as a starved thread's poll would): it stays out until torch has formed rounds without
+    it (read in the rendezvous state): two (the members form it again each time), or, in
+    a run that a full round leaves it out of, one. A joiner that finds no place returns
+    the error that ends its wait (replica 0 ends the run when all are done). The others
+    end 8 steps after the join. Returns each one's global weights' digests, stats and the
+    ranks the members formed the round again for."""
     import threading
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     import cgx
 
-    # Heartbeats of 2 s: member 1 stays in torch's wait list while its thread is held (6 s).
-    membership = _membership(replica, port, "late", starting=3, min_replicas=2, heartbeat=datetime.timedelta(seconds=2))
-    left_out = []
+    run = "full" if full else "late"
+    # Heartbeats of 2 s, a join_timeout past the harness's limit: only events end a wait.
+    membership = _membership(replica, port, run, starting=3, min_replicas=2, heartbeat=datetime.timedelta(seconds=2),
+                             join_timeout=datetime.timedelta(seconds=300), max_replicas=4 if full else 64)
+    left_out_of, again = set(), []
     if replica == 1:
-        delay, late = dynamic_rendezvous._delay, []
+        delay, formed_without, late = dynamic_rendezvous._delay, cgx.rendezvous_access.formed_without, []
+
+        def recording(handler, round_):
+            formed = formed_without(handler, round_)
+            if formed is not None:
+                left_out_of.add(formed)
+            return formed
 
         def late_to_the_round(seconds):
             if threading.current_thread().name == "cgx-next-round" and not late:
                 late.append(True)
-                current = membership._members.torch_round
-                while True:  # the hang guard is the harness's limit
-                    state = pickle.loads(membership._handler._state_holder._backend.get_state()[0])
-                    if state.round > current and state.complete:
-                        break
+                while len(left_out_of) < (1 if full else 2):  # the hang guard is the harness's limit
                     time.sleep(0.02)
             delay(seconds)
-        dynamic_rendezvous._delay = late_to_the_round
-    left_out_of = cgx.elastic.Membership._left_out
+        cgx.rendezvous_access.formed_without, dynamic_rendezvous._delay = recording, late_to_the_round
+    form_again = cgx.elastic.Membership.form_next_round_again
 
-    def recording(self, *args):
-        nodes = left_out_of(self, *args)
-        left_out.extend(nodes)
-        return nodes
-    cgx.elastic.Membership._left_out = recording
+    def recording_again(self, ranks):
+        again.append(list(ranks))
+        return form_again(self, ranks)
+    cgx.elastic.Membership.form_next_round_again = recording_again
     digests = {}
-    diloco, _ = _join_at_step_6(replica, 3, _rendezvous_store(port), "late", membership, bits=4,
-                                after_step=lambda d: digests.__setitem__(d.step, _global_digest(d)))
+    try:
+        diloco, _ = _join_at_step_6(replica, replica if replica >= 3 else 3, _rendezvous_store(port), run, membership,
+                                    bits=4, after_step=lambda d: digests.__setitem__(d.step, _global_digest(d)))
+    except cgx.MembershipError as e:
+        _host_stays_until_the_others_are_done(replica, list(range(1, replicas)), port, run)
+        return str(e)
     stats = dict(diloco.stats())
+    trained = _rendezvous_store(port).add(f"{run}-trained", 1)
+    if replica == 0 and full:
+        while trained < 4:  # the others in the round are done (the hang guard is the harness's limit)
+            time.sleep(0.05)
+            trained = _rendezvous_store(port).add(f"{run}-trained", 0)
+        membership.end_run()  # the joiner without a place stops waiting
     membership.close()
-    _host_stays_until_the_others_are_done(replica, [1, 2, 3], port, "late")
-    return digests, stats, left_out
+    _host_stays_until_the_others_are_done(replica, list(range(1, replicas)), port, run)
+    return digests, stats, again
 
 
-def test_a_member_left_out_of_the_round_that_admits_a_joiner_is_waited_for():
-    """torch's rendezvous closes a round a last call after its second participant: a
-    member whose thread forming the joiner's round comes later is left out, waiting for
-    the round after, while the others would wait for it to be ready, training on forever.
-    The others see it missing and waiting as the round is admitted, and form it again
-    with it: the joiner is admitted, no member is lost, all end identical."""
-    results = values(run_ranks(_a_member_late_to_the_joiners_round, 4, args=(_free_port(),), timeout_s=150))
-    assert any(left_out for _, _, left_out in results)  # the members saw member 1 left out
-    digests = [d for d, _, _ in results]
+@pytest.mark.parametrize("full", [False, True], ids=["late-twice", "round-full"])
+def test_a_member_left_out_of_the_round_that_admits_a_joiner_is_waited_for(full):
+    """torch's rendezvous closes a round a last call after its second participant (at
+    once where it is full): a member whose thread forming the joiners' round beside
+    training comes later is left out, waiting for the round after, while the others would
+    wait for it to be ready, training on forever. It says so in its sync rows, and the
+    members form the round again, as often as it is left out: a joiner is admitted, no
+    member is lost, all end identical."""
+    results = values(run_ranks(_a_member_late_to_the_joiners_round, 5 if full else 4, args=(_free_port(), full),
+                               timeout_s=150))
+    members, joiners = results[:3], results[3:]
+    admitted = [r for r in joiners if not isinstance(r, str)]
+    assert len(admitted) == 1, joiners
+    if full:
+        assert "has ended" in next(r for r in joiners if isinstance(r, str))
+    digests = [d for d, _, _ in members + admitted]
     assert all(digests[3][step] == digests[0][step] for step in digests[3])
     assert digests[0] == digests[1] == digests[2]
-    for _, stats, _ in results[:3]:
+    for _, stats, again in members:
         assert (stats["replicas_joined"], stats["replicas_lost"], stats["replicas"]) == (1, 0, 4), stats
+        assert again.count([1]) >= (1 if full else 2), again  # member 1 was left out, as often as it was held
 
 
 def _below_min_replicas(replica, replicas, port):

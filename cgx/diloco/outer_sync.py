@@ -34,13 +34,14 @@ _PATTERNS = ("strided", "sequential")
 # longer buffer would order otherwise, send the rows alone. In an elastic run a row also
 # says how many replicas waiting to join this replica saw, or, once the members form the
 # round that admits them beside training, _READY where this replica's is formed (the
-# members admit them together, and move to that round together), and carries a digest of
+# members admit them together, and move to that round together) and _LEFT_OUT where torch
+# formed it without this replica (the members form it again), and carries a digest of
 # the fragment's global weights and outer momentum after its last applied sync: a replica
 # whose state differs is healed (ReplicasDiverged).
 _SYNC, _CLOSE = 0, 1
 _STEP_PIECES, _DIGEST_PIECES = 3, 4
-_HEAD = 3  # kind, strangers, joiners (or _READY)
-_READY = 0xFFFF
+_HEAD = 3  # kind, strangers, joiners (or _READY, _LEFT_OUT)
+_READY, _LEFT_OUT = 0xFFFF, 0xFFFE
 _TRAINED = _HEAD + _STEP_PIECES  # where the trained parameters' digest starts
 _STATE = _TRAINED + _DIGEST_PIECES  # where the fragment's global weights' digest starts (0: not given)
 _ROW = _STATE + _DIGEST_PIECES

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from cgx.diloco.outer_sync import _READY, _local, _Replicas, _trained
+from cgx.diloco.outer_sync import _LEFT_OUT, _READY, _local, _Replicas, _trained
 from cgx.elastic import Membership, Round
 from cgx.errors import CallMismatchError, MembershipError
 
@@ -110,22 +110,31 @@ class Recovery:
     def joining(self, replicas: int) -> int:
         """What this replica's row of a sync says of joiners: how many wait to join (none
         where the round is full: a joiner waits for a place), or, while the round that
-        admits them forms beside training, _READY once it has formed here."""
-        if self.membership.next_round_preparing:
-            return _READY if self.membership.next_round_formed else 0
-        joiners = self.membership.joiners_waiting()
-        return min(0 if joiners and replicas >= self.membership.max_replicas else joiners, _READY - 1)
+        admits them forms beside training, _READY once it has formed here, _LEFT_OUT where
+        torch's rendezvous formed it without this replica."""
+        membership = self.membership
+        if membership.next_round_preparing:
+            if membership.next_round_formed:
+                return _READY
+            return _LEFT_OUT if membership.left_out_of_next_round else 0
+        joiners = membership.joiners_waiting()
+        return min(0 if joiners and replicas >= membership.max_replicas else joiners, _LEFT_OUT - 1)
 
     def admit(self, rows: list[list[int]]) -> None:
         """Admits joiners, by what the syncs just checked say (`rows`: each sync's
         replicas' joining() values; every member holds the same): where a member saw
         joiners waiting, the members start forming the round that admits them beside
-        training (Membership.prepare_next_round); where every member's round has formed,
-        they move to it together. Raises TookState where this replica took another's state
-        there (its step's syncs run again)."""
+        training (Membership.prepare_next_round); where a member was left out of it, they
+        form it again, with it; else, where every member's round has formed, they move to
+        it together. Raises TookState where this replica took another's state there (its
+        step's syncs run again)."""
         if not self.membership.next_round_preparing:
-            if any(0 < v < _READY for row in rows for v in row):
+            if any(0 < v < _LEFT_OUT for row in rows for v in row):
                 self.membership.prepare_next_round()
+            return
+        left_out = sorted({rank for row in rows for rank, v in enumerate(row) if v == _LEFT_OUT})
+        if left_out:
+            self.membership.form_next_round_again(left_out)
         elif any(row and all(v == _READY for v in row) for row in rows):
             if self._reform(cause=None):
                 raise TookState
