@@ -298,24 +298,29 @@ class Membership:
         """Drops the round :meth:`prepare_next_round` formed (or forms) where it lacks a
         member of `ranks` (ranks of the current round, each left out of it:
         :attr:`left_out_of_next_round`), and forms the next round again beside this one,
-        which then holds them (they wait for it in torch's rendezvous). Every member
-        calls it, with the same ranks, at the same point of the work; a member whose
-        round holds them keeps it. Once the current round has failed, a round without
-        them is kept: they may have died with it."""
+        which then holds them (they wait for it in torch's rendezvous); where forming it
+        failed, forms it again too. Every member calls it, with the same ranks, at the
+        same point of the work; a member whose round holds them keeps it. Once the
+        current round has failed, a round without them is kept: they may have died with
+        it."""
         members = self._members
         with self._forming:
             self._left_out |= {members.nodes[members.ranks[r]] for r in ranks}
             prepared = self._prepared
-            # One still forming drops its round as it forms it; one that failed stays
-            # failed (next_round forms a round itself).
-            if prepared is None or not prepared.done() or prepared.exception() is not None:
-                return
-            formed, backend = prepared.result()
-            if not self._lacks_the_left_out(formed):
+            if prepared is None or not prepared.done():
+                return  # the thread forming it drops a round without them as it forms it
+            failed = prepared.exception()
+            if isinstance(failed, MembershipError):
+                return  # next_round raises it
+            # A forming that failed (the others left the round as this one connected)
+            # forms again too, with them.
+            backend = None if failed is not None else prepared.result()[1]
+            if failed is None and not self._lacks_the_left_out(prepared.result()[0]):
                 return
         _log.info("cgx.elastic: run %r: the next round formed without member(s) %s of this one, which wait for the "
                   "round after; it forms again", self.run_id, sorted(ranks))
-        backend.shutdown()
+        if backend is not None:
+            backend.shutdown()
         self._start_forming()
 
     def _lacks_the_left_out(self, members: _Members) -> bool:
