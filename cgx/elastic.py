@@ -189,6 +189,7 @@ class Membership:
         # formed (form_next_round_again): a next round without them is formed again.
         self._left_out: set[str] = set()
         self._forming = threading.Lock()  # the next round's result against form_next_round_again
+        self._last_formed = -1  # the last round of torch's rendezvous this member's forming took part in
         self._endpoint, self._rendezvous_backend = endpoint, rendezvous
         self._terms: dict[str, Any] = {}
         self.set_terms("cgx", {"version": _cgx_version(), "settings": shared_settings(config)})
@@ -266,6 +267,7 @@ class Membership:
             try:
                 while True:
                     members = self._form(beside=True)
+                    self._last_formed = members.torch_round
                     try:
                         backend = self._backend_for(members, beside=True)
                     except PeerError:
@@ -290,9 +292,9 @@ class Membership:
         prepared, members = self._prepared, self._members
         if prepared is None or prepared.done() or members is None:
             return False
-        formed = self._read_the_rendezvous(lambda: rendezvous_access.formed_without(self._handler,
-                                                                                     members.torch_round))
-        return formed is not None
+        # Not a round this member formed and left (form_next_round_again): it asks for the next.
+        after = max(members.torch_round, self._last_formed)
+        return self._read_the_rendezvous(lambda: rendezvous_access.formed_without(self._handler, after)) is not None
 
     def form_next_round_again(self, ranks: list[int]) -> None:
         """Drops the round :meth:`prepare_next_round` formed (or forms) where it lacks a
