@@ -45,8 +45,9 @@ from cgx.diloco.outer_sync import (_CLOSE, _ROW, _SYNC, _Agreement, _assign, _cu
                                    _synced_parameters, _trained)
 from cgx.diloco.recovery import Recovery
 from cgx.diloco.replica_host import CHANGED, CLOSED, FAILED, LEFT, UNCHANGED, ReplicaHost
+from cgx.diloco.sparse import TopK
 from cgx.elastic import Membership
-from cgx.layers import CompressionPolicy, LayerSetting, check_bits, check_bucket_size
+from cgx.layers import RAW_BITS, CompressionPolicy, LayerSetting, check_bits, check_bucket_size
 from cgx.residuals import Residuals, check_same_place
 
 __all__ = ["DiLoCo"]
@@ -98,6 +99,11 @@ class DiLoCo:
             ``mix * local + (1 - mix) * new_global`` (without overlap: the new global).
         error_feedback: keep what quantization dropped per parameter and add it to the
             next outer gradient.
+        top_k: sparse outer gradients (:class:`cgx.diloco.TopK`): of each chunk of a
+            compressed layer's outer gradient, only the k values largest in magnitude
+            travel (at `bits`), with their places; the rest stays in the residual (with
+            `error_feedback`). Syncs then all-gather every replica's payload, which grows
+            with the replicas (docs/diloco.md, "Sparse outer gradients").
         group: the "cgx" group the replicas sync over (default: the default group).
         membership: instead of `group`, an elastic run's :class:`cgx.elastic.Membership`:
             the replicas are the members of its current round (a round is formed here if
@@ -127,6 +133,7 @@ class DiLoCo:
         overlap: int = 0,
         mix: float = 0.5,
         error_feedback: bool = True,
+        top_k: TopK | None = None,
         group: dist.ProcessGroup | None = None,
         fragment_pattern: str = "strided",
         membership: Membership | None = None,
@@ -137,7 +144,10 @@ class DiLoCo:
         try:
             _check_model_and_policy(model, inner_optimizer, bits, bucket_size, policy)
             self._schedule = _Schedule(sync_every, fragments, fragment_pattern, outer_lr, outer_momentum, nesterov,
-                                       overlap, mix, error_feedback)
+                                       overlap, mix, error_feedback, top_k)
+            if top_k is not None and bits == RAW_BITS and policy is None:
+                raise ValueError("cgx.DiLoCo: top_k with bits=32 (exact DiLoCo): sparse outer gradients are "
+                                 "quantized; give bits of 1..8")
             if self._host is not None and ((membership is not None) != self._host.is_lead or group is not None):
                 raise ValueError("cgx.DiLoCo: with replica_group, the host's rank 0 (the lead) gives membership= "
                                  "and the host's other ranks give neither membership nor group")
@@ -303,9 +313,16 @@ class DiLoCo:
                              f"{len(layers)} layers with parameters")
         settings = self._policy.resolve(self._model)
         assignment = _assign(params, _layers(params), schedule.fragments, schedule.fragment_pattern)
-        fragments = [_Fragment(p, p * schedule.sync_every // schedule.fragments) for p in range(schedule.fragments)]
+        fragments = [_Fragment(p, p * schedule.sync_every // schedule.fragments, schedule.top_k)
+                     for p in range(schedule.fragments)]
         for fragment, names in zip(fragments, assignment):
             fragment.set_members([_member(n, params[n], settings[n]) for n in names], schedule.outer_options)
+        if schedule.top_k is not None:
+            largest = max(sum(numel for _, numel, *_ in f.compressed) for f in fragments)
+            if schedule.top_k.chunk > largest:
+                raise ValueError(f"cgx.DiLoCo: top_k's chunk={schedule.top_k.chunk} is larger than every fragment's "
+                                 f"compressed values (at most {largest}): each layer would be one chunk; choose a "
+                                 f"chunk of at most {largest}")
         return fragments
 
     def _agree_on_construction(self) -> None:

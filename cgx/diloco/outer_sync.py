@@ -18,6 +18,7 @@ from cgx import _C
 from cgx.backend import exact, get_backend
 from cgx.config import check_int
 from cgx.diloco.replica_host import move_by_dtype
+from cgx.diloco.sparse import SparsePlan, TopK
 from cgx.elastic import Round
 from cgx.errors import CallMismatchError, CollectiveTimeoutError, PeerError
 from cgx.layers import RAW, LayerSetting, Segment, all_raw, append_segment, layout_bytes
@@ -63,9 +64,12 @@ class _Schedule:
     overlap: int
     mix: float
     error_feedback: bool
+    top_k: TopK | None = None
 
     def __post_init__(self) -> None:
         what = "cgx.DiLoCo"
+        if self.top_k is not None and not isinstance(self.top_k, TopK):
+            raise TypeError(f"{what}: top_k must be a cgx.diloco.TopK or None, got {type(self.top_k).__name__}")
         check_int(self.sync_every, "sync_every", what, low=1)
         check_int(self.fragments, "fragments", what, low=1)
         check_int(self.overlap, "overlap", what)
@@ -129,6 +133,7 @@ class _Sync:
     work: Any  # the allreduce's Work (the agreement's too, but beside an exact sync); None once it completed
     sent: torch.Tensor | None = None  # elastic runs: a copy of what this rank put in, to do the sync again
     checked: bool = False  # the agreement was checked (a sync completed before its replicas re-formed)
+    payloads: list[torch.Tensor] | None = None  # a sparse sync's: every rank's, once `work` completed
 
     @property
     def completed(self) -> bool:
@@ -310,11 +315,13 @@ class _Fragment:
 
     index: int
     offset: int  # syncs at the steps t with t % sync_every == offset
+    top_k: TopK | None = None  # the outer gradients' sparsity (None: dense)
     members: list[_Member] = field(default_factory=list)
     layout: list[Segment] = field(default_factory=list)  # over the fragment's flat outer gradient
     compressed: list[tuple[str, int, int]] = field(default_factory=list)  # (name, offset, numel)
     outer: torch.optim.SGD | None = None  # None while the fragment has no members
     numel: int = 0
+    sparse: SparsePlan | None = None  # how its outer gradient travels with top_k (None: in an allreduce)
     syncs: int = 0  # syncs applied
     last_start: int = -1  # the inner step its last sync started at
 
@@ -334,6 +341,7 @@ class _Fragment:
                 self.compressed.append((m.name, self.numel, numel))
             append_segment(self.layout, self.numel, numel, m.setting)
             self.numel += numel
+        self.sparse = SparsePlan(self.layout, self.top_k) if self.top_k and not all_raw(self.layout) else None
         previous = None if momentum is not None else self.outer
         self.outer = torch.optim.SGD([m.global_weight for m in members], **outer_options) if members else None
         if previous is not None and self.outer is not None:
@@ -366,8 +374,9 @@ class _Fragment:
               keep: bool = False, delta: torch.Tensor | None = None, scale: float | None = None) -> _Sync:
         """Launches the allreduce of the outer gradient (global - local, times `scale`
         where given: this replica's weight in the average; `delta` instead, for a sync
-        done again), the agreement's rows after it (beside it for an exact sync). With
-        `keep`, the sync keeps a copy of the outer gradient it sent (before `scale`)."""
+        done again), the agreement's rows after it (beside it for an exact or a sparse
+        sync: an all-gather of every rank's payload). With `keep`, the sync keeps a copy
+        of the outer gradient it sent (before `scale`)."""
         # The rows travel with the outer gradient, so they live on its device.
         device = self.members[0].global_weight.device if self.members else torch.device("cpu")
         state = _digest([m.global_weight for m in self.members] + [
@@ -383,6 +392,9 @@ class _Fragment:
             sent = delta.clone() if keep else None
             if scale is not None:
                 delta.mul_(scale)
+            if self.sparse is not None:
+                return self._start_sparse(replicas, due, replicas.agree(_SYNC, step, trained, rows), delta,
+                                          error_feedback, sent)
             flat = torch.cat([delta, *([] if exact_sync else [rows.view(-1)])])
         residual = None
         if error_feedback and self.compressed:
@@ -397,16 +409,41 @@ class _Fragment:
             agreement = _Agreement(_SYNC, step, trained, flat[self.numel:].view_as(rows), work)
         return _Sync(self, due, agreement, flat[:self.numel], residual, work, sent)
 
+    def _start_sparse(self, replicas: _Replicas, due: int, agreement: _Agreement, delta: torch.Tensor,
+                      error_feedback: bool, sent: torch.Tensor | None) -> _Sync:
+        """A sparse sync's start: this rank's payload (delta plus its residual) and the
+        all-gather of every rank's; the residual becomes what the payload does not carry."""
+        values = delta
+        residual = None
+        if error_feedback and self.compressed:
+            residual = replicas.residuals.gather(self.numel, self.compressed, delta.device)
+            values = delta + residual
+        payload, carried = self.sparse.encode(values)
+        if residual is not None:
+            torch.sub(values, carried, out=residual)
+        payloads = [torch.empty_like(payload) for _ in range(replicas.size)]
+        work = replicas.backend.allgather([payloads], [payload])
+        return _Sync(self, due, agreement, torch.zeros_like(delta), residual, work, sent, payloads=payloads)
+
     def complete(self, sync: _Sync, replicas: _Replicas) -> None:
         """Waits for the sync's allreduce and counts its payload as it went: compressed as
         the layout says, or float32 where CGX_COMPRESSION_AUTO sent it exactly (the
-        agreement's rows are not counted)."""
+        agreement's rows are not counted). A sparse sync's average: every rank's payload
+        decoded and summed in rank order (alike on every rank), over the ranks."""
         replicas.wait(sync.agreement)
         if sync.work is None:
             return
         sync.work.wait()
-        replicas.count(layout_bytes(self.layout, replicas.skip_incomplete, _C.sent_exactly(sync.work)),
-                       4 * self.numel)
+        if sync.payloads is not None:
+            sync.outer_gradient.zero_()
+            for payload in sync.payloads:
+                self.sparse.add(payload, sync.outer_gradient)
+            sync.outer_gradient.div_(len(sync.payloads))
+            replicas.count(self.sparse.nbytes, 4 * self.numel)
+            sync.payloads = None
+        else:
+            replicas.count(layout_bytes(self.layout, replicas.skip_incomplete, _C.sent_exactly(sync.work)),
+                           4 * self.numel)
         sync.work = None
 
     def apply(self, sync: _Sync, replicas: _Replicas, overlap: int, mix: float) -> None:

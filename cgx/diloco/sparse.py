@@ -1,0 +1,155 @@
+"""Sparse outer gradients (cgx.DiLoCo's ``top_k=``): of every chunk of a compressed
+layer's outer gradient (plus its error feedback), a replica sends the `k` values largest
+in magnitude, quantized by cgx's codec at the layer's setting, with their places in the
+chunk bit-packed (ceil(log2(chunk)) bits each); exact (raw) layers go whole, in float32.
+What it does not send stays in its residual. The replicas choose different places, so
+their payloads are all-gathered and every replica decodes and sums them in rank order:
+the same float operations on every replica, so the same global weights, bit for bit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cgx import _C
+from cgx.config import check_int
+from cgx.layers import RAW_BITS, Segment
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Which values of an outer gradient a replica sends: of each chunk of `chunk`
+    consecutive values of a compressed layer (a layer's last chunk may be shorter), the
+    `k` largest in magnitude."""
+
+    k: int
+    chunk: int
+
+    def __post_init__(self) -> None:
+        what = "cgx.diloco.TopK"
+        check_int(self.k, "k", what, low=1)
+        check_int(self.chunk, "chunk", what, low=1)
+        if self.k > self.chunk:
+            raise ValueError(f"{what}: k={self.k} is more than chunk={self.chunk} (k values of each chunk are sent)")
+
+    @property
+    def density(self) -> float:
+        return self.k / self.chunk
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A segment of the fragment's flat outer gradient, as its payload carries it."""
+
+    offset: int  # in the flat outer gradient
+    numel: int
+    bits: int  # RAW_BITS: whole, in float32
+    bucket_size: int
+    scheme: str
+    rows: int = 1  # chunks
+    width: int = 0  # values a chunk holds (the last one padded with zeros to it)
+    kept: int = 0  # values sent of each chunk
+    index_bits: int = 0
+    index_bytes: int = 0
+    value_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.numel if self.bits == RAW_BITS else self.index_bytes + self.value_bytes
+
+
+class SparsePlan:
+    """How a fragment's outer gradient travels sparsely: its layout's segments, each as
+    a piece of one payload of `nbytes` bytes (the same size on every replica)."""
+
+    def __init__(self, layout: list[Segment], top_k: TopK) -> None:
+        self.layout, self.top_k = list(layout), top_k
+        self.pieces: list[_Piece] = []
+        for offset, numel, bits, bucket_size, *scheme in layout:
+            scheme_name = (scheme or ["maxmin"])[0]
+            if bits == RAW_BITS:
+                self.pieces.append(_Piece(offset, numel, bits, bucket_size, scheme_name))
+                continue
+            width = min(top_k.chunk, numel)
+            rows = -(-numel // width)
+            kept = min(top_k.k, width)
+            index_bits = max(1, (width - 1).bit_length())
+            self.pieces.append(_Piece(
+                offset, numel, bits, bucket_size, scheme_name, rows, width, kept, index_bits,
+                -(-rows * kept * index_bits // 8), _C.compressed_size(rows * kept, bits, bucket_size, scheme=scheme_name)))
+        self.nbytes = sum(p.nbytes for p in self.pieces)
+
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This replica's payload for the flat float32 `values` (outer gradient plus
+        residual), and what it sends as the others decode it (flat, zero where it sends
+        nothing): `values` minus that is what it keeps."""
+        payload = torch.empty(self.nbytes, dtype=torch.uint8, device=values.device)
+        sent = torch.empty_like(values)
+        at = 0
+        for p in self.pieces:
+            part = values.narrow(0, p.offset, p.numel)
+            if p.bits == RAW_BITS:
+                payload.narrow(0, at, p.nbytes).copy_(part.contiguous().view(torch.uint8))
+                sent.narrow(0, p.offset, p.numel).copy_(part)
+                at += p.nbytes
+                continue
+            chunks = _padded(part, p)
+            places = chunks.abs().topk(p.kept, dim=1, sorted=False).indices
+            kept = chunks.gather(1, places).reshape(-1)
+            encoded = _C.compress(kept, p.bits, p.bucket_size, scheme=p.scheme)
+            payload.narrow(0, at, p.index_bytes).copy_(_pack(places.reshape(-1), p.index_bits))
+            payload.narrow(0, at + p.index_bytes, p.value_bytes).copy_(encoded)
+            at += p.nbytes
+            sent.narrow(0, p.offset, p.numel).copy_(self._decoded(payload.narrow(0, at - p.nbytes, p.nbytes), p))
+        return payload, sent
+
+    def add(self, payload: torch.Tensor, into: torch.Tensor) -> None:
+        """Adds what a replica's `payload` carries into the flat float32 `into`."""
+        at = 0
+        for p in self.pieces:
+            piece = payload.narrow(0, at, p.nbytes)
+            target = into.narrow(0, p.offset, p.numel)
+            if p.bits == RAW_BITS:
+                target.add_(piece.clone().view(torch.float32))  # (a copy: the piece may not be aligned)
+            else:
+                target.add_(self._decoded(piece, p))
+            at += p.nbytes
+
+    @staticmethod
+    def _decoded(piece: torch.Tensor, p: _Piece) -> torch.Tensor:
+        """A compressed piece's values in place (zero where none was sent), `p.numel` of them."""
+        places = _unpack(piece.narrow(0, 0, p.index_bytes), p.rows * p.kept, p.index_bits).view(p.rows, p.kept)
+        values = _C.decompress(piece.narrow(0, p.index_bytes, p.value_bytes), p.rows * p.kept, p.bits,
+                               p.bucket_size, scheme=p.scheme)
+        dense = torch.zeros(p.rows, p.width, dtype=torch.float32, device=piece.device)
+        dense.scatter_(1, places, values.view(p.rows, p.kept))
+        return dense.view(-1).narrow(0, 0, p.numel)
+
+
+def _padded(part: torch.Tensor, p: _Piece) -> torch.Tensor:
+    """The piece's values as (chunks, width), the last chunk padded with zeros."""
+    if p.rows * p.width == p.numel:
+        return part.view(p.rows, p.width)
+    padded = torch.zeros(p.rows * p.width, dtype=part.dtype, device=part.device)
+    padded.narrow(0, 0, p.numel).copy_(part)
+    return padded.view(p.rows, p.width)
+
+
+def _pack(places: torch.Tensor, bits: int) -> torch.Tensor:
+    """`places` (non-negative, below 2**bits) at `bits` bits each, least significant
+    first, in bytes."""
+    shifts = torch.arange(bits, device=places.device)
+    stream = ((places.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
+    pad = -stream.numel() % 8
+    if pad:
+        stream = torch.cat([stream, stream.new_zeros(pad)])
+    weights = (1 << torch.arange(8, device=places.device)).to(torch.uint8)
+    return (stream.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """The `count` values `_pack` packed at `bits` bits each (int64)."""
+    stream = ((packed.unsqueeze(1) >> torch.arange(8, device=packed.device, dtype=torch.uint8)) & 1).reshape(-1)
+    stream = stream.narrow(0, 0, count * bits).view(count, bits).long()
+    return (stream << torch.arange(bits, device=packed.device)).sum(1)

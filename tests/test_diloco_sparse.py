@@ -1,0 +1,157 @@
+"""cgx.DiLoCo with sparse outer gradients (top_k=): each sync's average is what the
+replicas sent, decoded alike everywhere; what a replica did not send stays in its
+residual, exactly; bit-identical global weights; checkpoint and resume; bad settings.
+Real processes."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from harness import init_cgx, run_ranks, values
+from test_diloco import _model, _resume, _train_step, _weights
+
+_TOP_K = dict(k=4, chunk=64)
+
+
+def _sparse_syncs(rank, world, overlap):
+    """Trains 12 steps (sync_every 4, 2 fragments, 2 bits); records, for every sync, what
+    this rank sent (as decoded), what it kept, the residual after it, and the average."""
+    import cgx
+    from cgx.diloco import outer_sync, sparse
+
+    init_cgx(rank, world)
+    encode, complete = sparse.SparsePlan.encode, outer_sync._Fragment.complete
+    sent = []
+
+    def recording_encode(self, values_):
+        payload, carried = encode(self, values_)
+        sent.append({"values": values_.clone(), "carried": carried.clone(), "layout": self.layout,
+                     "nbytes": self.nbytes})
+        return payload, carried
+
+    def recording_complete(self, sync, replicas):
+        decoding = sync.payloads is not None
+        complete(self, sync, replicas)
+        if decoding:
+            sent[-1]["average"] = sync.outer_gradient.clone()
+            sent[-1]["residual"] = None if sync.residual is None else sync.residual.clone()
+    sparse.SparsePlan.encode, outer_sync._Fragment.complete = recording_encode, recording_complete
+    model = _model(0)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=2, overlap=overlap,
+                        top_k=cgx.diloco.TopK(**_TOP_K))
+    global_weights = []
+    for step in range(12):
+        _train_step(model, inner, rank, step)
+        global_weights.append(diloco.state_dict()["global_weights"])
+    diloco.close()
+    return sent, global_weights, diloco.stats()
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_a_sparse_sync_averages_what_each_replica_sent_and_keeps_the_rest_exactly(overlap):
+    world = 3
+    results = values(run_ranks(_sparse_syncs, world, args=(overlap,), timeout_s=120))
+    syncs = [r[0] for r in results]
+    assert len(syncs[0]) == 6 and all(len(s) == 6 for s in syncs)
+    for i in range(6):
+        # The average: every rank's payload decoded and summed in rank order, over the ranks.
+        expected = torch.zeros_like(syncs[0][i]["carried"])
+        for rank in range(world):
+            expected += syncs[rank][i]["carried"]
+        expected /= world
+        for rank in range(world):
+            record = syncs[rank][i]
+            assert torch.equal(record["average"], expected), (i, rank)
+            # What it did not send is kept, exactly: residual = values - sent, on the compressed layers.
+            compressed = [(o, n) for o, n, bits, *_ in record["layout"] if bits != 32]
+            for offset, numel in compressed:
+                kept = record["residual"].narrow(0, offset, numel)
+                assert torch.equal(kept, record["values"].narrow(0, offset, numel)
+                                   - record["carried"].narrow(0, offset, numel)), (i, rank, offset)
+                # At most k values of each chunk sent; the raw layers whole.
+                carried = record["carried"].narrow(0, offset, numel)
+                for start in range(0, numel, _TOP_K["chunk"]):
+                    assert (carried[start:start + _TOP_K["chunk"]] != 0).sum() <= _TOP_K["k"]
+            raw = [(o, n) for o, n, bits, *_ in record["layout"] if bits == 32]
+            for offset, numel in raw:
+                assert torch.equal(record["carried"].narrow(0, offset, numel), record["values"].narrow(0, offset, numel))
+    # Bit-identical global weights on every rank after every step.
+    for step, weights in enumerate(results[0][1]):
+        for rank in range(1, world):
+            assert all(torch.equal(weights[n], results[rank][1][step][n]) for n in weights), (step, rank)
+    # The payload counted is what each rank sent: its plan's bytes, a sync each.
+    for sent, _, stats in results:
+        assert stats["payload_bytes"] == sum(s["nbytes"] for s in sent)
+        assert stats["payload_bytes"] * 8 < stats["uncompressed_payload_bytes"]
+
+
+def _sparse_checkpoint_resume(rank, world):
+    import cgx
+
+    init_cgx(rank, world)
+    options = dict(sync_every=4, fragments=2, bits=2, overlap=1, top_k=cgx.diloco.TopK(**_TOP_K))
+
+    def build():
+        model = _model(0)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, inner, cgx.DiLoCo(model, inner, **options)
+
+    model, inner, diloco = build()
+    for step in range(12):
+        _train_step(model, inner, rank, step)
+    uninterrupted = _weights(model)
+    diloco.close()
+
+    model, inner, diloco = build()
+    for step in range(6):
+        _train_step(model, inner, rank, step)
+    saved = io.BytesIO()
+    state = diloco.state_dict()
+    torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": state}, saved)
+    diloco.close()
+
+    model, inner, diloco = build()
+    _resume(saved, model, inner, diloco)
+    for step in range(6, 12):
+        _train_step(model, inner, rank, step)
+    resumed = _weights(model)
+    return len(state["in_flight"]), len(state["residuals"]), [n for n in resumed
+                                                              if not torch.equal(resumed[n], uninterrupted[n])]
+
+
+def test_a_sparse_run_resumes_from_a_checkpoint_bit_identically():
+    for in_flight, residuals, differing in values(run_ranks(_sparse_checkpoint_resume, 2, timeout_s=120)):
+        assert in_flight == 1 and residuals > 0  # a sync in flight and residuals, saved and resumed
+        assert differing == []
+
+
+def _bad_sparse_settings(rank, world):
+    import cgx
+
+    init_cgx(rank, world)
+    model = _model(0)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    messages = []
+    for build in (lambda: cgx.diloco.TopK(k=0, chunk=64), lambda: cgx.diloco.TopK(k=65, chunk=64),
+                  lambda: cgx.DiLoCo(model, inner, sync_every=4, bits=32, top_k=cgx.diloco.TopK(k=4, chunk=64)),
+                  lambda: cgx.DiLoCo(model, inner, sync_every=4, top_k=cgx.diloco.TopK(k=8, chunk=1 << 20)),
+                  lambda: cgx.DiLoCo(model, inner, sync_every=4, top_k=0.01)):
+        try:
+            build()
+            messages.append(None)
+        except (TypeError, ValueError) as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_bad_sparse_settings_raise_naming_the_setting():
+    expected = ["k must be an integer >= 1", "k=65 is more than chunk=64", "top_k with bits=32",
+                "top_k's chunk=1048576 is larger than every fragment's compressed values",
+                "top_k must be a cgx.diloco.TopK"]
+    for messages in values(run_ranks(_bad_sparse_settings, 2, timeout_s=60)):
+        for want, got in zip(expected, messages):
+            assert got is not None and want in got, (want, got)
