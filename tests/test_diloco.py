@@ -503,11 +503,16 @@ def test_a_replica_that_skipped_a_step_raises_on_every_rank_naming_the_steps(ove
 # ---- checkpoint and resume, failure mid-sync
 
 
-def _checkpoint_resume(rank, world):
+def _checkpoint_resume(rank, world, top_k=None):
+    """12 steps uninterrupted against 6, a checkpoint (a sync in flight), a resume and 6
+    more (`top_k`: a TopK's arguments, sparse outer gradients at 2 bits). Returns the syncs
+    in flight and the residuals the checkpoint held, and the parameters that differ."""
     import cgx
 
     init_cgx(rank, world)
     options = dict(sync_every=4, fragments=2, bits=4, overlap=1)
+    if top_k is not None:
+        options.update(bits=2, top_k=cgx.diloco.TopK(**top_k))
 
     def build():
         model = _model(0)
@@ -524,8 +529,8 @@ def _checkpoint_resume(rank, world):
     for step in range(6):
         _train_step(model, inner, rank, step)
     in_flight = diloco.stats()["in_flight"]
-    saved = io.BytesIO()
-    torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}, saved)
+    saved, state = io.BytesIO(), diloco.state_dict()
+    torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": state}, saved)
     diloco.close()
 
     model, inner, diloco = build()  # as at the start, then the three states
@@ -533,12 +538,12 @@ def _checkpoint_resume(rank, world):
     for step in range(6, 12):
         _train_step(model, inner, rank, step)
     resumed = _weights(model)
-    return in_flight, [n for n in resumed if not torch.equal(resumed[n], uninterrupted[n])]
+    return in_flight, len(state["residuals"]), [n for n in resumed if not torch.equal(resumed[n], uninterrupted[n])]
 
 
 def test_checkpoint_with_a_sync_in_flight_resumes_bit_identically():
-    for in_flight, differing in values(run_ranks(_checkpoint_resume, 2, timeout_s=120)):
-        assert in_flight == 1
+    for in_flight, residuals, differing in values(run_ranks(_checkpoint_resume, 2, timeout_s=120)):
+        assert in_flight == 1 and residuals > 0
         assert differing == []
 
 

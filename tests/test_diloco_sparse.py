@@ -5,13 +5,11 @@ Real processes."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
 from harness import init_cgx, run_ranks, values
-from test_diloco import _model, _resume, _train_step, _weights
+from test_diloco import _checkpoint_resume, _model, _train_step
 
 _TOP_K = dict(k=4, chunk=64)
 
@@ -89,42 +87,8 @@ def test_a_sparse_sync_averages_what_each_replica_sent_and_keeps_the_rest_exactl
         assert stats["payload_bytes"] * 8 < stats["uncompressed_payload_bytes"]
 
 
-def _sparse_checkpoint_resume(rank, world):
-    import cgx
-
-    init_cgx(rank, world)
-    options = dict(sync_every=4, fragments=2, bits=2, overlap=1, top_k=cgx.diloco.TopK(**_TOP_K))
-
-    def build():
-        model = _model(0)
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return model, inner, cgx.DiLoCo(model, inner, **options)
-
-    model, inner, diloco = build()
-    for step in range(12):
-        _train_step(model, inner, rank, step)
-    uninterrupted = _weights(model)
-    diloco.close()
-
-    model, inner, diloco = build()
-    for step in range(6):
-        _train_step(model, inner, rank, step)
-    saved = io.BytesIO()
-    state = diloco.state_dict()
-    torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": state}, saved)
-    diloco.close()
-
-    model, inner, diloco = build()
-    _resume(saved, model, inner, diloco)
-    for step in range(6, 12):
-        _train_step(model, inner, rank, step)
-    resumed = _weights(model)
-    return len(state["in_flight"]), len(state["residuals"]), [n for n in resumed
-                                                              if not torch.equal(resumed[n], uninterrupted[n])]
-
-
 def test_a_sparse_run_resumes_from_a_checkpoint_bit_identically():
-    for in_flight, residuals, differing in values(run_ranks(_sparse_checkpoint_resume, 2, timeout_s=120)):
+    for in_flight, residuals, differing in values(run_ranks(_checkpoint_resume, 2, args=(_TOP_K,), timeout_s=120)):
         assert in_flight == 1 and residuals > 0  # a sync in flight and residuals, saved and resumed
         assert differing == []
 
