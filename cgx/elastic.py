@@ -562,9 +562,10 @@ class Membership:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r} has ended: a replica called end_run() "
                                   f"(the rendezvous is closed)") from e
         except RendezvousTimeoutError as e:
-            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: no round formed: fewer than "
-                                  f"min_replicas={self.min_replicas} replicas came within "
-                                  f"join_timeout={self.join_timeout} ({type(e).__name__} from torch's "
+            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: no round formed with this replica within "
+                                  f"join_timeout={self.join_timeout}: fewer than min_replicas={self.min_replicas} "
+                                  f"replicas came, or the rounds had no place for it (max_replicas="
+                                  f"{self.max_replicas}) ({type(e).__name__} from torch's "
                                   f"rendezvous{': ' + str(e) if str(e) else ''})") from e
         except RendezvousError as e:
             raise MembershipError(f"cgx.elastic: run {self.run_id!r}: no round formed: "
@@ -721,15 +722,21 @@ class Membership:
         """Leaves the run, which goes on, and says so: the round's backend is shut down
         (its connections close, so a member waiting on this replica gets a PeerError at
         once) and this replica leaves the rendezvous, so the others' next round forms
-        without it at once. A second call does nothing. (torch's ``shutdown()`` would
-        close the rendezvous for every replica: that is :meth:`end_run`.)"""
+        without it at once. Where :meth:`prepare_next_round` is forming the next round,
+        it waits for that to end first (a member left out of it waits in torch's wait
+        list until the others, gone on without it, form the round after: seconds). A
+        second call does nothing. (torch's ``shutdown()`` would close the rendezvous for
+        every replica: that is :meth:`end_run`.)"""
+        # The round's backend first: the others' collectives with this replica fail at
+        # once, not at their timeout, while the next round's forming ends (a member left
+        # out of it waits in torch's wait list until the others form the round after).
+        self._leave_round()
         try:
             prepared = self._take_prepared()  # the handler is its meanwhile
         except MembershipError:
             prepared = None
         if prepared is not None:
             prepared[1].shutdown()
-        self._leave_round()
         if self._handler is not None and self.rounds > 0:
             self._leave_rendezvous()
         self._handler = None  # its heartbeat timer holds it weakly: no beat after this
@@ -751,8 +758,10 @@ class Membership:
         more; the others' next :meth:`next_round` raises, saying so). This replica stays
         until :meth:`close`; the replica that serves the c10d store should stay last, as
         the store goes with its Membership object (which may be closed before)."""
-        if self._handler is not None:
-            self._handler.set_closed()
+        if self._handler is None:
+            raise MembershipError(f"cgx.elastic: run {self.run_id!r}: this replica left the run (close()): call "
+                                  f"end_run() before close()")
+        self._handler.set_closed()
 
     def __enter__(self) -> Membership:
         return self
