@@ -25,9 +25,9 @@ underneath, uncompressed unless a method compresses), once per method:
   diloco-hH-pP-bB-oK  cgx.DiLoCo, no DDP: every rank a replica, syncing every H steps in P
                 fragments (strided; -seq: sequential), outer gradients at B bits in maxmin
                 with error feedback (-hadamard: in that scheme; -topNofC: sparse, the N
-                largest of each chunk of C values sent), applied K steps later; outer
-                Nesterov SGD lr 0.7, momentum 0.9,
-                mix 0.5 unless -lrA / -mB (0: plain SGD) / -xC say otherwise; evaluated on
+                largest of each chunk of C values sent, -dB: the residual decayed by B,
+                SparseLoCo's beta), applied K steps later; outer Nesterov SGD lr 0.7,
+                momentum 0.9, mix 0.5 unless -lrA / -mB (0: plain SGD) / -xC say otherwise; evaluated on
                 rank 0's own weights
 
 Tasks:
@@ -87,8 +87,9 @@ DILOCO_METHODS = tuple(f"diloco-h{h}-p{p}-b{b}-o{k}" for h in (16, 32) for p in 
                            "seq", "lr1.0-m0", "lr0.5", "lr0.4", "lr0.7-m0.5", "lr0.7-x0.75")) + tuple(
                            f"diloco-h32-p4-b{b}-o1{s}" for b in (2, 3) for s in ("", "-hadamard")) + (
                            "diloco-h32-p4-b4-o1-hadamard",) + tuple(
-                           f"diloco-h32-p4-b2-o1{s}-top{k}of{c}" for s in ("", "-hadamard") for c in (1024, 4096)
-                           for k in (c // 128, c // 64, c // 32, c // 16))
+                           f"diloco-h32-p4-b2-o1{s}-top{k}of{c}{o}" for s in ("", "-hadamard") for c in (1024, 4096)
+                           for k in (c // 128, c // 64, c // 32, c // 16)
+                           for o in ("", "-lr1.0-m0-d0.95", "-lr0.7-m0-d0.9"))
 METHODS = DDP_METHODS + FSDP_METHODS + DILOCO_METHODS
 WARMUP_STEPS = 10  # uncompressed first steps, for every compressing method alike
 # Adaptive over maxmin alone: cgx.AdaptiveBits' candidates before cgx 0.2 (its defaults
@@ -343,12 +344,12 @@ def diloco_method(method, model, inner):
     import cgx
 
     _, h, p, b, k, *variant = method.split("-")
-    outer = {"lr": 0.7, "m": 0.9, "x": 0.5}  # the paper's outer lr and momentum, mix 0.5
+    outer = {"lr": 0.7, "m": 0.9, "x": 0.5, "d": 1.0}  # the paper's outer lr and momentum, mix 0.5
     top_k = None
     for part in variant:
         if part.startswith("top"):  # -topNofC: sparse outer gradients, N of each chunk of C values
             k_, chunk = part[3:].split("of")
-            top_k = cgx.diloco.TopK(k=int(k_), chunk=int(chunk))
+            top_k = (int(k_), int(chunk))
         elif part not in ("seq", "hadamard"):
             name = part.rstrip("0123456789.")
             outer[name] = float(part[len(name):])
@@ -357,7 +358,8 @@ def diloco_method(method, model, inner):
     diloco = cgx.DiLoCo(model, inner, sync_every=int(h[1:]), fragments=int(p[1:]), policy=policy,
                         overlap=int(k[1:]), fragment_pattern="sequential" if "seq" in variant else "strided",
                         outer_lr=outer["lr"], outer_momentum=outer["m"], nesterov=outer["m"] > 0,
-                        mix=outer["x"], top_k=top_k)
+                        mix=outer["x"],
+                        top_k=None if top_k is None else cgx.diloco.TopK(*top_k, decay=outer["d"]))
     return diloco
 
 

@@ -14,20 +14,26 @@ from test_diloco import _checkpoint_resume, _model, _train_step
 _TOP_K = dict(k=4, chunk=64)
 
 
-def _sparse_syncs(rank, world, overlap):
-    """Trains 12 steps (sync_every 4, 2 fragments, 2 bits); records, for every sync, what
-    this rank sent (as decoded), what it kept, the residual after it, and the average."""
+def _sparse_syncs(rank, world, overlap, decay):
+    """Trains 12 steps (sync_every 4, 2 fragments, 2 bits); records, for every sync, its
+    outer gradient and the residual before it, what this rank sent (as decoded), the
+    residual after it, and the average."""
     import cgx
     from cgx.diloco import outer_sync, sparse
 
     init_cgx(rank, world)
-    encode, complete = sparse.SparsePlan.encode, outer_sync._Fragment.complete
+    start, encode, complete = outer_sync._Fragment._start_sparse, sparse.SparsePlan.encode, outer_sync._Fragment.complete
     sent = []
+
+    def recording_start(self, replicas, due, agreement, delta, *args):
+        sent.append({"delta": delta.clone(), "before": replicas.residuals.gather(self.numel, self.compressed,
+                                                                                 delta.device)})
+        return start(self, replicas, due, agreement, delta, *args)
 
     def recording_encode(self, values_):
         payload, carried = encode(self, values_)
-        sent.append({"values": values_.clone(), "carried": carried.clone(), "layout": self.layout,
-                     "nbytes": self.nbytes})
+        sent[-1].update({"values": values_.clone(), "carried": carried.clone(), "layout": self.layout,
+                         "nbytes": self.nbytes})
         return payload, carried
 
     def recording_complete(self, sync, replicas):
@@ -37,10 +43,11 @@ def _sparse_syncs(rank, world, overlap):
             sent[-1]["average"] = sync.outer_gradient.clone()
             sent[-1]["residual"] = None if sync.residual is None else sync.residual.clone()
     sparse.SparsePlan.encode, outer_sync._Fragment.complete = recording_encode, recording_complete
+    outer_sync._Fragment._start_sparse = recording_start
     model = _model(0)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=2, overlap=overlap,
-                        top_k=cgx.diloco.TopK(**_TOP_K))
+                        top_k=cgx.diloco.TopK(**_TOP_K, decay=decay))
     global_weights = []
     for step in range(12):
         _train_step(model, inner, rank, step)
@@ -49,10 +56,10 @@ def _sparse_syncs(rank, world, overlap):
     return sent, global_weights, diloco.stats()
 
 
-@pytest.mark.parametrize("overlap", [0, 1])
-def test_a_sparse_sync_averages_what_each_replica_sent_and_keeps_the_rest_exactly(overlap):
+@pytest.mark.parametrize("overlap,decay", [(0, 1.0), (1, 1.0), (0, 0.5)])
+def test_a_sparse_sync_averages_what_each_replica_sent_and_keeps_the_rest_exactly(overlap, decay):
     world = 3
-    results = values(run_ranks(_sparse_syncs, world, args=(overlap,), timeout_s=120))
+    results = values(run_ranks(_sparse_syncs, world, args=(overlap, decay), timeout_s=120))
     syncs = [r[0] for r in results]
     assert len(syncs[0]) == 6 and all(len(s) == 6 for s in syncs)
     for i in range(6):
@@ -64,6 +71,10 @@ def test_a_sparse_sync_averages_what_each_replica_sent_and_keeps_the_rest_exactl
         for rank in range(world):
             record = syncs[rank][i]
             assert torch.equal(record["average"], expected), (i, rank)
+            # What it chose from: its outer gradient plus its residual, decayed.
+            assert torch.equal(record["values"], record["delta"] + record["before"] if decay == 1
+                               else record["delta"] + decay * record["before"]), (i, rank)
+            assert record["before"].abs().sum() > 0 or i < 2  # (from each fragment's second sync on)
             # What it did not send is kept, exactly: residual = values - sent, on the compressed layers.
             compressed = [(o, n) for o, n, bits, *_ in record["layout"] if bits != 32]
             for offset, numel in compressed:
@@ -101,6 +112,7 @@ def _bad_sparse_settings(rank, world):
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     messages = []
     for build in (lambda: cgx.diloco.TopK(k=0, chunk=64), lambda: cgx.diloco.TopK(k=65, chunk=64),
+                  lambda: cgx.diloco.TopK(k=4, chunk=64, decay=0),
                   lambda: cgx.DiLoCo(model, inner, sync_every=4, bits=32, top_k=cgx.diloco.TopK(k=4, chunk=64)),
                   lambda: cgx.DiLoCo(model, inner, sync_every=4, top_k=cgx.diloco.TopK(k=8, chunk=1 << 20)),
                   lambda: cgx.DiLoCo(model, inner, sync_every=4, top_k=0.01)):
@@ -113,7 +125,8 @@ def _bad_sparse_settings(rank, world):
 
 
 def test_bad_sparse_settings_raise_naming_the_setting():
-    expected = ["k must be an integer >= 1", "k=65 is more than chunk=64", "top_k with bits=32",
+    expected = ["k must be an integer >= 1", "k=65 is more than chunk=64", "decay must be in (0, 1]",
+                "top_k with bits=32",
                 "top_k's chunk=1048576 is larger than every fragment's compressed values",
                 "top_k must be a cgx.diloco.TopK"]
     for messages in values(run_ranks(_bad_sparse_settings, 2, timeout_s=60)):

@@ -411,13 +411,14 @@ class _Fragment:
 
     def _start_sparse(self, replicas: _Replicas, due: int, agreement: _Agreement, delta: torch.Tensor,
                       error_feedback: bool, sent: torch.Tensor | None) -> _Sync:
-        """A sparse sync's start: this rank's payload (delta plus its residual) and the
-        all-gather of every rank's; the residual becomes what the payload does not carry."""
+        """A sparse sync's start: this rank's payload (delta plus its residual, decayed)
+        and the all-gather of every rank's; the residual becomes what the payload does
+        not carry."""
         values = delta
         residual = None
         if error_feedback and self.compressed:
             residual = replicas.residuals.gather(self.numel, self.compressed, delta.device)
-            values = delta + residual
+            values = delta + residual if self.top_k.decay == 1 else delta + self.top_k.decay * residual
         payload, carried = self.sparse.encode(values)
         if residual is not None:
             torch.sub(values, carried, out=residual)

@@ -21,10 +21,13 @@ from cgx.layers import RAW_BITS, Segment
 class TopK:
     """Which values of an outer gradient a replica sends: of each chunk of `chunk`
     consecutive values of a compressed layer (a layer's last chunk may be shorter), the
-    `k` largest in magnitude."""
+    `k` largest in magnitude of the outer gradient plus `decay` times the residual (what
+    earlier syncs did not send; SparseLoCo's beta, with which the residual takes the
+    outer momentum's part: then give DiLoCo outer_momentum=0)."""
 
     k: int
     chunk: int
+    decay: float = 1.0
 
     def __post_init__(self) -> None:
         what = "cgx.diloco.TopK"
@@ -32,6 +35,9 @@ class TopK:
         check_int(self.chunk, "chunk", what, low=1)
         if self.k > self.chunk:
             raise ValueError(f"{what}: k={self.k} is more than chunk={self.chunk} (k values of each chunk are sent)")
+        if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not 0 < self.decay <= 1:
+            raise ValueError(f"{what}: decay must be in (0, 1], got {self.decay!r}")
+        object.__setattr__(self, "decay", float(self.decay))  # as every replica compares it
 
     @property
     def density(self) -> float:
