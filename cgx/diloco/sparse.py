@@ -39,10 +39,6 @@ class TopK:
             raise ValueError(f"{what}: decay must be in (0, 1], got {self.decay!r}")
         object.__setattr__(self, "decay", float(self.decay))  # as every replica compares it
 
-    @property
-    def density(self) -> float:
-        return self.k / self.chunk
-
 
 @dataclass(frozen=True)
 class _Piece:
