@@ -132,3 +132,36 @@ def test_bad_sparse_settings_raise_naming_the_setting():
     for messages in values(run_ranks(_bad_sparse_settings, 2, timeout_s=60)):
         for want, got in zip(expected, messages):
             assert got is not None and want in got, (want, got)
+
+
+@pytest.mark.parametrize("numel,k,chunk", [(5000, 32, 1024), (3000, 7, 7), (1000, 1, 7), (999, 3, 1000)])
+def test_a_payload_carries_each_chunks_top_k_places_in_elias_fanos_bits(numel, k, chunk):
+    """One process: the places decode as the top-k of each chunk; a place costs the
+    low bits plus the chunk's unary bitmap (7 bits at 32 of 1,024, not 10); a payload
+    with a place too many or too few is refused, not misread."""
+    from cgx.diloco.sparse import SparsePlan, TopK
+
+    plan = SparsePlan([(0, numel, 2, 512, "maxmin"), (numel, 10, 32, 512, "maxmin")], TopK(k, chunk))
+    values = torch.randn(numel + 10, generator=torch.Generator().manual_seed(numel))
+    payload, sent = plan.encode(values)
+    assert payload.numel() == plan.nbytes
+    summed = torch.zeros_like(values)
+    plan.add(payload, summed)
+    assert torch.equal(summed, sent)
+    assert torch.equal(sent[numel:], values[numel:])  # the raw layer whole
+    piece = plan.pieces[0]
+    width = min(chunk, numel)
+    padded = torch.cat([values[:numel], values.new_zeros(-numel % width)]).view(-1, width)
+    chosen = padded.abs().topk(min(k, width), dim=1).indices.sort(dim=1).values
+    expected = torch.zeros(padded.shape, dtype=torch.bool).scatter_(1, chosen, True).view(-1)[:numel]
+    assert torch.equal(sent[:numel] != 0, expected)
+    low_bits = (width // piece.kept).bit_length() - 1
+    per_chunk = piece.kept * low_bits + piece.kept + ((width - 1) >> low_bits) + 1
+    assert piece.low_bytes + piece.high_bytes == -(-piece.rows * piece.kept * low_bits // 8) + -(-piece.rows * (
+        per_chunk - piece.kept * low_bits) // 8)
+    if (numel, k, chunk) == (5000, 32, 1024):
+        assert per_chunk == 7 * 32
+    broken = payload.clone()
+    broken[piece.low_bytes] ^= 0x02  # one bit of the first chunk's bitmap flipped
+    with pytest.raises(ValueError, match="sparse payload holds"):
+        plan.add(broken, torch.zeros_like(values))

@@ -1,7 +1,8 @@
 """Sparse outer gradients (cgx.DiLoCo's ``top_k=``): of every chunk of a compressed
 layer's outer gradient (plus its error feedback), a replica sends the `k` values largest
 in magnitude, quantized by cgx's codec at the layer's setting, with their places in the
-chunk bit-packed (ceil(log2(chunk)) bits each); exact (raw) layers go whole, in float32.
+chunk in Elias-Fano's code (under 3 + log2(chunk / k) bits each, 7 at 32 of 1,024; a fixed
+size per chunk); exact (raw) layers go whole, in float32.
 What it does not send stays in its residual. The replicas choose different places, so
 their payloads are all-gathered and every replica decodes and sums them in rank order:
 the same float operations on every replica, so the same global weights, bit for bit."""
@@ -52,13 +53,19 @@ class _Piece:
     rows: int = 1  # chunks
     width: int = 0  # values a chunk holds (the last one padded with zeros to it)
     kept: int = 0  # values sent of each chunk
-    index_bits: int = 0
-    index_bytes: int = 0
+    low_bits: int = 0  # a place's low bits, stored as they are; its high part in unary
+    low_bytes: int = 0
+    high_bytes: int = 0
     value_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
-        return 4 * self.numel if self.bits == RAW_BITS else self.index_bytes + self.value_bytes
+        return 4 * self.numel if self.bits == RAW_BITS else self.low_bytes + self.high_bytes + self.value_bytes
+
+    @property
+    def high_width(self) -> int:
+        """Bits a chunk's unary high parts take: one set per place, one clear per high value passed."""
+        return self.kept + ((self.width - 1) >> self.low_bits) + 1
 
 
 class SparsePlan:
@@ -76,10 +83,12 @@ class SparsePlan:
             width = min(top_k.chunk, numel)
             rows = -(-numel // width)
             kept = min(top_k.k, width)
-            index_bits = max(1, (width - 1).bit_length())
+            low_bits = (width // kept).bit_length() - 1  # floor(log2(width / kept)): the fewest bits in all
+            high_width = kept + ((width - 1) >> low_bits) + 1
             self.pieces.append(_Piece(
-                offset, numel, bits, bucket_size, scheme_name, rows, width, kept, index_bits,
-                -(-rows * kept * index_bits // 8), _C.compressed_size(rows * kept, bits, bucket_size, scheme=scheme_name)))
+                offset, numel, bits, bucket_size, scheme_name, rows, width, kept, low_bits,
+                -(-rows * kept * low_bits // 8), -(-rows * high_width // 8),
+                _C.compressed_size(rows * kept, bits, bucket_size, scheme=scheme_name)))
         self.nbytes = sum(p.nbytes for p in self.pieces)
 
     def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,13 +106,14 @@ class SparsePlan:
                 at += p.nbytes
                 continue
             chunks = _padded(part, p)
-            places = chunks.abs().topk(p.kept, dim=1, sorted=False).indices
+            places = chunks.abs().topk(p.kept, dim=1, sorted=False).indices.sort(dim=1).values
             kept = chunks.gather(1, places).reshape(-1)
-            encoded = _C.compress(kept, p.bits, p.bucket_size, scheme=p.scheme)
-            payload.narrow(0, at, p.index_bytes).copy_(_pack(places.reshape(-1), p.index_bits))
-            payload.narrow(0, at + p.index_bytes, p.value_bytes).copy_(encoded)
+            piece = payload.narrow(0, at, p.nbytes)
+            _encode_places(places, p, piece)
+            piece.narrow(0, p.nbytes - p.value_bytes, p.value_bytes).copy_(
+                _C.compress(kept, p.bits, p.bucket_size, scheme=p.scheme))
             at += p.nbytes
-            sent.narrow(0, p.offset, p.numel).copy_(self._decoded(payload.narrow(0, at - p.nbytes, p.nbytes), p))
+            sent.narrow(0, p.offset, p.numel).copy_(self._decoded(piece, p))
         return payload, sent
 
     def add(self, payload: torch.Tensor, into: torch.Tensor) -> None:
@@ -121,8 +131,8 @@ class SparsePlan:
     @staticmethod
     def _decoded(piece: torch.Tensor, p: _Piece) -> torch.Tensor:
         """A compressed piece's values in place (zero where none was sent), `p.numel` of them."""
-        places = _unpack(piece.narrow(0, 0, p.index_bytes), p.rows * p.kept, p.index_bits).view(p.rows, p.kept)
-        values = _C.decompress(piece.narrow(0, p.index_bytes, p.value_bytes), p.rows * p.kept, p.bits,
+        places = _decode_places(piece, p)
+        values = _C.decompress(piece.narrow(0, p.nbytes - p.value_bytes, p.value_bytes), p.rows * p.kept, p.bits,
                                p.bucket_size, scheme=p.scheme)
         dense = torch.zeros(p.rows, p.width, dtype=torch.float32, device=piece.device)
         dense.scatter_(1, places, values.view(p.rows, p.kept))
@@ -138,15 +148,45 @@ def _padded(part: torch.Tensor, p: _Piece) -> torch.Tensor:
     return padded.view(p.rows, p.width)
 
 
-def _pack(places: torch.Tensor, bits: int) -> torch.Tensor:
-    """`places` (non-negative, below 2**bits) at `bits` bits each, least significant
+def _encode_places(places: torch.Tensor, p: _Piece, piece: torch.Tensor) -> None:
+    """Writes the (chunks, kept) ascending `places` at the start of `piece`, in Elias-Fano's
+    code: each place's `low_bits` low bits packed, then each chunk's high parts (place >>
+    low_bits, ascending) as a bitmap of `high_width` bits with a bit set at high + i for its
+    i-th place."""
+    if p.low_bits:
+        low = places & ((1 << p.low_bits) - 1)
+        piece.narrow(0, 0, p.low_bytes).copy_(_pack(low.reshape(-1), p.low_bits))
+    high = torch.zeros(p.rows, p.high_width, dtype=torch.uint8, device=places.device)
+    high.scatter_(1, (places >> p.low_bits) + torch.arange(p.kept, device=places.device), 1)
+    piece.narrow(0, p.low_bytes, p.high_bytes).copy_(_pack_stream(high.view(-1)))
+
+
+def _decode_places(piece: torch.Tensor, p: _Piece) -> torch.Tensor:
+    """The (chunks, kept) ascending places `_encode_places` wrote (int64)."""
+    bitmap = _unpack(piece.narrow(0, p.low_bytes, p.high_bytes), p.rows * p.high_width, 1).view(p.rows, p.high_width)
+    set_at = bitmap.nonzero()[:, 1]  # row by row, ascending in each
+    if set_at.numel() != p.rows * p.kept:
+        raise ValueError(f"cgx.DiLoCo: a sparse payload holds {set_at.numel()} places where {p.rows * p.kept} "
+                         f"were sent: the replicas' plans differ")
+    places = (set_at.view(p.rows, p.kept) - torch.arange(p.kept, device=piece.device)) << p.low_bits
+    if p.low_bits:
+        places |= _unpack(piece.narrow(0, 0, p.low_bytes), p.rows * p.kept, p.low_bits).view(p.rows, p.kept)
+    return places
+
+
+def _pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """`values` (non-negative, below 2**bits) at `bits` bits each, least significant
     first, in bytes."""
-    shifts = torch.arange(bits, device=places.device)
-    stream = ((places.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
+    shifts = torch.arange(bits, device=values.device)
+    return _pack_stream(((values.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1))
+
+
+def _pack_stream(stream: torch.Tensor) -> torch.Tensor:
+    """A uint8 stream of 0 and 1, eight to a byte, the first in the least significant bit."""
     pad = -stream.numel() % 8
     if pad:
         stream = torch.cat([stream, stream.new_zeros(pad)])
-    weights = (1 << torch.arange(8, device=places.device)).to(torch.uint8)
+    weights = (1 << torch.arange(8, device=stream.device)).to(torch.uint8)
     return (stream.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
 
 
