@@ -57,6 +57,7 @@ import datetime
 import inspect
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -82,15 +83,20 @@ DDP_METHODS = ("allreduce", "fp16", "powersgd") + CGX_METHODS + ADAPTIVE_METHODS
 FSDP_METHODS = ("fsdp",) + tuple(f"qsdp-w{w}g{g}{r}{s}{f}" for w in (8, 4, 2) for g in (8, 4, 2)
                                   for r in ("", "-nearest") for s in ("", "-hadamard") for f in ("", "-feedback")) + tuple(
                                       f"qsdp-w4g4-nearest{s}-bucket{b}" for s in ("", "-hadamard") for b in (64, 128, 256))
-DILOCO_METHODS = tuple(f"diloco-h{h}-p{p}-b{b}-o{k}" for h in (16, 32) for p in (1, 4) for b in (32, 4)
-                       for k in (0, 1)) + tuple(f"diloco-h32-p4-b4-o1-{v}" for v in (
-                           "seq", "lr1.0-m0", "lr0.5", "lr0.4", "lr0.7-m0.5", "lr0.7-x0.75")) + tuple(
-                           f"diloco-h32-p4-b{b}-o1{s}" for b in (2, 3) for s in ("", "-hadamard")) + (
-                           "diloco-h32-p4-b4-o1-hadamard",) + tuple(
-                           f"diloco-h32-p4-b2-o1{s}-top{k}of{c}{o}" for s in ("", "-hadamard") for c in (1024, 4096)
-                           for k in (c // 128, c // 64, c // 32, c // 16)
-                           for o in ("", "-lr1.0-m0-d0.95", "-lr0.7-m0-d0.9"))
-METHODS = DDP_METHODS + FSDP_METHODS + DILOCO_METHODS
+# diloco-hH-pP-bB-oK and its variants, in this order (see the docstring)
+DILOCO_METHOD = re.compile(r"diloco-h\d+-p\d+-b(2|3|4|8|32)-o\d+(-seq)?(-hadamard)?(-top\d+of\d+)?"
+                           r"(-lr[\d.]+)?(-m[\d.]+)?(-x[\d.]+)?(-d[\d.]+)?")
+
+
+def is_diloco(method):
+    return DILOCO_METHOD.fullmatch(method) is not None
+
+
+def method_name(text):
+    """argparse's check of a --methods entry."""
+    if text in DDP_METHODS or text in FSDP_METHODS or is_diloco(text):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown method {text!r} (see --help)")
 WARMUP_STEPS = 10  # uncompressed first steps, for every compressing method alike
 # Adaptive over maxmin alone: cgx.AdaptiveBits' candidates before cgx 0.2 (its defaults
 # since are both schemes', what cgx-adaptive-hadamard measured).
@@ -384,7 +390,7 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
     if method in FSDP_METHODS:
         ddp = model
         traffic = shard_method(method, model)
-    elif method in DILOCO_METHODS:
+    elif is_diloco(method):
         ddp = model
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         diloco = diloco_method(method, model, opt)
@@ -410,7 +416,7 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
     sent, float32 = traffic(steps)
     evaluation = task.evaluate(model)  # every rank: FSDP2 gathers its units in forward
     if rank == 0:
-        if method in DILOCO_METHODS:  # how long the inner loop waited on the link
+        if is_diloco(method):  # how long the inner loop waited on the link
             evaluation.update({k: diloco.stats()[k] for k in ("waits", "wait_seconds", "outer_syncs")})
         result = {"method": method, "losses": losses, "step_ends": step_ends, "seconds": elapsed, "steps": steps,
                   "bytes_per_step": sent and sent / steps,
@@ -470,7 +476,7 @@ def plot(results, task, path) -> bool:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="gpt")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, metavar="METHOD",
+    parser.add_argument("--methods", nargs="+", type=method_name, metavar="METHOD",
                         default=["allreduce", "fp16", "powersgd", "cgx8", "cgx4", "cgx2", "cgx-adaptive", "fsdp",
                                  "qsdp-w8g8", "qsdp-w8g4", "qsdp-w4g4", "qsdp-w8g8-nearest", "qsdp-w4g4-nearest"])
     parser.add_argument("--steps", type=int, default=300)
