@@ -25,7 +25,8 @@ underneath, uncompressed unless a method compresses), once per method:
   diloco-hH-pP-bB-oK  cgx.DiLoCo, no DDP: every rank a replica, syncing every H steps in P
                 fragments (strided; -seq: sequential), outer gradients at B bits in maxmin
                 with error feedback (-hadamard: in that scheme; -topNofC: sparse, the N
-                largest of each chunk of C values sent, -dB: the residual decayed by B,
+                largest of each chunk of C values sent; -sharedNofC: N places of each chunk
+                drawn at random, alike on every replica; -dB: the residual decayed by B,
                 SparseLoCo's beta), applied K steps later; outer Nesterov SGD lr 0.7,
                 momentum 0.9, mix 0.5 unless -lrA / -mB (0: plain SGD) / -xC say otherwise; evaluated on
                 rank 0's own weights
@@ -84,7 +85,7 @@ FSDP_METHODS = ("fsdp",) + tuple(f"qsdp-w{w}g{g}{r}{s}{f}" for w in (8, 4, 2) fo
                                   for r in ("", "-nearest") for s in ("", "-hadamard") for f in ("", "-feedback")) + tuple(
                                       f"qsdp-w4g4-nearest{s}-bucket{b}" for s in ("", "-hadamard") for b in (64, 128, 256))
 # diloco-hH-pP-bB-oK and its variants, in this order (see the docstring)
-DILOCO_METHOD = re.compile(r"diloco-h\d+-p\d+-b(2|3|4|8|32)-o\d+(-seq)?(-hadamard)?(-top\d+of\d+)?"
+DILOCO_METHOD = re.compile(r"diloco-h\d+-p\d+-b(2|3|4|8|32)-o\d+(-seq)?(-hadamard)?(-(top|shared)\d+of\d+)?"
                            r"(-lr[\d.]+)?(-m[\d.]+)?(-x[\d.]+)?(-d[\d.]+)?")
 
 
@@ -353,9 +354,9 @@ def diloco_method(method, model, inner):
     outer = {"lr": 0.7, "m": 0.9, "x": 0.5, "d": 1.0}  # the paper's outer lr and momentum, mix 0.5
     top_k = None
     for part in variant:
-        if part.startswith("top"):  # -topNofC: sparse outer gradients, N of each chunk of C values
-            k_, chunk = part[3:].split("of")
-            top_k = (int(k_), int(chunk))
+        if part.startswith(("top", "shared")):  # -topNofC / -sharedNofC: sparse, N of each chunk of C values
+            k_, chunk = part.removeprefix("top").removeprefix("shared").split("of")
+            top_k = (int(k_), int(chunk), part.startswith("shared"))
         elif part not in ("seq", "hadamard"):
             name = part.rstrip("0123456789.")
             outer[name] = float(part[len(name):])
@@ -365,7 +366,7 @@ def diloco_method(method, model, inner):
                         overlap=int(k[1:]), fragment_pattern="sequential" if "seq" in variant else "strided",
                         outer_lr=outer["lr"], outer_momentum=outer["m"], nesterov=outer["m"] > 0,
                         mix=outer["x"],
-                        top_k=None if top_k is None else cgx.diloco.TopK(*top_k, decay=outer["d"]))
+                        top_k=None if top_k is None else cgx.diloco.TopK(*top_k[:2], decay=outer["d"], shared=top_k[2]))
     return diloco
 
 

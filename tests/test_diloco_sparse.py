@@ -44,16 +44,7 @@ def _sparse_syncs(rank, world, overlap, decay):
             sent[-1]["residual"] = None if sync.residual is None else sync.residual.clone()
     sparse.SparsePlan.encode, outer_sync._Fragment.complete = recording_encode, recording_complete
     outer_sync._Fragment._start_sparse = recording_start
-    model = _model(0)
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=2, overlap=overlap,
-                        top_k=cgx.diloco.TopK(**_TOP_K, decay=decay))
-    global_weights = []
-    for step in range(12):
-        _train_step(model, inner, rank, step)
-        global_weights.append(diloco.state_dict()["global_weights"])
-    diloco.close()
-    return sent, global_weights, diloco.stats()
+    return sent, *_train_12_steps(rank, overlap, cgx.diloco.TopK(**_TOP_K, decay=decay))
 
 
 @pytest.mark.parametrize("overlap,decay", [(0, 1.0), (1, 1.0), (0, 0.5)])
@@ -115,9 +106,13 @@ def _bad_sparse_settings(rank, world):
                   lambda: cgx.diloco.TopK(k=4, chunk=64, decay=0),
                   lambda: cgx.DiLoCo(model, inner, sync_every=4, bits=32, top_k=cgx.diloco.TopK(k=4, chunk=64)),
                   lambda: cgx.DiLoCo(model, inner, sync_every=4, top_k=cgx.diloco.TopK(k=8, chunk=1 << 20)),
-                  lambda: cgx.DiLoCo(model, inner, sync_every=4, top_k=0.01)):
+                  lambda: cgx.DiLoCo(model, inner, sync_every=4, top_k=0.01),
+                  # A layer a fragment each (each at offset 0 of its fragment): chunks fit.
+                  lambda: cgx.DiLoCo(model, inner, sync_every=5, fragments=5, top_k=cgx.diloco.TopK(k=4, chunk=64))):
         try:
-            build()
+            built = build()
+            if isinstance(built, cgx.DiLoCo):
+                built.close()
             messages.append(None)
         except (TypeError, ValueError) as e:
             messages.append(str(e))
@@ -128,10 +123,11 @@ def test_bad_sparse_settings_raise_naming_the_setting():
     expected = ["k must be an integer >= 1", "k=65 is more than chunk=64", "decay must be in (0, 1]",
                 "top_k with bits=32",
                 "top_k's chunk=1048576 is larger than every fragment's compressed values",
-                "top_k must be a cgx.diloco.TopK"]
+                "top_k must be a cgx.diloco.TopK", None]
     for messages in values(run_ranks(_bad_sparse_settings, 2, timeout_s=60)):
+        assert len(messages) == len(expected)
         for want, got in zip(expected, messages):
-            assert got is not None and want in got, (want, got)
+            assert got == want if want is None else got is not None and want in got, (want, got)
 
 
 @pytest.mark.parametrize("numel,k,chunk", [(5000, 32, 1024), (3000, 7, 7), (1000, 1, 7), (999, 3, 1000)])
@@ -165,3 +161,98 @@ def test_a_payload_carries_each_chunks_top_k_places_in_elias_fanos_bits(numel, k
     broken[piece.low_bytes] ^= 0x02  # one bit of the first chunk's bitmap flipped
     with pytest.raises(ValueError, match="sparse payload holds"):
         plan.add(broken, torch.zeros_like(values))
+
+
+def _shared_syncs(rank, world):
+    """Trains 12 steps with shared places (sync_every 4, 2 fragments, 2 bits, compressed
+    whatever the size); records, for every sync, the values it chose from, its places,
+    what it selected, its residual after and the average."""
+    import os
+
+    os.environ["CGX_COMPRESSION_AUTO"] = "0"  # the compressed path, which keeps residuals
+    import cgx
+    from cgx.diloco import outer_sync, sparse
+    from cgx.layers import layout_bytes
+
+    init_cgx(rank, world)
+    places_of, complete = sparse.SparsePlan.shared_places, outer_sync._Fragment.complete
+    sent = []
+
+    def recording_places(self, seed, device):
+        places = places_of(self, seed, device)
+        sent.append({"places": places, "layout": self.selected_layout(), "pieces": self.pieces})
+        return places
+
+    def recording_complete(self, sync, replicas):
+        shared = sync.shared
+        if shared is not None:
+            sent[-1]["values"] = sync.residual.clone()  # (the values until the allreduce completed)
+            sent[-1]["bytes"] = layout_bytes(shared.layout, replicas.skip_incomplete)
+        complete(self, sync, replicas)
+        if shared is not None:
+            sent[-1]["average"] = sync.outer_gradient.clone()
+            sent[-1]["residual"] = sync.residual.clone()
+    sparse.SparsePlan.shared_places, outer_sync._Fragment.complete = recording_places, recording_complete
+    return sent, *_train_12_steps(rank, 0, cgx.diloco.TopK(**_TOP_K, shared=True))
+
+
+def _train_12_steps(rank, overlap, top_k):
+    """12 steps, sync_every 4, 2 fragments, 2 bits: the global weights after each, the stats."""
+    import cgx
+
+    model = _model(0)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=2, overlap=overlap, top_k=top_k)
+    global_weights = []
+    for step in range(12):
+        _train_step(model, inner, rank, step)
+        global_weights.append(diloco.state_dict()["global_weights"])
+    diloco.close()
+    return global_weights, diloco.stats()
+
+
+def test_shared_places_are_the_same_on_every_replica_and_what_is_not_sent_is_kept():
+    world = 3
+    results = values(run_ranks(_shared_syncs, world, timeout_s=120))
+    syncs = [r[0] for r in results]
+    assert len(syncs[0]) == 6 and all(len(s) == 6 for s in syncs)
+    for i in range(6):
+        first = syncs[0][i]
+        for rank in range(world):
+            assert all(a is None and b is None or torch.equal(a, b)
+                       for a, b in zip(first["places"], syncs[rank][i]["places"])), (i, rank)
+        assert any(p is not None for p in first["places"])
+        # Syncs draw other places.
+        assert i < 2 or not torch.equal(next(p for p in first["places"] if p is not None),
+                                        next(p for p in syncs[0][i - 2]["places"] if p is not None))
+        in_places = torch.zeros_like(first["average"], dtype=torch.bool)
+        for piece, places in zip(first["pieces"], first["places"]):
+            target = in_places.narrow(0, piece.offset, piece.numel)
+            if places is None:
+                target.fill_(True)
+            else:
+                rows = torch.zeros(piece.rows * piece.width, dtype=torch.bool)
+                rows.view(piece.rows, piece.width).scatter_(1, places, True)
+                target.copy_(rows[:piece.numel])
+        compressed = torch.zeros_like(in_places)
+        for piece in first["pieces"]:
+            compressed.narrow(0, piece.offset, piece.numel).fill_(piece.bits != 32)
+        for rank in range(world):
+            record = syncs[rank][i]
+            assert torch.equal(record["average"], first["average"]), (i, rank)  # bit-identical
+            assert torch.all(record["average"][~in_places] == 0)
+            # Not sent: kept exactly; sent: what the allreduce dropped of it.
+            unsent = ~in_places & compressed
+            assert torch.equal(record["residual"][unsent], record["values"][unsent])
+            assert record["residual"][in_places & compressed].abs().sum() > 0
+        # The residuals add up to what the average lacked: sum(values - residual) = world * average.
+        sent_sum = sum(torch.where(compressed, s[i]["values"] - s[i]["residual"], s[i]["values"])
+                       for s in syncs)
+        torch.testing.assert_close(sent_sum, world * first["average"], rtol=1e-5, atol=1e-6)
+    for step, weights in enumerate(results[0][1]):
+        for rank in range(1, world):
+            assert all(torch.equal(weights[n], results[rank][1][step][n]) for n in weights), (step, rank)
+    # The payload counted: the places' values in their compressed size (no places), a sync each.
+    for sent, _, stats in results:
+        assert stats["payload_bytes"] == sum(s["bytes"] for s in sent)
+        assert all(s["bytes"] < sum(p.nbytes for p in s["pieces"]) for s in sent)  # less than with own places

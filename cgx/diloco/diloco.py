@@ -103,7 +103,9 @@ class DiLoCo:
             compressed layer's outer gradient, only the k values largest in magnitude
             travel (at `bits`), with their places; the rest stays in the residual (with
             `error_feedback`). Syncs then all-gather every replica's payload, which grows
-            with the replicas (docs/diloco.md, "Sparse outer gradients").
+            with the replicas; with ``TopK(shared=True)`` every replica sends the same
+            places, drawn at random, in an allreduce (docs/diloco.md, "Sparse outer
+            gradients").
         group: the "cgx" group the replicas sync over (default: the default group).
         membership: instead of `group`, an elastic run's :class:`cgx.elastic.Membership`:
             the replicas are the members of its current round (a round is formed here if
@@ -318,7 +320,7 @@ class DiLoCo:
         for fragment, names in zip(fragments, assignment):
             fragment.set_members([_member(n, params[n], settings[n]) for n in names], schedule.outer_options)
         if schedule.top_k is not None:
-            largest = max(sum(numel for _, numel, *_ in f.compressed) for f in fragments)
+            largest = max(sum(numel for _, _, numel in f.compressed) for f in fragments)
             if schedule.top_k.chunk > largest:
                 raise ValueError(f"cgx.DiLoCo: top_k's chunk={schedule.top_k.chunk} is larger than every fragment's "
                                  f"compressed values (at most {largest}): each layer would be one chunk; choose a "

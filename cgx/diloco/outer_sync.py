@@ -122,6 +122,16 @@ class _Agreement:
 
 
 @dataclass(eq=False)
+class _SharedPlaces:
+    """A sparse sync with shared places, in flight: where its values go back."""
+
+    places: list[torch.Tensor | None]  # SparsePlan.shared_places
+    averaged: torch.Tensor  # the allreduce's values (the average, once it completed)
+    dropped: torch.Tensor | None  # what the allreduce's quantizations dropped (error feedback)
+    layout: list[Segment]  # the values' (the rows not counted)
+
+
+@dataclass(eq=False)
 class _Sync:
     """A fragment's sync, from its start to the step its result is applied."""
 
@@ -134,6 +144,7 @@ class _Sync:
     sent: torch.Tensor | None = None  # elastic runs: a copy of what this rank put in, to do the sync again
     checked: bool = False  # the agreement was checked (a sync completed before its replicas re-formed)
     payloads: list[torch.Tensor] | None = None  # a sparse sync's: every rank's, once `work` completed
+    shared: _SharedPlaces | None = None  # a sparse sync's with shared places, until it completed
 
     @property
     def completed(self) -> bool:
@@ -392,6 +403,8 @@ class _Fragment:
             sent = delta.clone() if keep else None
             if scale is not None:
                 delta.mul_(scale)
+            if self.sparse is not None and self.top_k.shared:
+                return self._start_shared(replicas, step, due, trained, rows, delta, error_feedback, sent)
             if self.sparse is not None:
                 return self._start_sparse(replicas, due, replicas.agree(_SYNC, step, trained, rows), delta,
                                           error_feedback, sent)
@@ -414,17 +427,43 @@ class _Fragment:
         """A sparse sync's start: this rank's payload (delta plus its residual, decayed)
         and the all-gather of every rank's; the residual becomes what the payload does
         not carry."""
-        values = delta
-        residual = None
-        if error_feedback and self.compressed:
-            residual = replicas.residuals.gather(self.numel, self.compressed, delta.device)
-            values = delta + residual if self.top_k.decay == 1 else delta + self.top_k.decay * residual
+        values, residual = self._with_residual(replicas, delta, error_feedback)
         payload, carried = self.sparse.encode(values)
         if residual is not None:
             torch.sub(values, carried, out=residual)
         payloads = [torch.empty_like(payload) for _ in range(replicas.size)]
         work = replicas.backend.allgather([payloads], [payload])
         return _Sync(self, due, agreement, torch.zeros_like(delta), residual, work, sent, payloads=payloads)
+
+    def _start_shared(self, replicas: _Replicas, step: int, due: int, trained: list[tuple[str, tuple[int, ...]]],
+                      rows: torch.Tensor, delta: torch.Tensor, error_feedback: bool,
+                      sent: torch.Tensor | None) -> _Sync:
+        """A sparse sync with shared places: the values (delta plus the residual, decayed)
+        at the places every replica draws from the sync's step, in cgx's compressed
+        allreduce with the agreement's rows. The residual becomes the values, but at the
+        places sent: what the allreduce dropped of them (filled in at completion)."""
+        values, residual = self._with_residual(replicas, delta, error_feedback)
+        places = self.sparse.shared_places(step * 65536 + self.index, delta.device)
+        selected = self.sparse.select(values, places)
+        flat = torch.cat([selected, rows.view(-1)])
+        layout = self.sparse.selected_layout()
+        append_segment(layout, selected.numel(), rows.numel(), RAW)
+        dropped = torch.zeros_like(flat) if residual is not None else None
+        work = replicas.backend.allreduce_layout(flat, layout, average=True, residual=dropped)
+        if residual is not None:
+            residual.copy_(values)
+        agreement = _Agreement(_SYNC, step, trained, flat[selected.numel():].view_as(rows), work)
+        return _Sync(self, due, agreement, torch.zeros_like(delta), residual, work, sent,
+                     shared=_SharedPlaces(places, flat[:selected.numel()], dropped, layout[:-1]))
+
+    def _with_residual(self, replicas: _Replicas, delta: torch.Tensor,
+                       error_feedback: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A sparse sync's values, delta plus this rank's residual times the decay, and
+        the residual (None without error feedback)."""
+        if not (error_feedback and self.compressed):
+            return delta, None
+        residual = replicas.residuals.gather(self.numel, self.compressed, delta.device)
+        return (delta + residual if self.top_k.decay == 1 else delta + self.top_k.decay * residual), residual
 
     def complete(self, sync: _Sync, replicas: _Replicas) -> None:
         """Waits for the sync's allreduce and counts its payload as it went: compressed as
@@ -435,7 +474,15 @@ class _Fragment:
         if sync.work is None:
             return
         sync.work.wait()
-        if sync.payloads is not None:
+        if sync.shared is not None:
+            shared = sync.shared
+            self.sparse.put(shared.averaged, shared.places, sync.outer_gradient)
+            if sync.residual is not None:
+                self.sparse.put(shared.dropped.narrow(0, 0, shared.averaged.numel()), shared.places, sync.residual)
+            replicas.count(layout_bytes(shared.layout, replicas.skip_incomplete, _C.sent_exactly(sync.work)),
+                           4 * self.numel)
+            sync.shared = None
+        elif sync.payloads is not None:
             sync.outer_gradient.zero_()
             for payload in sync.payloads:
                 self.sparse.add(payload, sync.outer_gradient)

@@ -5,7 +5,12 @@ chunk in Elias-Fano's code (under 3 + log2(chunk / k) bits each, 7 at 32 of 1,02
 size per chunk); exact (raw) layers go whole, in float32.
 What it does not send stays in its residual. The replicas choose different places, so
 their payloads are all-gathered and every replica decodes and sums them in rank order:
-the same float operations on every replica, so the same global weights, bit for bit."""
+the same float operations on every replica, so the same global weights, bit for bit.
+
+With ``shared=True`` every replica sends the same places instead, k of each chunk drawn
+at random from the sync's step: no places travel, and the values go in cgx's compressed
+allreduce (whose bytes a replica sends do not grow with the replicas), its error
+feedback kept in the residual of each place sent."""
 
 from __future__ import annotations
 
@@ -24,11 +29,14 @@ class TopK:
     consecutive values of a compressed layer (a layer's last chunk may be shorter), the
     `k` largest in magnitude of the outer gradient plus `decay` times the residual (what
     earlier syncs did not send; SparseLoCo's beta, with which the residual takes the
-    outer momentum's part: then give DiLoCo outer_momentum=0)."""
+    outer momentum's part: then give DiLoCo outer_momentum=0). With `shared`, every
+    replica sends the same k places of each chunk, drawn at random from the sync's step,
+    in an allreduce, in place of each replica's own top k in an all-gather."""
 
     k: int
     chunk: int
     decay: float = 1.0
+    shared: bool = False
 
     def __post_init__(self) -> None:
         what = "cgx.diloco.TopK"
@@ -39,6 +47,8 @@ class TopK:
         if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not 0 < self.decay <= 1:
             raise ValueError(f"{what}: decay must be in (0, 1], got {self.decay!r}")
         object.__setattr__(self, "decay", float(self.decay))  # as every replica compares it
+        if not isinstance(self.shared, bool):
+            raise TypeError(f"{what}: shared must be a bool, got {type(self.shared).__name__}")
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,47 @@ class SparsePlan:
             else:
                 target.add_(self._decoded(piece, p))
             at += p.nbytes
+
+    def shared_places(self, seed: int, device: torch.device) -> list[torch.Tensor | None]:
+        """Per piece, the (chunks, kept) ascending places every replica sends with
+        `shared` (None for a raw piece): k of each chunk at random, the same for one
+        `seed` on every replica."""
+        generator = torch.Generator().manual_seed(seed)
+        return [None if p.bits == RAW_BITS else
+                torch.rand(p.rows, p.width, generator=generator).topk(p.kept, dim=1, sorted=False)
+                .indices.sort(dim=1).values.to(device) for p in self.pieces]
+
+    def selected_layout(self) -> list[Segment]:
+        """The layout of `select`'s values: raw pieces whole, the others' kept values at
+        their layer's setting."""
+        layout, at = [], 0
+        for p in self.pieces:
+            numel = p.numel if p.bits == RAW_BITS else p.rows * p.kept
+            layout.append((at, numel, p.bits, p.bucket_size, p.scheme))
+            at += numel
+        return layout
+
+    def select(self, values: torch.Tensor, places: list[torch.Tensor | None]) -> torch.Tensor:
+        """The flat `values` at `places` (`shared_places`), as `selected_layout` lays them out."""
+        return torch.cat([values.narrow(0, p.offset, p.numel) if chosen is None
+                          else _padded(values.narrow(0, p.offset, p.numel), p).gather(1, chosen).reshape(-1)
+                          for p, chosen in zip(self.pieces, places)])
+
+    def put(self, selected: torch.Tensor, places: list[torch.Tensor | None], into: torch.Tensor) -> None:
+        """Writes `selected` (as `select` laid it out) at its places in the flat `into`;
+        its other values stay."""
+        at = 0
+        for p, chosen in zip(self.pieces, places):
+            target = into.narrow(0, p.offset, p.numel)
+            if chosen is None:
+                target.copy_(selected.narrow(0, at, p.numel))
+                at += p.numel
+                continue
+            chunks = _padded(target, p)
+            chunks.scatter_(1, chosen, selected.narrow(0, at, p.rows * p.kept).view(p.rows, p.kept))
+            if chunks.data_ptr() != target.data_ptr():  # padded: a copy
+                target.copy_(chunks.view(-1).narrow(0, 0, p.numel))
+            at += p.rows * p.kept
 
     @staticmethod
     def _decoded(piece: torch.Tensor, p: _Piece) -> torch.Tensor:
