@@ -23,11 +23,12 @@ def _sparse_syncs(rank, world, overlap, decay):
 
     init_cgx(rank, world)
     start, encode, complete = outer_sync._Fragment._start_sparse, sparse.SparsePlan.encode, outer_sync._Fragment.complete
+    apply = outer_sync._Fragment.apply
     sent = []
 
     def recording_start(self, replicas, due, agreement, delta, *args):
         sent.append({"delta": delta.clone(), "before": replicas.residuals.gather(self.numel, self.compressed,
-                                                                                 delta.device)})
+                                                                                 delta.device), "fragment": self.index})
         return start(self, replicas, due, agreement, delta, *args)
 
     def recording_encode(self, values_):
@@ -42,8 +43,14 @@ def _sparse_syncs(rank, world, overlap, decay):
         if decoding:
             sent[-1]["average"] = sync.outer_gradient.clone()
             sent[-1]["residual"] = None if sync.residual is None else sync.residual.clone()
+    def recording_apply(self, sync, replicas, overlap, mix):
+        record = next(r for r in reversed(sent) if r.get("fragment") == self.index and "kept" not in r)
+        record["global_before"] = torch.cat([m.global_weight.reshape(-1) for m in self.members])
+        apply(self, sync, replicas, overlap, mix)
+        record["global_after"] = torch.cat([m.global_weight.reshape(-1) for m in self.members])
+        record["kept"] = replicas.residuals.gather(self.numel, self.compressed, record["delta"].device)
     sparse.SparsePlan.encode, outer_sync._Fragment.complete = recording_encode, recording_complete
-    outer_sync._Fragment._start_sparse = recording_start
+    outer_sync._Fragment._start_sparse, outer_sync._Fragment.apply = recording_start, recording_apply
     return sent, *_train_12_steps(rank, overlap, cgx.diloco.TopK(**_TOP_K, decay=decay))
 
 
@@ -68,10 +75,16 @@ def test_a_sparse_sync_averages_what_each_replica_sent_and_keeps_the_rest_exactl
             assert record["before"].abs().sum() > 0 or i < 2  # (from each fragment's second sync on)
             # What it did not send is kept, exactly: residual = values - sent, on the compressed layers.
             compressed = [(o, n) for o, n, bits, *_ in record["layout"] if bits != 32]
+            # With overlap, the local weights keep mix (0.5) of their drift from the new global
+            # weights, which the next outer gradient measures again: that part leaves the residual.
+            retained = torch.zeros_like(record["delta"]) if overlap == 0 else (
+                record["delta"] - (record["global_before"] - record["global_after"])) * 0.5
             for offset, numel in compressed:
                 kept = record["residual"].narrow(0, offset, numel)
                 assert torch.equal(kept, record["values"].narrow(0, offset, numel)
                                    - record["carried"].narrow(0, offset, numel)), (i, rank, offset)
+                assert torch.equal(record["kept"].narrow(0, offset, numel),
+                                   kept - retained.narrow(0, offset, numel)), (i, rank, offset)
                 # At most k values of each chunk sent; the raw layers whole.
                 carried = record["carried"].narrow(0, offset, numel)
                 for start in range(0, numel, _TOP_K["chunk"]):
@@ -107,6 +120,8 @@ def _bad_sparse_settings(rank, world):
                   lambda: cgx.DiLoCo(model, inner, sync_every=4, bits=32, top_k=cgx.diloco.TopK(k=4, chunk=64)),
                   lambda: cgx.DiLoCo(model, inner, sync_every=4, top_k=cgx.diloco.TopK(k=8, chunk=1 << 20)),
                   lambda: cgx.DiLoCo(model, inner, sync_every=4, top_k=0.01),
+                  lambda: cgx.DiLoCo(model, inner, sync_every=4, top_k=cgx.diloco.TopK(k=4, chunk=64),
+                                     policy=cgx.CompressionPolicy(bits=2, minimal_size=1 << 20)),
                   # A layer a fragment each (each at offset 0 of its fragment): chunks fit.
                   lambda: cgx.DiLoCo(model, inner, sync_every=5, fragments=5, top_k=cgx.diloco.TopK(k=4, chunk=64))):
         try:
@@ -123,7 +138,7 @@ def test_bad_sparse_settings_raise_naming_the_setting():
     expected = ["k must be an integer >= 1", "k=65 is more than chunk=64", "decay must be in (0, 1]",
                 "top_k with bits=32",
                 "top_k's chunk=1048576 is larger than every fragment's compressed values",
-                "top_k must be a cgx.diloco.TopK", None]
+                "top_k must be a cgx.diloco.TopK", "top_k with no compressed layer", None]
     for messages in values(run_ranks(_bad_sparse_settings, 2, timeout_s=60)):
         assert len(messages) == len(expected)
         for want, got in zip(expected, messages):

@@ -321,6 +321,9 @@ class DiLoCo:
             fragment.set_members([_member(n, params[n], settings[n]) for n in names], schedule.outer_options)
         if schedule.top_k is not None:
             largest = max(sum(numel for _, _, numel in f.compressed) for f in fragments)
+            if largest == 0:
+                raise ValueError("cgx.DiLoCo: top_k with no compressed layer (the policy keeps every layer exact): "
+                                 "sparse outer gradients are for compressed layers; leave top_k=None")
             if schedule.top_k.chunk > largest:
                 raise ValueError(f"cgx.DiLoCo: top_k's chunk={schedule.top_k.chunk} is larger than every fragment's "
                                  f"compressed values (at most {largest}): each layer would be one chunk; choose a "
@@ -648,6 +651,7 @@ class DiLoCo:
             "in_flight": [{"fragment": s.fragment.index, "due": s.due,
                            "outer_gradient": None if s.outer_gradient is None else s.outer_gradient.clone(),
                            "residual": None if s.residual is None else s.residual.clone(),
+                           "drift": None if s.drift is None else s.drift.clone(),
                            "step": s.agreement.step, "trained": s.agreement.trained,
                            "agreement": s.agreement.rows.clone()}
                           for s in self._in_flight],
@@ -700,7 +704,8 @@ class DiLoCo:
             _Sync(self._fragments[s["fragment"]], s["due"],
                   _Agreement(_SYNC, s["step"], s["trained"], _current_rows(s["agreement"]), None),
                   None if s["outer_gradient"] is None else s["outer_gradient"].clone(),
-                  None if s["residual"] is None else s["residual"].clone(), None)
+                  None if s["residual"] is None else s["residual"].clone(), None,
+                  drift=None if s.get("drift") is None else s["drift"].clone())
             for s in state["in_flight"]
         ]
 

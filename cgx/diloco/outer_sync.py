@@ -145,6 +145,7 @@ class _Sync:
     checked: bool = False  # the agreement was checked (a sync completed before its replicas re-formed)
     payloads: list[torch.Tensor] | None = None  # a sparse sync's: every rank's, once `work` completed
     shared: _SharedPlaces | None = None  # a sparse sync's with shared places, until it completed
+    drift: torch.Tensor | None = None  # a sparse sync's outer gradient as measured (with error feedback)
 
     @property
     def completed(self) -> bool:
@@ -401,13 +402,16 @@ class _Fragment:
             if delta is None:
                 delta = torch.cat([(m.global_weight - _local(m.param).float()).reshape(-1) for m in self.members])
             sent = delta.clone() if keep else None
+            drift = delta.clone() if self.sparse is not None and error_feedback and self.compressed else None
             if scale is not None:
                 delta.mul_(scale)
-            if self.sparse is not None and self.top_k.shared:
-                return self._start_shared(replicas, step, due, trained, rows, delta, error_feedback, sent)
             if self.sparse is not None:
-                return self._start_sparse(replicas, due, replicas.agree(_SYNC, step, trained, rows), delta,
-                                          error_feedback, sent)
+                sync = (self._start_shared(replicas, step, due, trained, rows, delta, error_feedback, sent)
+                        if self.top_k.shared else
+                        self._start_sparse(replicas, due, replicas.agree(_SYNC, step, trained, rows), delta,
+                                           error_feedback, sent))
+                sync.drift = drift
+                return sync
             flat = torch.cat([delta, *([] if exact_sync else [rows.view(-1)])])
         residual = None
         if error_feedback and self.compressed:
@@ -495,17 +499,26 @@ class _Fragment:
         sync.work = None
 
     def apply(self, sync: _Sync, replicas: _Replicas, overlap: int, mix: float) -> None:
-        """Keeps the residuals the collective left, takes the outer step on the global
-        weights, and restarts the local weights from them (mixed, with overlap)."""
-        if sync.residual is not None:
-            replicas.residuals.keep(sync.residual, self.compressed)
+        """Takes the outer step on the global weights, keeps the residuals the collective
+        left, and restarts the local weights from the global ones (mixed, with overlap).
+        A sparse sync's residual holds all of what this rank did not send; with overlap and
+        mix, the local weights keep `mix` of their drift from the new global weights, which
+        the next outer gradient measures again: that part leaves the residual (it would be
+        sent twice: random places, sent rarely, diverged so)."""
         with torch.no_grad():
+            retains = sync.drift is not None and sync.residual is not None and overlap > 0 and mix > 0
+            before = torch.cat([m.global_weight.reshape(-1) for m in self.members]) if retains else None
             offset = 0
             for m in self.members:
                 g = m.global_weight
                 g.grad = sync.outer_gradient.narrow(0, offset, g.numel()).view_as(g)
                 offset += g.numel()
             self.outer.step()
+            if retains:
+                stepped = before.sub_(torch.cat([m.global_weight.reshape(-1) for m in self.members]))
+                sync.residual.sub_(sync.drift.sub_(stepped).mul_(mix))
+            if sync.residual is not None:
+                replicas.residuals.keep(sync.residual, self.compressed)
             for m in self.members:
                 g, local = m.global_weight, _local(m.param)
                 g.grad = None
