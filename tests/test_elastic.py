@@ -721,7 +721,8 @@ def _global_digest(diloco) -> str:
 
 
 def _elastic_replica(replica, replicas, port, run_id, kill_at, sparse):
-    """Replicas 0-2 start the run (4-bit outer gradients, or `sparse`: top-k at 2 bits);
+    """Replicas 0-2 start the run (4-bit outer gradients, or `sparse`: top-k at 2 bits,
+    "shared": at places every replica draws alike);
     replica 2 kills itself (SIGKILL) as inner step `kill_at` begins; replica 3 starts
     once it is dead and joins. Each records the digest
     of its global weights after every inner step. The run ends at the first step from
@@ -738,7 +739,8 @@ def _elastic_replica(replica, replicas, port, run_id, kill_at, sparse):
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     membership = _membership(replica, port, run_id, starting=3, min_replicas=2)
     started = time.monotonic()
-    compression = dict(bits=2, top_k=cgx.diloco.TopK(k=4, chunk=64)) if sparse else dict(bits=4)
+    compression = dict(bits=2, top_k=cgx.diloco.TopK(k=4, chunk=64, shared=sparse == "shared")) if sparse else dict(
+        bits=4)
     diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, overlap=1, membership=membership,
                         **compression)
     joined = (time.monotonic() - started, diloco.step)
@@ -776,8 +778,8 @@ def _rendezvous_store(port):
 # Killed as inner step 10 begins: the others start that step's sync without it (it is
 # done again among the survivors); as step 13 begins: between two syncs. Sparse outer
 # gradients (an all-gather rather than an allreduce) the same.
-@pytest.mark.parametrize("kill_at,sparse", [(10, False), (13, False), (10, True)],
-                         ids=["kill-at-10", "kill-at-13", "kill-at-10-sparse"])
+@pytest.mark.parametrize("kill_at,sparse", [(10, False), (13, False), (10, True), (10, "shared")],
+                         ids=["kill-at-10", "kill-at-13", "kill-at-10-sparse", "kill-at-10-shared"])
 def test_diloco_goes_on_without_a_killed_replica_and_takes_it_back_restarted(kill_at, sparse):
     port = _free_port()
     results = run_ranks(_elastic_replica, 4, args=(port, f"kill-{kill_at}", kill_at, sparse),
