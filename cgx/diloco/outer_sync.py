@@ -516,7 +516,7 @@ class _Fragment:
             self.outer.step()
             if retains:
                 stepped = before.sub_(torch.cat([m.global_weight.reshape(-1) for m in self.members]))
-                sync.residual.sub_(sync.drift.sub_(stepped).mul_(mix))
+                sync.residual.sub_((sync.drift - stepped).mul_(mix))
             if sync.residual is not None:
                 replicas.residuals.keep(sync.residual, self.compressed)
             for m in self.members:
