@@ -299,7 +299,14 @@ def test_a_sync_auto_sent_exactly_counts_as_float32():
         assert sent == [compressed * (sync + 1) for sync in range(5)] + [5 * compressed + 4 * numel]
 
 
-def _per_host(rank, world):
+def _sparse(kind):
+    """DiLoCo's top_k for a test's `kind`: None (dense), "own" or "shared" places."""
+    import cgx
+
+    return None if kind is None else cgx.diloco.TopK(k=4, chunk=64, shared=kind == "shared")
+
+
+def _per_host(rank, world, sparse):
     import cgx
 
     os.environ["CGX_HOSTNAME"] = f"host{rank // 2}"
@@ -308,7 +315,7 @@ def _per_host(rank, world):
     across, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
     model = torch.nn.parallel.DistributedDataParallel(_model(rank // 2), process_group=host)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with cgx.DiLoCo(model, inner, sync_every=3, fragments=1, bits=4, group=across) as diloco:
+    with cgx.DiLoCo(model, inner, sync_every=3, fragments=1, bits=4, group=across, top_k=_sparse(sparse)) as diloco:
         for step in range(6):
             _train_step(model, inner, rank, step)
             if step == 3:
@@ -316,8 +323,9 @@ def _per_host(rank, world):
     return mid, _weights(model), diloco.stats()
 
 
-def test_per_host_form_ddp_inside_hosts_diloco_across():
-    results = values(run_ranks(_per_host, 4, timeout_s=180))
+@pytest.mark.parametrize("sparse", [None, "own", "shared"])
+def test_per_host_form_ddp_inside_hosts_diloco_across(sparse):
+    results = values(run_ranks(_per_host, 4, args=(sparse,), timeout_s=180))
     for name, tensor in results[0][1].items():
         for rank in range(4):  # after the last sync every rank holds the same weights
             assert torch.equal(results[rank][1][name], tensor), (rank, name)
@@ -328,7 +336,7 @@ def test_per_host_form_ddp_inside_hosts_diloco_across():
     assert results[0][2]["outer_syncs"] == 2 and results[0][2]["payload_bytes"] < results[0][2]["uncompressed_payload_bytes"]
 
 
-def _fsdp_inner(rank, world):
+def _fsdp_inner(rank, world, sparse):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -342,7 +350,8 @@ def _fsdp_inner(rank, world):
             fully_shard(layer, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    diloco = cgx.DiLoCo(model, inner, sync_every=2, fragments=2, bits=4, group=mesh["replica"].get_group())
+    diloco = cgx.DiLoCo(model, inner, sync_every=2, fragments=2, bits=4, group=mesh["replica"].get_group(),
+                        top_k=_sparse(sparse))
     shards = {n: p.to_local().numel() for n, p in model.named_parameters()}
     replica = mesh.get_coordinate()[0]
     fragments = diloco.state_dict()["fragments"]
@@ -355,8 +364,9 @@ def _fsdp_inner(rank, world):
     return shards, full, diloco.stats()
 
 
-def test_fsdp2_inner_outer_step_on_local_shards():
-    results = values(run_ranks(_fsdp_inner, 4, timeout_s=180))
+@pytest.mark.parametrize("sparse", [None, "own"])
+def test_fsdp2_inner_outer_step_on_local_shards(sparse):
+    results = values(run_ranks(_fsdp_inner, 4, args=(sparse,), timeout_s=180))
     model = _model(0)
     shards, full, stats = results[0]
     assert sum(shards.values()) < sum(p.numel() for p in model.parameters())  # shards, not whole weights
