@@ -104,8 +104,9 @@ class DiLoCo:
             travel (at `bits`), with their places; the rest stays in the residual (with
             `error_feedback`). Syncs then all-gather every replica's payload, which grows
             with the replicas; with ``TopK(shared=True)`` every replica sends the same
-            places, drawn at random, in an allreduce (docs/diloco.md, "Sparse outer
-            gradients").
+            places, drawn at random, in an allreduce. Measured with ``outer_lr=1.5,
+            outer_momentum=0`` and ``TopK(decay=0.95)``: the residual takes the
+            momentum's part (docs/diloco.md, "Sparse outer gradients").
         group: the "cgx" group the replicas sync over (default: the default group).
         membership: instead of `group`, an elastic run's :class:`cgx.elastic.Membership`:
             the replicas are the members of its current round (a round is formed here if
