@@ -305,7 +305,9 @@ class Recovery:
         sent to every member that lacks them; the syncs it did not complete are done again in
         this round, each member sending what it sent before (scaled, so that the average
         is over those that sent, weighed as :meth:`contribution` says) or zeros. Residuals
-        from the old round are dropped."""
+        from the old round are dropped, but those of syncs with own sparse places: what
+        this rank did not send, its own, set as the sync started (dropped, the residual
+        from before it would send again what it sent)."""
         diloco = self._diloco
         replicas, in_flight = diloco._replicas, diloco._in_flight
         size = replicas.size
@@ -314,7 +316,8 @@ class Recovery:
         for i, entry in enumerate(positions[reference]["in_flight"]):
             key = tuple(entry["key"])
             sync = in_flight[i]
-            sync.residual = None
+            if sync.fragment.sparse is None or sync.fragment.top_k.shared:
+                sync.residual = None
             if entry["completed"]:
                 lacking = [r for r in range(size) if r in takers or not theirs[r][key]["completed"]]
                 if lacking and sync.outer_gradient is not None:
