@@ -5,6 +5,8 @@ Real processes."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -131,7 +133,14 @@ def _bad_sparse_settings(rank, world):
             messages.append(None)
         except (TypeError, ValueError) as e:
             messages.append(str(e))
-    return messages
+    warned = []
+    for momentum in (0.9, 0.0):  # DiLoCo's default, and what sparse syncs were measured with
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cgx.DiLoCo(model, inner, sync_every=4, outer_momentum=momentum, nesterov=momentum > 0,
+                       top_k=cgx.diloco.TopK(k=4, chunk=64)).close()
+        warned.append([str(w.message) for w in caught if "outer momentum" in str(w.message)])
+    return messages, warned
 
 
 def test_bad_sparse_settings_raise_naming_the_setting():
@@ -139,7 +148,9 @@ def test_bad_sparse_settings_raise_naming_the_setting():
                 "top_k with bits=32",
                 "top_k's chunk=1048576 is larger than every fragment's compressed values",
                 "top_k must be a cgx.diloco.TopK", "top_k with no compressed layer", None]
-    for messages in values(run_ranks(_bad_sparse_settings, 2, timeout_s=60)):
+    for messages, (with_momentum, without) in values(run_ranks(_bad_sparse_settings, 2, timeout_s=60)):
+        assert len(with_momentum) == 1 and "give outer_lr=1.5, outer_momentum=0" in with_momentum[0]
+        assert without == []
         assert len(messages) == len(expected)
         for want, got in zip(expected, messages):
             assert got == want if want is None else got is not None and want in got, (want, got)
