@@ -149,7 +149,7 @@ def test_bad_sparse_settings_raise_naming_the_setting():
                 "top_k's chunk=1048576 is larger than every fragment's compressed values",
                 "top_k must be a cgx.diloco.TopK", "top_k with no compressed layer", None]
     for messages, (with_momentum, without) in values(run_ranks(_bad_sparse_settings, 2, timeout_s=60)):
-        assert len(with_momentum) == 1 and "give outer_lr=1.5, outer_momentum=0" in with_momentum[0]
+        assert len(with_momentum) == 1 and "give outer_lr=1.5, outer_momentum=0, nesterov=False" in with_momentum[0]
         assert without == []
         assert len(messages) == len(expected)
         for want, got in zip(expected, messages):

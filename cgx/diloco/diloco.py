@@ -155,7 +155,8 @@ class DiLoCo:
             if top_k is not None and outer_momentum > 0:
                 warnings.warn("cgx.DiLoCo: top_k with outer momentum: sparse outer gradients were measured to "
                               "train worse with it (the residual, decayed, takes its part); give outer_lr=1.5, "
-                              "outer_momentum=0 (docs/diloco.md, 'Sparse outer gradients')", stacklevel=2)
+                              "outer_momentum=0, nesterov=False (docs/diloco.md, 'Sparse outer gradients')",
+                              stacklevel=2)
             if self._host is not None and ((membership is not None) != self._host.is_lead or group is not None):
                 raise ValueError("cgx.DiLoCo: with replica_group, the host's rank 0 (the lead) gives membership= "
                                  "and the host's other ranks give neither membership nor group")
