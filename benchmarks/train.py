@@ -98,6 +98,8 @@ def method_name(text):
     if text in DDP_METHODS or text in FSDP_METHODS or is_diloco(text):
         return text
     raise argparse.ArgumentTypeError(f"unknown method {text!r} (see --help)")
+
+
 WARMUP_STEPS = 10  # uncompressed first steps, for every compressing method alike
 # Adaptive over maxmin alone: cgx.AdaptiveBits' candidates before cgx 0.2 (its defaults
 # since are both schemes', what cgx-adaptive-hadamard measured).
