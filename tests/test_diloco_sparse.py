@@ -213,7 +213,7 @@ def _shared_syncs(rank, world):
         shared = sync.shared
         if shared is not None:
             sent[-1]["values"] = sync.residual.clone()  # (the values until the allreduce completed)
-            sent[-1]["bytes"] = layout_bytes(shared.layout, replicas.skip_incomplete)
+            sent[-1]["bytes"] = layout_bytes(sent[-1]["layout"], replicas.skip_incomplete)
         complete(self, sync, replicas)
         if shared is not None:
             sent[-1]["average"] = sync.outer_gradient.clone()

@@ -128,7 +128,6 @@ class _SharedPlaces:
     places: list[torch.Tensor | None]  # SparsePlan.shared_places
     averaged: torch.Tensor  # the allreduce's values (the average, once it completed)
     dropped: torch.Tensor | None  # what the allreduce's quantizations dropped (error feedback)
-    layout: list[Segment]  # the values' (the rows not counted)
 
 
 @dataclass(eq=False)
@@ -402,7 +401,9 @@ class _Fragment:
             if delta is None:
                 delta = torch.cat([(m.global_weight - _local(m.param).float()).reshape(-1) for m in self.members])
             sent = delta.clone() if keep else None
-            drift = delta.clone() if self.sparse is not None and error_feedback and self.compressed else None
+            drift = None  # (unscaled; one copy with `sent`: neither is written after)
+            if self.sparse is not None and error_feedback and self.compressed:
+                drift = sent if sent is not None else delta.clone()
             if scale is not None:
                 delta.mul_(scale)
             if self.sparse is not None:
@@ -458,7 +459,7 @@ class _Fragment:
             residual.copy_(values)
         agreement = _Agreement(_SYNC, step, trained, flat[selected.numel():].view_as(rows), work)
         return _Sync(self, due, agreement, torch.zeros_like(delta), residual, work, sent,
-                     shared=_SharedPlaces(places, flat[:selected.numel()], dropped, layout[:-1]))
+                     shared=_SharedPlaces(places, flat[:selected.numel()], dropped))
 
     def _with_residual(self, replicas: _Replicas, delta: torch.Tensor,
                        error_feedback: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -467,7 +468,7 @@ class _Fragment:
         if not (error_feedback and self.compressed):
             return delta, None
         residual = replicas.residuals.gather(self.numel, self.compressed, delta.device)
-        return (delta + residual if self.top_k.decay == 1 else delta + self.top_k.decay * residual), residual
+        return delta + self.top_k.decay * residual, residual
 
     def complete(self, sync: _Sync, replicas: _Replicas) -> None:
         """Waits for the sync's allreduce and counts its payload as it went: compressed as
@@ -483,7 +484,8 @@ class _Fragment:
             self.sparse.put(shared.averaged, shared.places, sync.outer_gradient)
             if sync.residual is not None:
                 self.sparse.put(shared.dropped.narrow(0, 0, shared.averaged.numel()), shared.places, sync.residual)
-            replicas.count(layout_bytes(shared.layout, replicas.skip_incomplete, _C.sent_exactly(sync.work)),
+            replicas.count(layout_bytes(self.sparse.selected_layout(), replicas.skip_incomplete,
+                                        _C.sent_exactly(sync.work)),
                            4 * self.numel)
             sync.shared = None
         elif sync.payloads is not None:

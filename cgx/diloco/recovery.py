@@ -336,7 +336,7 @@ class Recovery:
             sync = fragment.start(replicas, old.agreement.step, old.due, diloco.error_feedback,
                                   old.agreement.trained, 0, delta=delta)
             if sync.drift is not None and old.sent is not None:
-                sync.drift = old.sent.clone()  # what the local weights drifted, not the scaled contribution
+                sync.drift = old.sent  # what the local weights drifted, not the scaled contribution
             sync.sent = old.sent
             in_flight[i] = sync
             self.stats["syncs_redone"] += 1

@@ -83,7 +83,7 @@ class SparsePlan:
     a piece of one payload of `nbytes` bytes (the same size on every replica)."""
 
     def __init__(self, layout: list[Segment], top_k: TopK) -> None:
-        self.layout, self.top_k = list(layout), top_k
+        self.layout = list(layout)
         self.pieces: list[_Piece] = []
         for offset, numel, bits, bucket_size, *scheme in layout:
             scheme_name = (scheme or ["maxmin"])[0]
