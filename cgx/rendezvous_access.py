@@ -16,6 +16,8 @@ backend (c10d, etcd) serves:
 - :func:`expire`: marks the given ranks of that round as having missed their heartbeats,
   so torch removes them at once (its own removal of a dead member, moved forward) and the
   next round forms without waiting 3 heartbeats for them.
+- :func:`make_cancellable`: the handler's operations give up as at their deadline once a
+  given callable says so (a round formed in the background, abandoned at close()).
 """
 
 from __future__ import annotations
@@ -112,3 +114,24 @@ def expire(handler, round_: int, rank: int, ranks: list[int], deadline: float) -
     is over."""
     with handler._heartbeat_lock:
         handler._op_executor.run(_Expire(round_, rank, ranks), deadline)
+
+
+class _CancellableExecutor:
+    """The handler's operation executor, whose operations see their deadline passed once
+    `cancelled()` is true (it is asked from the thread that runs them)."""
+
+    def __init__(self, executor, cancelled) -> None:
+        self._executor, self._cancelled = executor, cancelled
+
+    def run(self, state_handler, deadline: float, update_deadline=None) -> None:
+        def handle(ctx, deadline_: float):
+            # Just past, not long past: torch's join then takes this node out of the
+            # round it was forming (its rollback, within 5 s of the deadline).
+            return state_handler(ctx, time.monotonic() - 0.001 if self._cancelled() else deadline_)
+        self._executor.run(handle, deadline, update_deadline)
+
+
+def make_cancellable(handler, cancelled) -> None:
+    """Every later operation of `handler` (its next_rendezvous's exit and join among them)
+    gives up as at its deadline once `cancelled()` says so, with torch's own rollback."""
+    handler._op_executor = _CancellableExecutor(handler._op_executor, cancelled)

@@ -254,7 +254,7 @@ def test_the_inner_loop_waits_on_a_fast_link_only_without_overlap(overlap):
 
 
 def test_fragment_split_keeps_each_fragment_within_its_share_plus_one_layer():
-    from cgx.diloco.outer_sync import _split
+    from cgx.diloco.fragments import split_layers as _split
 
     rng = random.Random(0)
     for _ in range(500):

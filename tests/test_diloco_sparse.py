@@ -21,17 +21,17 @@ def _sparse_syncs(rank, world, overlap, decay):
     outer gradient and the residual before it, what this rank sent (as decoded), the
     residual after it, and the average."""
     import cgx
-    from cgx.diloco import outer_sync, sparse
+    from cgx.diloco import sparse, syncs
 
     init_cgx(rank, world)
-    start, encode, complete = outer_sync._Fragment._start_sparse, sparse.SparsePlan.encode, outer_sync._Fragment.complete
-    apply = outer_sync._Fragment.apply
+    start, encode, complete = syncs.OwnPlacesSync.start, sparse.SparsePlan.encode, syncs.Sync.complete
+    apply = syncs.Sync.apply
     sent = []
 
-    def recording_start(self, replicas, due, agreement, delta, *args):
-        sent.append({"delta": delta.clone(), "before": replicas.residuals.gather(self.numel, self.compressed,
-                                                                                 delta.device), "fragment": self.index})
-        return start(self, replicas, due, agreement, delta, *args)
+    def recording_start(cls, fragment, replicas, step, due, trained, rows, delta, *args):
+        sent.append({"delta": delta.clone(), "before": replicas.residuals.gather(fragment.numel, fragment.compressed,
+                                                                                 delta.device), "fragment": fragment.index})
+        return start(fragment, replicas, step, due, trained, rows, delta, *args)
 
     def recording_encode(self, values_):
         payload, carried = encode(self, values_)
@@ -39,20 +39,22 @@ def _sparse_syncs(rank, world, overlap, decay):
                          "nbytes": self.nbytes})
         return payload, carried
 
-    def recording_complete(self, sync, replicas):
-        decoding = sync.payloads is not None
-        complete(self, sync, replicas)
+    def recording_complete(sync, replicas):
+        decoding = getattr(sync, "payloads", None) is not None
+        complete(sync, replicas)
         if decoding:
             sent[-1]["average"] = sync.outer_gradient.clone()
             sent[-1]["residual"] = None if sync.residual is None else sync.residual.clone()
-    def recording_apply(self, sync, replicas, overlap, mix):
-        record = next(r for r in reversed(sent) if r.get("fragment") == self.index and "kept" not in r)
-        record["global_before"] = torch.cat([m.global_weight.reshape(-1) for m in self.members])
-        apply(self, sync, replicas, overlap, mix)
-        record["global_after"] = torch.cat([m.global_weight.reshape(-1) for m in self.members])
-        record["kept"] = replicas.residuals.gather(self.numel, self.compressed, record["delta"].device)
-    sparse.SparsePlan.encode, outer_sync._Fragment.complete = recording_encode, recording_complete
-    outer_sync._Fragment._start_sparse, outer_sync._Fragment.apply = recording_start, recording_apply
+
+    def recording_apply(sync, replicas, overlap, mix):
+        fragment = sync.fragment
+        record = next(r for r in reversed(sent) if r.get("fragment") == fragment.index and "kept" not in r)
+        record["global_before"] = torch.cat([m.global_weight.reshape(-1) for m in fragment.members])
+        apply(sync, replicas, overlap, mix)
+        record["global_after"] = torch.cat([m.global_weight.reshape(-1) for m in fragment.members])
+        record["kept"] = replicas.residuals.gather(fragment.numel, fragment.compressed, record["delta"].device)
+    sparse.SparsePlan.encode, syncs.Sync.complete = recording_encode, recording_complete
+    syncs.OwnPlacesSync.start, syncs.Sync.apply = classmethod(recording_start), recording_apply
     return sent, *_train_12_steps(rank, overlap, cgx.diloco.TopK(**_TOP_K, decay=decay))
 
 
@@ -197,11 +199,11 @@ def _shared_syncs(rank, world):
 
     os.environ["CGX_COMPRESSION_AUTO"] = "0"  # the compressed path, which keeps residuals
     import cgx
-    from cgx.diloco import outer_sync, sparse
+    from cgx.diloco import sparse, syncs
     from cgx.layers import layout_bytes
 
     init_cgx(rank, world)
-    places_of, complete = sparse.SparsePlan.shared_places, outer_sync._Fragment.complete
+    places_of, complete = sparse.SparsePlan.shared_places, syncs.Sync.complete
     sent = []
 
     def recording_places(self, seed, device):
@@ -209,16 +211,16 @@ def _shared_syncs(rank, world):
         sent.append({"places": places, "layout": self.selected_layout(), "pieces": self.pieces})
         return places
 
-    def recording_complete(self, sync, replicas):
-        shared = sync.shared
-        if shared is not None:
+    def recording_complete(sync, replicas):
+        shared = isinstance(sync, syncs.SharedPlacesSync) and sync.work is not None
+        if shared:
             sent[-1]["values"] = sync.residual.clone()  # (the values until the allreduce completed)
             sent[-1]["bytes"] = layout_bytes(sent[-1]["layout"], replicas.skip_incomplete)
-        complete(self, sync, replicas)
-        if shared is not None:
+        complete(sync, replicas)
+        if shared:
             sent[-1]["average"] = sync.outer_gradient.clone()
             sent[-1]["residual"] = sync.residual.clone()
-    sparse.SparsePlan.shared_places, outer_sync._Fragment.complete = recording_places, recording_complete
+    sparse.SparsePlan.shared_places, syncs.Sync.complete = recording_places, recording_complete
     return sent, *_train_12_steps(rank, 0, cgx.diloco.TopK(**_TOP_K, shared=True))
 
 

@@ -292,7 +292,9 @@ def _member_dies_while_the_next_round_forms(replica, replicas, port, where):
     else:
         first = membership.round
         if replica == 2:
-            setattr(cgx.elastic, where, lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+            # (gather: the admission's; new_backend: the backend's, made by the membership)
+            setattr(cgx.elastic.admission if where == "gather" else cgx.elastic.membership, where,
+                    lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         _wait_for_a_joiner(membership)
         membership.prepare_next_round()
         with pytest.raises(cgx.PeerError):
@@ -449,7 +451,7 @@ def _refuse_a_replica_without_the_secret(replica, replicas, port):
                 membership.next_round()
         store.set("secret/refused", "1")
         stranger = _membership(replica, port, "secret", min_replicas=2, secret=b"another secret")
-        stranger._check_terms = lambda: None  # a stranger's cgx, which does not read the run's terms
+        stranger._terms.check_before_joining = lambda reach: None  # a stranger's cgx, which does not read the run's terms
         with pytest.raises(cgx.MembershipError, match="refused this replica: it does not hold the run's secret"):
             stranger.next_round()
         _host_stays_until_the_others_are_done(replica, [1, 2, 3], port, "secret")
@@ -887,22 +889,23 @@ def _outer_gradients_with_a_joiner(replica, replicas, port):
     """Replicas 0 and 1 run exact DiLoCo (2 fragments, sync_every 4); replica 2 joins at a
     sync of theirs after step 6; all end 8 steps after it joined. Each records, for every
     sync it sent into, its own outer gradient (global - local) and the sync's average."""
-    import cgx.diloco.outer_sync
+    import cgx.diloco.diloco
+    import cgx.diloco.syncs
 
-    fragment_class = cgx.diloco.outer_sync._Fragment
-    start, apply = fragment_class.start, fragment_class.apply
+    sync_class = cgx.diloco.syncs.Sync
+    start, apply = cgx.diloco.diloco.start_sync, sync_class.apply
     sent, averages = {}, {}
 
-    def recording_start(self, replicas_, step, *args, delta=None, **kwargs):
-        if delta is None and self.members:
-            sent[(self.index, step)] = torch.cat([(m.global_weight - m.param.detach()).reshape(-1)
-                                                  for m in self.members])
-        return start(self, replicas_, step, *args, delta=delta, **kwargs)
+    def recording_start(fragment, replicas_, step, *args, delta=None, **kwargs):
+        if delta is None and fragment.members:
+            sent[(fragment.index, step)] = torch.cat([(m.global_weight - m.param.detach()).reshape(-1)
+                                                      for m in fragment.members])
+        return start(fragment, replicas_, step, *args, delta=delta, **kwargs)
 
-    def recording_apply(self, sync, *args):
-        averages[(self.index, sync.agreement.step)] = sync.outer_gradient.clone()
-        return apply(self, sync, *args)
-    fragment_class.start, fragment_class.apply = recording_start, recording_apply
+    def recording_apply(sync, *args):
+        averages[(sync.fragment.index, sync.agreement.step)] = sync.outer_gradient.clone()
+        return apply(sync, *args)
+    cgx.diloco.diloco.start_sync, sync_class.apply = recording_start, recording_apply
     membership = _membership(replica, port, "weighed", starting=2, min_replicas=2)
     _, joined_at = _join_at_step_6(replica, 2, _rendezvous_store(port), "weighed", membership, bits=32)
     membership.close()
@@ -1069,7 +1072,7 @@ def _a_left_out_member_that_leaves(replica, replicas, port):
                 late.append(True)
                 current = membership._members.torch_round
                 while True:  # the hang guard is the harness's limit
-                    state = pickle.loads(membership._handler._state_holder._backend.get_state()[0])
+                    state = pickle.loads(membership._rendezvous._handler._state_holder._backend.get_state()[0])
                     if state.round > current and state.complete:
                         break
                     time.sleep(0.02)
@@ -1226,7 +1229,7 @@ def _survive_hard_failures(replica, replicas, port, how):
     import signal
 
     import cgx
-    import cgx.diloco.outer_sync
+    import cgx.diloco.replicas
     from test_diloco import _model, _train_step
 
     model = _model(replica)
@@ -1234,7 +1237,7 @@ def _survive_hard_failures(replica, replicas, port, how):
     membership = _membership(replica, port, f"hard-{how}", starting=replicas, min_replicas=2)
     diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=32 if how == "exact" else 4,
                         overlap=1, membership=membership)
-    replicas_class = cgx.diloco.outer_sync._Replicas
+    replicas_class = cgx.diloco.replicas.Replicas
     if replica == 2 and how == "exact":
         agree, exact_average = replicas_class.agree, replicas_class.exact_average
 
@@ -1280,7 +1283,7 @@ def _global_digest_without_a_collective(diloco) -> str:
     import hashlib
 
     digest = hashlib.blake2b(digest_size=12)
-    members = [m for f in diloco._fragments for m in f.members] + [m for _, m in diloco._joining.values()]
+    members = [m for f in diloco._fragments for m in f.members] + [m for _, m in diloco._fragments.joining.values()]
     for m in sorted(members, key=lambda m: m.name):
         digest.update(m.global_weight.numpy().tobytes())
     return digest.hexdigest()
@@ -1294,11 +1297,11 @@ def _joiner_dies_before_the_state(replica, replicas, port):
     import signal
 
     import cgx
-    import cgx.diloco.outer_sync
+    import cgx.diloco.replicas
     from harness import process_gone
     from test_diloco import _model
 
-    replicas_class = cgx.diloco.outer_sync._Replicas
+    replicas_class = cgx.diloco.replicas.Replicas
     send = replicas_class.send
     model = _model(replica)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -1455,10 +1458,10 @@ def _member_dies_as_the_next_round_connects(replica, replicas, port):
     if replica == 2:
         backend_for = cgx.elastic.Membership._backend_for
 
-        def die_beside_the_work(self, members):
+        def die_beside_the_work(self, members, beside=False):
             if threading.current_thread().name == "cgx-next-round":
                 os.kill(os.getpid(), signal.SIGKILL)
-            return backend_for(self, members)
+            return backend_for(self, members, beside)
         cgx.elastic.Membership._backend_for = die_beside_the_work
     diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, overlap=1, membership=membership)
     return _train_to_an_agreed_end(replica, port, run_id, model, inner, diloco, membership, store,
@@ -1553,8 +1556,8 @@ def _take_a_position(rank, world):
             inner.add_param_group({"params": list(model[2].parameters())})
         _train_step(model, inner, 0, step)
     run.sync_every = 8
-    taker._take_layout(run._layout(), run.step)
-    return ([list(d._joining) for d in (run, taker)], [[f.offset for f in d._fragments] for d in (run, taker)])
+    taker._recoverable().take_layout(run._recoverable().layout(), run.step)  # as recovery has it do
+    return ([list(d._fragments.joining) for d in (run, taker)], [[f.offset for f in d._fragments] for d in (run, taker)])
 
 
 def test_a_replica_taking_the_state_takes_the_join_order_and_the_fragments_offsets():
@@ -1690,21 +1693,21 @@ def _joiner_stops_in_admission(replica, replicas, port):
 
     import cgx
     import cgx.elastic
-    from test_diloco import _model, _train_step
+    from test_diloco import _model
 
     model = _model(replica)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if replica == 2:
         store = _rendezvous_store(port)  # replica 0's membership serves it
         store.wait(["frozen/started"])
-        gather = cgx.elastic.gather
+        gather = cgx.elastic.admission.gather
 
         def stop_first(where, key, *args):
             if key == "nonce":
                 store.set("frozen/pid", str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGSTOP)
             return gather(where, key, *args)
-        cgx.elastic.gather = stop_first
+        cgx.elastic.admission.gather = stop_first
         membership = _membership(replica, port, "frozen", min_replicas=2)
         cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
         return "not reached"
@@ -1712,17 +1715,14 @@ def _joiner_stops_in_admission(replica, replicas, port):
     store = _rendezvous_store(port)
     diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
     store.set("frozen/started", "1")
-    _wait_for_a_joiner(membership)
-    end = diloco.step + 4 * _SYNC_EVERY  # past the admission, whichever sync it came at
-    while diloco.step < end:
-        _train_step(model, inner, replica, diloco.step)
-    diloco.close()
-    result = _global_digest_without_a_collective(diloco), dict(diloco.stats())
+    # Until the members are in a round formed after the joiner froze (without it): their
+    # close() ends the run, which a joiner still in its admission would see as its end.
+    _, digest, stats = _train_to_an_agreed_end(
+        replica, port, "frozen", model, inner, diloco, membership, store,
+        lambda: store.check(["frozen/pid"]) and membership.rounds >= 2, others=(1,))
     if replica == 0:
         os.kill(int(store.get("frozen/pid")), signal.SIGKILL)
-    membership.close()
-    _host_stays_until_the_others_are_done(replica, [1], port, "frozen")
-    return result
+    return digest, stats
 
 
 def test_a_joiner_frozen_in_admission_stalls_the_members_at_most_group_timeout():
@@ -1774,7 +1774,7 @@ def _reference_stopped_while_it_sends(replica, replicas, port):
     import threading
 
     import cgx
-    import cgx.diloco.outer_sync
+    import cgx.diloco.replicas
     from test_diloco import _model
 
     membership = _membership(replica, port, "stopped", min_replicas=2)
@@ -1785,7 +1785,7 @@ def _reference_stopped_while_it_sends(replica, replicas, port):
     model = _model(replica)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if replica < 3:
-        replicas_class = cgx.diloco.outer_sync._Replicas
+        replicas_class = cgx.diloco.replicas.Replicas
         send = replicas_class.send
 
         def stop_first(self, tensors, root, to):
@@ -1868,3 +1868,141 @@ def test_a_failed_attempt_to_re_form_counts_in_reform_seconds():
     # The attempt that timed out waiting for the stopped member's position (group_timeout,
     # 10 s) is part of the re-form: before, only the attempt that succeeded was counted.
     assert member[2]["reform_seconds"] >= 10, member
+
+
+# ---- the bounds of the protocol's waits (docs/diloco.md, "The elastic protocol")
+
+def _pair(replica, port, run_id, **kwargs):
+    """Replica 0 serves the store and is in no round; replicas 1 and 2 return in a first
+    round that holds both (however slow either one's start)."""
+    membership = _membership(replica, port, run_id, **kwargs)
+    if replica > 0:
+        store = _rendezvous_store(port)
+        store.set(f"pair/{run_id}/{replica}", "1")
+        store.wait([f"pair/{run_id}/1", f"pair/{run_id}/2"])
+        while membership.next_round().size < 2:
+            pass
+    return membership
+
+
+def _closes_while_its_next_round_forms_alone(replica, replicas, port):
+    """Replicas 1 and 2 are in a round (min_replicas 2, the default join_timeout of 10
+    minutes). Replica 1 starts forming the next round beside this one; replica 2 closes
+    without joining it, so that round can never form. Replica 1's close() gives the
+    forming up and returns (before: it waited out join_timeout, past this test's limit),
+    and no thread of the forming is left."""
+    import threading
+
+    membership = _pair(replica, port, "close-forming", min_replicas=2, join_timeout=datetime.timedelta(minutes=10))
+    store = _rendezvous_store(port)
+    forming = None
+    if replica == 1:
+        membership.prepare_next_round()
+        store.set("close-forming/preparing", "1")
+        store.wait(["close-forming/2-closed"])
+        membership.close()
+        forming = [t.name for t in threading.enumerate() if t.name == "cgx-next-round"]
+    elif replica == 2:
+        store.wait(["close-forming/preparing"])
+        membership.close()
+        store.set("close-forming/2-closed", "1")
+    _host_stays_until_the_others_are_done(replica, [1, 2], port, "close-forming")
+    return forming
+
+
+def test_a_members_close_gives_up_a_next_round_that_nobody_else_forms():
+    results = values(run_ranks(_closes_while_its_next_round_forms_alone, 3, args=(_free_port(),), timeout_s=120))
+    assert results[1] == [], results  # no thread of the forming outlives close()
+
+
+def _resumes_after_the_run_ended(replica, replicas, port):
+    """Replicas 1 and 2 run DiLoCo (min_replicas 1, the default join_timeout of 10
+    minutes). Replica 2 stops itself (SIGSTOP) at inner step 6; replica 1's sync with it
+    times out (group_timeout, 10 s), it goes on alone, trains to step 16, closes (which
+    ends the run) and only then continues replica 2. Replica 2's first call after it
+    resumes fails, and the rendezvous it asks tells it the run has ended (before: it
+    waited join_timeout, then said too few replicas came)."""
+    import signal
+
+    import cgx
+    from test_diloco import _model, _train_step
+
+    membership = _pair(replica, port, "resumed", min_replicas=1)
+    if replica == 0:
+        _host_stays_until_the_others_are_done(replica, [1, 2], port, "resumed")
+        return None
+    store = _rendezvous_store(port)
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
+    if replica == 2:
+        try:
+            while diloco.step < 16:
+                if diloco.step == 6:
+                    store.set("resumed/stopped", str(os.getpid()))
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                _train_step(model, inner, replica, diloco.step)
+            return "trained on", diloco.step
+        except cgx.MembershipError as e:
+            return "ended", str(e)
+        finally:
+            membership.close()
+            _host_stays_until_the_others_are_done(replica, [1, 2], port, "resumed")
+    while diloco.step < 16:
+        _train_step(model, inner, replica, diloco.step)
+    diloco.close()
+    replicas_at_end = diloco.stats()["replicas"]
+    os.kill(int(store.get("resumed/stopped")), signal.SIGCONT)
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 2], port, "resumed")
+    return replicas_at_end
+
+
+def test_a_replica_that_resumes_after_the_run_ended_is_told_so():
+    results = values(run_ranks(_resumes_after_the_run_ended, 3, args=(_free_port(),), timeout_s=150))
+    assert results[1] == 1, results  # the member went on alone
+    what, message = results[2]
+    assert what == "ended" and "has ended" in message, results[2]
+
+
+def _joins_before_diloco_s_terms_are_published(replica, replicas, port):
+    """Replicas 1 and 2 start a run with a plain Membership (the round's rank 0 publishes
+    the run's terms: cgx's part alone) and build DiLoCo only once replica 3, a joiner
+    built with DiLoCo's terms too, has read them: the joiner is not refused for lacking a
+    part the members had not published yet (before: "this replica holds 'diloco' terms
+    and the run none"); it is admitted as the round forms, where the terms are compared
+    whole, and ends bit-identical to the members."""
+    import cgx
+    from test_diloco import _model
+
+    if replica == 3:
+        store = _rendezvous_store(port)
+        store.wait(["terms/started"])
+        membership = _membership(replica, port, "terms-window", min_replicas=2)
+        check = membership._terms.check_before_joining
+
+        def read_then_let_them_build(reach):
+            check(reach)
+            store.set("terms/read", "1")
+        membership._terms.check_before_joining = read_then_let_them_build
+    else:
+        membership = _pair(replica, port, "terms-window", min_replicas=2)
+        store = _rendezvous_store(port)
+    if replica == 0:
+        _host_stays_until_the_others_are_done(replica, [1, 2, 3], port, "terms-window")
+        return None
+    if replica < 3:
+        store.set("terms/started", "1")
+        store.wait(["terms/read"])
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, membership=membership)
+    step, digest, stats = _train_to_an_agreed_end(replica, port, "terms-window", model, inner, diloco, membership,
+                                                  store, lambda: diloco.stats()["replicas"] == 3)
+    return step, digest, stats["replicas"]
+
+
+def test_a_joiner_that_reads_the_terms_before_diloco_s_are_published_is_admitted():
+    results = values(run_ranks(_joins_before_diloco_s_terms_are_published, 4, args=(_free_port(),),
+                               timeout_s=150))[1:]
+    assert len(set(results)) == 1 and results[0][2] == 3, results

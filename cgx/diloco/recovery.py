@@ -2,41 +2,60 @@
 run's members change. A failure makes the members re-form and do again only what is left;
 in each new round they compare positions and pick the reference, those that differ take
 its layout and state point to point, and syncs in flight are settled. DiLoCo holds one
-Recovery; it works on DiLoCo's state through the methods diloco.py groups under "what
-recovery reads and sets", and on the fragments and replicas through theirs."""
+Recovery, and gives it what it may read and set of DiLoCo's state as a
+:class:`Recoverable` (the seam between the two: recovery knows DiLoCo by nothing else)."""
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import logging
 import sys
 import time
-import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousError
 
-from cgx.diloco.outer_sync import _LEFT_OUT, _READY, _local, _Replicas, _trained
+from cgx.diloco.replicas import LEFT_OUT, READY, Replicas
+from cgx.diloco.syncs import Sync
+from cgx.diloco.tensors import local
 from cgx.elastic import Membership, Round
 from cgx.errors import CallMismatchError, MembershipError
 
-if TYPE_CHECKING:
-    from cgx.diloco.diloco import DiLoCo
-
 _log = logging.getLogger("cgx.diloco")
+
+
+@dataclass(frozen=True)
+class Recoverable:
+    """What recovery reads and sets of a replica's DiLoCo, and nothing more: DiLoCo
+    gives one as it builds its Recovery (holding DiLoCo weakly, so that a DiLoCo dropped
+    without close() is freed at once, and its membership's heartbeats stop with it)."""
+
+    step: Callable[[], int]  # the inner step
+    sync_every: Callable[[], int]
+    error_feedback: Callable[[], bool]
+    replicas: Callable[[], Replicas]  # the current round's
+    use_replicas: Callable[[Replicas], None]  # syncs go to these from now on (residuals start over)
+    in_flight: Callable[[], list[Sync]]  # the syncs in flight, in start order (the list itself)
+    construction: Callable[[], dict[str, Any]]  # what every replica must build alike
+    layout: Callable[[], dict[str, Any]]  # the run's state but its tensors (its syncs in flight too)
+    state_tensors: Callable[[list[str]], list[torch.Tensor]]  # the state's tensors, the given frozen ones last
+    take_layout: Callable[[dict[str, Any], int], None]  # another's layout and step (tensors follow)
+    restart_local_weights: Callable[[], None]  # from the global weights
+    start_together: Callable[[], None]  # the run's start, on every replica of the round
+    syncs_of_this_step: Callable[[], None]  # what is left of this step's syncs
+    stop: Callable[[], None]  # trains on without syncing (this replica was refused)
 
 
 class Recovery:
     """The recovery of one replica of an elastic run: the rounds it is in, its position
     in each, the state it takes or sends, the syncs it does again, and their stats."""
 
-    def __init__(self, diloco: DiLoCo, membership: Membership) -> None:
-        # Weakly: a DiLoCo dropped without close() frees at once, and with it the membership
-        # (whose heartbeats then stop), not at the next pass of the cycle collector.
-        self._diloco = weakref.proxy(diloco)
+    def __init__(self, diloco: Recoverable, membership: Membership) -> None:
+        self._diloco = diloco
         self.membership = membership
         self.established = False  # holds the run's state (the run started with it, or it took it)
         self.took_state = False  # took it from a live member: a checkpoint would set it apart
@@ -47,7 +66,7 @@ class Recovery:
         self.stats = {"rounds": 0, "replicas_lost": 0, "replicas_joined": 0, "syncs_redone": 0,
                       "reform_seconds": 0.0, "bytes_to_joiners": 0}
 
-    def first_replicas(self) -> _Replicas:
+    def first_replicas(self) -> Replicas:
         """The replicas of the round this replica starts in (formed here if none is; where
         a member is lost as it forms, its backend fails to connect: formed again, until
         the membership's join_timeout has passed: a replica whose rounds keep failing
@@ -66,7 +85,7 @@ class Recovery:
                                           f"{type(e).__name__}: {e}") from e
                 _log.warning("cgx.DiLoCo: run %r: the first round failed as it formed (%s: %s); it forms again",
                              membership.run_id, type(e).__name__, e)
-        return _Replicas.of_round(membership.round)
+        return Replicas.of_round(membership.round)
 
     def join(self) -> None:
         """The first round of this replica: the run's start, or a join (then the rest of
@@ -81,7 +100,7 @@ class Recovery:
                     raise
                 cause = e
         if took:
-            self.run(self._diloco._syncs_of_this_step)
+            self.run(self._diloco.syncs_of_this_step)
 
     def run(self, action: Callable[[], Any]) -> Any:
         """Runs `action`. Where a collective fails (a replica died, left or lost its link:
@@ -89,7 +108,7 @@ class Recovery:
         the replicas re-form (:meth:`_reform`) and `action` runs again, doing what is
         left. A replica that took another's state and step first does the rest of that
         step's syncs, as the others do."""
-        syncs_of_this_step = self._diloco._syncs_of_this_step
+        syncs_of_this_step = self._diloco.syncs_of_this_step
         cause, catch_up = None, False
         while True:
             try:
@@ -107,18 +126,23 @@ class Recovery:
                     raise
                 cause = e
 
+    def at_sync_start(self, step: int) -> tuple[int, float | None]:
+        """What a sync started at inner step `step` carries of the run: this replica's
+        joiners value (joining()) and its outer gradient's scale (contribution())."""
+        return self.joining(self._diloco.replicas().size), self.contribution(step)
+
     def joining(self, replicas: int) -> int:
         """What this replica's row of a sync says of joiners: how many wait to join (none
         where the round is full: a joiner waits for a place), or, while the round that
-        admits them forms beside training, _READY once it has formed here, _LEFT_OUT where
+        admits them forms beside training, READY once it has formed here, LEFT_OUT where
         torch's rendezvous formed it without this replica."""
         membership = self.membership
         if membership.next_round_preparing:
             if membership.next_round_formed:
-                return _READY
-            return _LEFT_OUT if membership.left_out_of_next_round else 0
+                return READY
+            return LEFT_OUT if membership.left_out_of_next_round else 0
         joiners = membership.joiners_waiting()
-        return min(0 if joiners and replicas >= membership.max_replicas else joiners, _LEFT_OUT - 1)
+        return min(0 if joiners and replicas >= membership.max_replicas else joiners, LEFT_OUT - 1)
 
     def admit(self, rows: list[list[int]]) -> None:
         """Admits joiners, by what the syncs just checked say (`rows`: each sync's
@@ -129,18 +153,26 @@ class Recovery:
         it together. Raises TookState where this replica took another's state there (its
         step's syncs run again)."""
         if not self.membership.next_round_preparing:
-            if any(0 < v < _LEFT_OUT for row in rows for v in row):
+            if any(0 < v < LEFT_OUT for row in rows for v in row):
                 self.membership.prepare_next_round()
             return
-        left_out = sorted({rank for row in rows for rank, v in enumerate(row) if v == _LEFT_OUT})
+        left_out = sorted({rank for row in rows for rank, v in enumerate(row) if v == LEFT_OUT})
         if left_out:
             self.membership.form_next_round_again(left_out)
-        elif any(row and all(v == _READY for v in row) for row in rows):
+        elif any(row and all(v == READY for v in row) for row in rows):
             if self._reform(cause=None):
                 raise TookState
 
     def leave(self) -> None:
         self.membership.close()
+
+    def end_run(self) -> None:
+        """The members agreed to end (DiLoCo.close()): the run ends for every replica."""
+        try:
+            self.membership.end_run()
+        except (MembershipError, RendezvousError) as e:
+            _log.info("cgx.DiLoCo: run %r: could not end the run on the rendezvous (%s: %s); a replica that comes "
+                      "back waits for a round until its join_timeout", self.membership.run_id, type(e).__name__, e)
 
     def contribution(self, step: int, senders: list[bool] | None = None) -> float | None:
         """The factor this replica scales its outer gradient by in a sync started at inner
@@ -149,7 +181,7 @@ class Recovery:
         from the global ones since (a joiner's first syncs, whose few steps would else
         count as much as a whole interval), none for one that did not send into a sync
         done again (`senders`, by rank). None where every weight is the same."""
-        every = self._diloco.sync_every
+        every = self._diloco.sync_every()
 
         def weight(rank: int, replica: str) -> float:
             if senders is None:
@@ -163,7 +195,7 @@ class Recovery:
         total = sum(weights)
         if total == 0 or all(w == weights[0] for w in weights):
             return None
-        return len(weights) * weights[self._diloco._replicas.rank] / total
+        return len(weights) * weights[self._diloco.replicas().rank] / total
 
     # ---- the replicas re-form
 
@@ -180,21 +212,22 @@ class Recovery:
 
     def _move_to_the_next_round(self, cause: Exception | None) -> bool:
         diloco = self._diloco
-        for sync in diloco._in_flight:
+        replicas = diloco.replicas()
+        for sync in diloco.in_flight():
             if sync.completed:
                 continue
             try:
                 if not sync.checked:
-                    diloco._replicas.check(sync.agreement)
+                    replicas.check(sync.agreement)
                     sync.checked = True
-                sync.fragment.complete(sync, diloco._replicas)
+                sync.complete(replicas)
             except dist.DistError:
                 if cause is None:
                     cause = sys.exc_info()[1]
         if cause is not None:
             cause = cause.__cause__ or cause  # the backend's own words, without DiLoCo's out-of-step advice
             _log.warning("cgx.DiLoCo: run %r: a collective failed at inner step %d (%s: %s); the replicas re-form",
-                         self.membership.run_id, diloco.step, type(cause).__name__, cause)
+                         self.membership.run_id, diloco.step(), type(cause).__name__, cause)
         # A roll call is for those holding the run's state: a joiner that has not taken it
         # yet (its members were slow to move to its round, or died) asks the rendezvous
         # again, never going on without them (it would start a run of its own).
@@ -215,14 +248,15 @@ class Recovery:
         that sent into them. Returns whether this replica took the reference's state."""
         diloco = self._diloco
         while True:
-            replicas = diloco._use_replicas(_Replicas.of_round(round_))
+            replicas = Replicas.of_round(round_)
+            diloco.use_replicas(replicas)
             positions = replicas.all_gather_object(self._position())
             refused = _refused(positions)
             if not refused:
                 break
             me = replicas.rank
             if me in refused:
-                diloco._stop()
+                diloco.stop()
                 self.membership.close()
                 raise ValueError(f"cgx.DiLoCo: run {self.membership.run_id!r} refused this replica: {refused[me]}; "
                                  f"every replica must build DiLoCo alike on the same model")
@@ -236,7 +270,7 @@ class Recovery:
                 raise MembershipError(
                     f"cgx.DiLoCo: run {self.membership.run_id!r}: every replica holding the run's state is gone "
                     f"(the others had not finished taking it); restart the run from a checkpoint")
-            diloco._start_together()
+            diloco.start_together()
             self.established = True
             return False
         reference = _reference(positions)
@@ -257,16 +291,16 @@ class Recovery:
                 for entry in positions[r]["in_flight"]:
                     entry["sent"] = False
                 if r == me:
-                    for sync in diloco._in_flight:
+                    for sync in diloco.in_flight():
                         sync.sent = None
         if me in takers:
             self.established = False  # until the state has arrived: never a reference half-taken
-            diloco._take_layout(positions[reference]["layout"], positions[reference]["step"])
+            diloco.take_layout(positions[reference]["layout"], positions[reference]["step"])
         if takers:
             frozen = positions[reference]["layout"]["frozen"]
-            self.stats["bytes_to_joiners"] += replicas.send(diloco._state_tensors(frozen), reference, takers)
+            self.stats["bytes_to_joiners"] += replicas.send(diloco.state_tensors(frozen), reference, takers)
             if me in takers:
-                diloco._restart_local_weights()
+                diloco.restart_local_weights()
         self._settle_in_flight(positions, reference, takers)
         for r in takers:  # after the syncs done again: what the takers sent there came from their own weights
             self._restarted[positions[r]["id"]] = positions[reference]["step"]
@@ -278,25 +312,21 @@ class Recovery:
     def _position(self) -> dict[str, Any]:
         """What this replica shows the others when a round forms."""
         diloco = self._diloco
-        layout = diloco._layout()
-        digest = hashlib.blake2b(repr((diloco.step, layout)).encode(), digest_size=16)
-        for t in diloco._state_tensors(layout["frozen"]) if self.established else ():
-            digest.update(_local(t).detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
-        model, optimizer = diloco._model, diloco._optimizer
+        layout = diloco.layout()
+        step = diloco.step()
+        digest = hashlib.blake2b(repr((step, layout)).encode(), digest_size=16)
+        for t in diloco.state_tensors(layout["frozen"]) if self.established else ():
+            digest.update(local(t).detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
         return {
             "id": self.membership.replica_id,
             "established": self.established,
-            "construction": {**dataclasses.asdict(diloco._schedule),
-                             "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()],
-                             # Every parameter's, frozen or not: the run may have unfrozen some.
-                             "settings": [(n, diloco._member_setting(n, p)) for n, p in model.named_parameters()],
-                             "trained parameters": _trained(model, optimizer)[0]},
-            "step": diloco.step,
+            "construction": diloco.construction(),
+            "step": step,
             "syncs": layout["syncs"],
             "state": digest.hexdigest() if self.established else None,
             "layout": layout,
             "in_flight": [{"key": s.key, "completed": s.completed, "sent": s.sent is not None}
-                          for s in diloco._in_flight],
+                          for s in diloco.in_flight()],
             "restarted": self._restarted,
         }
 
@@ -309,15 +339,14 @@ class Recovery:
         this rank did not send, its own, set as the sync started (dropped, the residual
         from before it would send again what it sent)."""
         diloco = self._diloco
-        replicas, in_flight = diloco._replicas, diloco._in_flight
+        replicas, in_flight = diloco.replicas(), diloco.in_flight()
         size = replicas.size
         theirs = [{tuple(e["key"]): e for e in p["in_flight"]} for p in positions]
         again = []
         for i, entry in enumerate(positions[reference]["in_flight"]):
             key = tuple(entry["key"])
             sync = in_flight[i]
-            if sync.fragment.sparse is None or sync.fragment.top_k.shared:
-                sync.residual = None
+            sync.keep_residual_at_reform()
             if entry["completed"]:
                 lacking = [r for r in range(size) if r in takers or not theirs[r][key]["completed"]]
                 if lacking and sync.outer_gradient is not None:
@@ -327,18 +356,7 @@ class Recovery:
                 again.append((i, [key in theirs[r] and theirs[r][key]["sent"] for r in range(size)]))
         for i, senders in again:
             old = in_flight[i]
-            fragment = old.fragment
-            delta = None
-            if fragment.members:
-                scale = self.contribution(old.agreement.step, senders)
-                delta = (old.sent * (1.0 if scale is None else scale) if old.sent is not None
-                         else torch.zeros(fragment.numel, device=fragment.members[0].global_weight.device))
-            sync = fragment.start(replicas, old.agreement.step, old.due, diloco.error_feedback,
-                                  old.agreement.trained, 0, delta=delta)
-            if sync.drift is not None and old.sent is not None:
-                sync.drift = old.sent  # what the local weights drifted, not the scaled contribution
-            sync.sent = old.sent
-            in_flight[i] = sync
+            in_flight[i] = old.redo(replicas, diloco.error_feedback(), self.contribution(old.agreement.step, senders))
             self.stats["syncs_redone"] += 1
 
     def _count_members(self, ids: list[str], cause: Exception | None) -> None:

@@ -13,32 +13,17 @@ restarts the whole host, which then joins the run as a new replica.
 from __future__ import annotations
 
 import datetime
-from typing import Callable
+import logging
 
 import torch
 import torch.distributed as dist
 
 from cgx.agreement import first_difference
+from cgx.diloco.tensors import move_by_dtype
 
 UNCHANGED, CHANGED, CLOSED, FAILED, LEFT = range(5)
 
-
-def move_by_dtype(tensors: list[torch.Tensor], move: Callable[[torch.Tensor], None]) -> int:
-    """For each dtype among `tensors` (in order): one flat copy of them, `move(flat)` (a
-    collective that sends it or fills it), and its values back into the tensors. Returns
-    the bytes of the flat copies."""
-    moved = 0
-    with torch.no_grad():
-        for dtype in dict.fromkeys(t.dtype for t in tensors):
-            same = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.detach().reshape(-1) for t in same])
-            move(flat)
-            moved += flat.numel() * flat.element_size()
-            offset = 0
-            for t in same:
-                t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
-                offset += t.numel()
-    return moved
+_log = logging.getLogger("cgx.diloco")
 
 
 class ReplicaHost:
@@ -78,6 +63,28 @@ class ReplicaHost:
             return self.group._get_backend(self.device).options._timeout
         except (AttributeError, RuntimeError):
             return None
+
+    def warn_if_it_waits_less(self, needed: datetime.timedelta) -> None:
+        """A follower waits for its lead as long as the host group's timeout; a lead can
+        spend `needed` (a group timeout finding a replica dead, then a join timeout forming
+        the next round). A host group that gives up sooner ends a healthy host."""
+        timeout = self.timeout()
+        if timeout is not None and timeout < needed:
+            _log.warning("cgx.DiLoCo: replica_group's timeout (%s) is shorter than the lead may take to re-form "
+                         "the run (group_timeout + join_timeout = %s): the host's other ranks may give up on a "
+                         "healthy lead; create the host's group with timeout=%s or more", timeout, needed, needed)
+
+    def check_the_lead(self, step: int, event: int, ending: bool) -> None:
+        """A follower, on the lead's word (hear()) after its step (`ending`: after its
+        close() or leave(), which this rank's close() or leave() meets): RuntimeError where
+        the lead failed or left out of turn, or went on where this rank ended."""
+        lead = "this replica's lead rank (rank 0 of replica_group)"
+        if event == FAILED or (event == LEFT and not ending):
+            raise RuntimeError(f"cgx.DiLoCo: {lead} {'failed: see its error' if event == FAILED else 'left the run'}"
+                               f", at inner step {step}")
+        if ending and event not in (CLOSED, LEFT):
+            raise RuntimeError(f"cgx.DiLoCo: {lead} took inner step {step} where this rank ended: every rank of a "
+                               f"host calls close() (or leave()) at the same point")
 
     def tell(self, step: int, event: int) -> None:
         """The lead: its step and `event`, with the weights where they changed."""

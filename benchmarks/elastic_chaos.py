@@ -1,0 +1,298 @@
+"""Chaos soak of elastic DiLoCo beside CPU hogs: kills, stops and restarts for minutes,
+every stall past the protocol's bound reported.
+
+One process serves the rendezvous store (a Membership that never joins a round, as the
+tests' replica 0); --replicas processes train a small MLP with cgx.DiLoCo (sync_every 8,
+2 fragments, 4-bit, overlap 1) over a cgx.elastic.Membership with the settings a real
+run would use (--heartbeat, --last-call, --roll-call, --group-timeout); --hogs processes
+spin on the CPU beside them. Every --every seconds the controller picks a replica and
+either kills it (SIGKILL; restarted --down seconds later: a new replica joins), or stops
+it (SIGSTOP for --stop seconds, then SIGCONT: it was dropped, or went on). After
+--minutes, every stopped replica is continued, the replicas agree on an end step and
+close (which ends the run), and the report is printed:
+
+- each replica's longest gap between torch's heartbeats while it was not stopped, against
+  the bound that drops a live member (3 missed heartbeats);
+- every stall of a replica's training (two inner steps further apart than the bound of a
+  re-form: group_timeout + roll_call + 3 heartbeats + last call + 2 s of rendezvous
+  skew, plus a sync's own time), with what happened around it;
+- the rounds, losses and joins each replica saw, and whether the replicas alive at the end
+  hold bit-identical global weights.
+
+    python -P benchmarks/elastic_chaos.py --minutes 10 --hogs 4 [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+MISSED_HEARTBEATS = 3  # torch's rendezvous drops a member that missed this many
+
+
+def _settings(args) -> dict:
+    return {"heartbeat": args.heartbeat, "last_call": args.last_call, "roll_call": args.roll_call,
+            "group_timeout": args.group_timeout}
+
+
+def _membership(port: int, run_id: str, is_host: bool, settings: dict):
+    import cgx
+
+    seconds = datetime.timedelta
+    return cgx.elastic.Membership(
+        f"127.0.0.1:{port}", run_id, is_host=is_host, min_replicas=1,
+        heartbeat=seconds(seconds=settings["heartbeat"]), last_call=seconds(seconds=settings["last_call"]),
+        roll_call=seconds(seconds=settings["roll_call"]), group_timeout=seconds(seconds=settings["group_timeout"]))
+
+
+def host_main(port: int, run_id: str, settings: dict, out: str) -> None:
+    """Serves the rendezvous store until the controller says the run is over."""
+    import torch.distributed as dist
+
+    membership = _membership(port, run_id, True, settings)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(hours=2))
+    store.wait(["chaos/over"])
+    del membership
+
+
+def replica_main(slot: int, incarnation: int, port: int, run_id: str, settings: dict, out: str) -> None:
+    """Trains until the controller's end step; logs every heartbeat, step, round and error."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    import cgx
+
+    torch.set_num_threads(1)
+    log = open(os.path.join(out, f"replica-{slot}-{incarnation}.jsonl"), "a", buffering=1)
+
+    def note(kind: str, **fields) -> None:
+        log.write(json.dumps({"t": time.monotonic(), "kind": kind, **fields}) + "\n")
+
+    keep_alive = dynamic_rendezvous.DynamicRendezvousHandler._keep_alive
+
+    def timed_keep_alive(handler) -> None:
+        note("beat")
+        keep_alive(handler)
+    dynamic_rendezvous.DynamicRendezvousHandler._keep_alive = timed_keep_alive
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(hours=2))
+    torch.manual_seed(slot * 1000 + incarnation)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    membership = _membership(port, run_id, False, settings)
+    note("start", pid=os.getpid())
+    try:
+        diloco = cgx.DiLoCo(model, inner, sync_every=8, fragments=2, bits=4, overlap=1, membership=membership)
+        note("joined", step=diloco.step)
+        generator = torch.Generator().manual_seed(slot)
+        end = None
+        while end is None or diloco.step < end:
+            x = torch.randn(256, 64, generator=generator)
+            loss = torch.nn.functional.cross_entropy(model(x), (x[:, :10].argmax(dim=1)))
+            loss.backward()
+            inner.step()
+            inner.zero_grad()
+            stats = diloco.stats()
+            note("step", step=diloco.step, replicas=stats["replicas"], rounds=stats["rounds"])
+            if end is None and store.check(["chaos/end"]):
+                end = int(store.get("chaos/end"))
+        diloco.close()
+        globals_ = diloco.state_dict()["global_weights"]
+        digest = hashlib.blake2b(digest_size=12)
+        for name in sorted(globals_):
+            digest.update(globals_[name].numpy().tobytes())
+        note("end", step=diloco.step, digest=digest.hexdigest(), stats=dict(diloco.stats()))
+    except cgx.MembershipError as e:  # came back after the run ended, or found no round
+        note("membership-error", error=str(e))
+    finally:
+        membership.close()
+        store.add("chaos/finished", 1)
+
+
+def _spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), *args])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def controller(args) -> dict:
+    import torch.distributed as dist
+
+    out = args.out or tempfile.mkdtemp(prefix="cgx-chaos-")
+    os.makedirs(out, exist_ok=True)
+    port, run_id = _free_port(), f"chaos-{os.getpid()}"
+    settings = json.dumps(_settings(args))
+    rng = random.Random(args.seed)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
+    host = _spawn(["--role", "host", "--port", str(port), "--run-id", run_id, "--settings", settings, "--out", out])
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(minutes=5))
+    incarnations = [0] * args.replicas
+
+    def start(slot: int) -> subprocess.Popen:
+        return _spawn(["--role", "replica", "--slot", str(slot), "--incarnation", str(incarnations[slot]),
+                       "--port", str(port), "--run-id", run_id, "--settings", settings, "--out", out])
+    replicas = [start(slot) for slot in range(args.replicas)]
+    events = []  # (time, what, slot)
+    stopped: dict[int, float] = {}  # slot -> when it continues
+    down: dict[int, float] = {}  # slot -> when it restarts
+    started = time.monotonic()
+    next_event = started + args.every
+    try:
+        while time.monotonic() < started + args.minutes * 60:
+            now = time.monotonic()
+            for slot, when in list(stopped.items()):
+                if now >= when:
+                    replicas[slot].send_signal(signal.SIGCONT)
+                    events.append((time.monotonic(), "continue", slot))
+                    del stopped[slot]
+            for slot, when in list(down.items()):
+                if now >= when:
+                    incarnations[slot] += 1
+                    replicas[slot] = start(slot)
+                    events.append((time.monotonic(), "restart", slot))
+                    del down[slot]
+            if now >= next_event:
+                next_event = now + args.every
+                live = [s for s in range(args.replicas) if s not in stopped and s not in down]
+                if len(live) > 1:  # one replica always trains on
+                    slot = rng.choice(live)
+                    if rng.random() < 0.5:
+                        replicas[slot].kill()
+                        replicas[slot].wait()
+                        down[slot] = now + args.down
+                        events.append((time.monotonic(), "kill", slot))
+                    else:
+                        replicas[slot].send_signal(signal.SIGSTOP)
+                        stopped[slot] = now + args.stop
+                        events.append((time.monotonic(), "stop", slot))
+            time.sleep(0.1)
+        for slot in stopped:
+            replicas[slot].send_signal(signal.SIGCONT)
+            events.append((time.monotonic(), "continue", slot))
+        for slot in down:
+            incarnations[slot] += 1
+            replicas[slot] = start(slot)
+            events.append((time.monotonic(), "restart", slot))
+        # The end: a step two intervals past the furthest replica's, reached by all.
+        furthest = max((r["step"] for r in _records(out) if r["kind"] == "step"), default=0)
+        store.set("chaos/end", str(furthest + 16))
+        events.append((time.monotonic(), "end", -1))
+        for process in replicas:
+            process.wait(timeout=args.group_timeout * 4 + 600)
+    finally:
+        store.set("chaos/over", "1")
+        for process in hogs + replicas:
+            if process.poll() is None:
+                process.kill()
+        host.wait(timeout=60)
+    return _report(out, events, args, started)
+
+
+def _records(out: str, prefix: str = "replica-") -> list[dict]:
+    records = []
+    for name in sorted(os.listdir(out)):
+        if name.startswith(prefix) and name.endswith(".jsonl"):
+            slot, incarnation = (int(v) for v in name[len(prefix):-len(".jsonl")].split("-"))
+            with open(os.path.join(out, name)) as f:
+                records += [{**json.loads(line), "slot": slot, "incarnation": incarnation} for line in f if line.strip()]
+    return records
+
+
+def _report(out: str, events: list, args, started: float) -> dict:
+    records = _records(out)
+    stops = [(t, slot) for t, what, slot in events if what == "stop"]
+    continues = [(t, slot) for t, what, slot in events if what == "continue"]
+    kills = [(t, slot) for t, what, slot in events if what == "kill"]
+    ends = [t for t, what, _ in events if what == "end"]
+
+    def stopped_during(slot: int, a: float, b: float) -> bool:
+        for t, s in stops:
+            resumed = min([c for c, cs in continues if cs == s and c >= t], default=float("inf"))
+            if s == slot and t < b and resumed > a:
+                return True
+        return False
+    beat_bound = MISSED_HEARTBEATS * args.heartbeat
+    stall_bound = args.group_timeout + args.roll_call + MISSED_HEARTBEATS * args.heartbeat + args.last_call + 2 + 5
+    lives = sorted({(r["slot"], r["incarnation"]) for r in records})
+    report = {"settings": _settings(args), "hogs": args.hogs, "minutes": args.minutes, "replicas": args.replicas,
+              "events": [(round(t - started, 1), what, slot) for t, what, slot in events],
+              "beat_bound_s": beat_bound, "stall_bound_s": stall_bound, "lives": [], "stalls": [], "beat_gaps": []}
+    for slot, incarnation in lives:
+        mine = [r for r in records if (r["slot"], r["incarnation"]) == (slot, incarnation)]
+        beats = [r["t"] for r in mine if r["kind"] == "beat"]
+        steps = [(r["t"], r["step"]) for r in mine if r["kind"] == "step"]
+        gaps = [(b - a, a) for a, b in zip(beats, beats[1:]) if not stopped_during(slot, a, b)]
+        longest = max(gaps, default=(0.0, 0.0))
+        for gap, at in gaps:
+            if gap > beat_bound:
+                report["beat_gaps"].append({"slot": slot, "incarnation": incarnation, "gap_s": round(gap, 2),
+                                            "at_s": round(at - started, 1)})
+        for (a, step_a), (b, _) in zip(steps, steps[1:]):
+            if b - a > stall_bound and not stopped_during(slot, a, b) and not any(a <= t <= b for t in ends):
+                near = [(round(t - started, 1), what, s) for t, what, s in events if a - stall_bound <= t <= b]
+                report["stalls"].append({"slot": slot, "incarnation": incarnation, "after_step": step_a,
+                                         "stall_s": round(b - a, 1), "at_s": round(a - started, 1), "events": near})
+        last = next((r for r in reversed(mine) if r["kind"] in ("end", "membership-error")), None)
+        report["lives"].append({"slot": slot, "incarnation": incarnation, "beats": len(beats),
+                                "longest_beat_gap_s": round(longest[0], 2), "steps": len(steps),
+                                "first_step": steps[0][1] if steps else None,
+                                "last": None if last is None else {k: last[k] for k in last if k in
+                                                                   ("kind", "step", "digest", "error", "stats")}})
+    digests = {life["last"]["digest"] for life in report["lives"] if life["last"] and life["last"]["kind"] == "end"}
+    report["identical_at_end"] = len(digests) == 1
+    report["kills"], report["stops"] = len(kills), len(stops)
+    with open(os.path.join(out, "chaos.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=("controller", "host", "replica"), default="controller")
+    parser.add_argument("--minutes", type=float, default=10)
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--hogs", type=int, default=4)
+    parser.add_argument("--every", type=float, default=20, help="seconds between two chaos events")
+    parser.add_argument("--down", type=float, default=5, help="seconds a killed replica stays down")
+    parser.add_argument("--stop", type=float, default=15, help="seconds a stopped replica stays stopped")
+    parser.add_argument("--heartbeat", type=int, default=5)
+    parser.add_argument("--last-call", type=int, default=1)
+    parser.add_argument("--roll-call", type=float, default=2)
+    parser.add_argument("--group-timeout", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out")
+    parser.add_argument("--slot", type=int)
+    parser.add_argument("--incarnation", type=int)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--run-id")
+    parser.add_argument("--settings")
+    args = parser.parse_args()
+    if args.role == "host":
+        host_main(args.port, args.run_id, json.loads(args.settings), args.out)
+    elif args.role == "replica":
+        replica_main(args.slot, args.incarnation, args.port, args.run_id, json.loads(args.settings), args.out)
+    else:
+        report = controller(args)
+        print(json.dumps({k: v for k, v in report.items() if k != "events"}, indent=1))
+        print(f"{report['kills']} kills, {report['stops']} stops; {len(report['stalls'])} stalls past "
+              f"{report['stall_bound_s']} s; {len(report['beat_gaps'])} heartbeat gaps past {report['beat_bound_s']} s; "
+              f"identical at the end: {report['identical_at_end']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""A fragment's sync, one object per kind: how its outer gradient travels, from its start
+to the average the fragment applies.
+
+- :class:`DenseSync`: cgx's compressed allreduce of the outer gradient with the
+  agreement's rows after it (beside it, on its own call, where every layer is exact:
+  Gloo's sum, then the division).
+- :class:`OwnPlacesSync`: top-k with each replica's own places: an all-gather of every
+  rank's payload (values and places), decoded and averaged alike on every rank.
+- :class:`SharedPlacesSync`: top-k at places every replica draws alike from the sync's
+  step: those values in cgx's compressed allreduce, with the rows.
+- :class:`Sync` itself: a fragment without members (the rows alone), or a sync that
+  arrived completed (a checkpoint's, the state a replica took).
+
+Each kind starts (:func:`start_sync` picks it from the fragment), completes, and is done
+again in a new round (:meth:`Sync.redo`) the same way, so that neither the fragment nor
+recovery asks which kind it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cgx import _C
+from cgx.diloco.fragments import Fragment
+from cgx.diloco.replicas import ROW, SYNC, Agreement, Replicas
+from cgx.diloco.tensors import digest, local
+from cgx.layers import RAW, all_raw, append_segment, layout_bytes
+
+Trained = list[tuple[str, tuple[int, ...]]]
+
+
+@dataclass(eq=False)
+class Sync:
+    """A fragment's sync, from its start to the step its result is applied."""
+
+    fragment: Fragment
+    due: int  # the step after which it is applied
+    agreement: Agreement
+    outer_gradient: torch.Tensor | None  # flat float32, the average once the work completed; None: no members
+    residual: torch.Tensor | None  # this rank's error feedback, updated by the collective
+    work: Any  # the collective's Work (the agreement's too, but beside an exact sync); None once it completed
+    sent: torch.Tensor | None = None  # elastic runs: a copy of what this rank put in, to do the sync again
+    checked: bool = False  # the agreement was checked (a sync completed before its replicas re-formed)
+    drift: torch.Tensor | None = None  # a sparse sync's outer gradient as measured (with error feedback)
+
+    @property
+    def completed(self) -> bool:
+        return self.work is None and self.agreement.work is None
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """(fragment, start step, due step): the sync, alike on every replica."""
+        return self.fragment.index, self.agreement.step, self.due
+
+    @classmethod
+    def arrived(cls, fragment: Fragment, step: int, due: int, trained: Trained, sent: torch.Tensor | None) -> Sync:
+        """A sync of inner step `step` whose average arrives from another replica (its
+        state, taken): completed, the average to be filled in. `sent`: what this rank sent
+        into it, where it had started it too (kept to do it again)."""
+        members = fragment.members
+        gradient = torch.zeros(fragment.numel, device=members[0].global_weight.device) if members else None
+        if sent is not None and sent.numel() != fragment.numel:
+            sent = None
+        agreement = Agreement(SYNC, step, trained, torch.zeros(1, ROW), None)
+        return cls(fragment, due, agreement, gradient, None, None, sent, checked=True)
+
+    def complete(self, replicas: Replicas) -> None:
+        """Waits for the sync's collective and its rows, makes the average, and counts
+        the payload as it went (the agreement's rows are not counted)."""
+        replicas.wait(self.agreement)
+        if self.work is None:
+            return
+        self.work.wait()
+        self._average(replicas)
+        self.work = None
+
+    def _average(self, replicas: Replicas) -> None:
+        """The kind's average, once its collective completed (none without members)."""
+
+    def apply(self, replicas: Replicas, overlap: int, mix: float) -> None:
+        """The fragment takes the outer step on its global weights, keeps the residuals the collective
+        left, and restarts the local weights from the global ones (mixed, with overlap).
+        A sparse sync's residual holds all of what this rank did not send; with overlap and
+        mix, the local weights keep `mix` of their drift from the new global weights, which
+        the next outer gradient measures again: that part leaves the residual (it would be
+        sent twice: random places, sent rarely, diverged so)."""
+        fragment = self.fragment
+        with torch.no_grad():
+            retains = self.drift is not None and self.residual is not None and overlap > 0 and mix > 0
+            before = torch.cat([m.global_weight.reshape(-1) for m in fragment.members]) if retains else None
+            offset = 0
+            for m in fragment.members:
+                g = m.global_weight
+                g.grad = self.outer_gradient.narrow(0, offset, g.numel()).view_as(g)
+                offset += g.numel()
+            fragment.outer.step()
+            if retains:
+                stepped = before.sub_(torch.cat([m.global_weight.reshape(-1) for m in fragment.members]))
+                self.residual.sub_((self.drift - stepped).mul_(mix))
+            if self.residual is not None:
+                replicas.residuals.keep(self.residual, fragment.compressed)
+            for m in fragment.members:
+                g, weights = m.global_weight, local(m.param)
+                g.grad = None
+                weights.copy_(g if overlap == 0 else torch.lerp(g, weights.float(), mix))
+        replicas.stats["outer_syncs"] += 1
+        fragment.syncs += 1
+
+    def keep_residual_at_reform(self) -> None:
+        """The replicas re-formed around this sync: its residual, the old round's rank's,
+        is dropped (residuals belong to a rank of a round), but where the kind keeps
+        what this rank alone did not send."""
+        self.residual = None
+
+    def redo(self, replicas: Replicas, error_feedback: bool, scale: float | None) -> Sync:
+        """This sync done again among `replicas` (a new round): this rank sends what it
+        sent before (times `scale`: its weight among those that sent), or zeros where it
+        did not send into it; the sync's kind follows its fragment."""
+        fragment = self.fragment
+        delta = None
+        if fragment.members:
+            delta = (self.sent * (1.0 if scale is None else scale) if self.sent is not None
+                     else torch.zeros(fragment.numel, device=fragment.members[0].global_weight.device))
+        again = start_sync(fragment, replicas, self.agreement.step, self.due, error_feedback,
+                           self.agreement.trained, 0, delta=delta)
+        if again.drift is not None and self.sent is not None:
+            again.drift = self.sent  # what the local weights drifted, not the scaled contribution
+        again.sent = self.sent
+        return again
+
+
+@dataclass(eq=False)
+class DenseSync(Sync):
+    """The outer gradient in cgx's compressed allreduce (Gloo's exact average where every
+    layer is exact)."""
+
+    def _average(self, replicas: Replicas) -> None:
+        fragment = self.fragment
+        replicas.count(layout_bytes(fragment.layout, replicas.skip_incomplete, _C.sent_exactly(self.work)),
+                       4 * fragment.numel)
+
+    @classmethod
+    def start(cls, fragment: Fragment, replicas: Replicas, step: int, due: int, trained: Trained,
+              rows: torch.Tensor, delta: torch.Tensor, error_feedback: bool, sent: torch.Tensor | None) -> DenseSync:
+        exact_sync = all_raw(fragment.layout)
+        flat = torch.cat([delta, *([] if exact_sync else [rows.view(-1)])])
+        residual = None
+        if error_feedback and fragment.compressed:
+            residual = replicas.residuals.gather(flat.numel(), fragment.compressed, flat.device)
+        if exact_sync:
+            agreement = replicas.agree(SYNC, step, trained, rows)
+            work = replicas.exact_average(flat)
+        else:
+            layout = list(fragment.layout)
+            append_segment(layout, fragment.numel, rows.numel(), RAW)
+            work = replicas.backend.allreduce_layout(flat, layout, average=True, residual=residual)
+            agreement = Agreement(SYNC, step, trained, flat[fragment.numel:].view_as(rows), work)
+        return cls(fragment, due, agreement, flat[:fragment.numel], residual, work, sent)
+
+
+@dataclass(eq=False)
+class OwnPlacesSync(Sync):
+    """Each rank's top-k payload (values and places), all-gathered; the average is every
+    rank's payload decoded and summed in rank order (alike on every rank), over the ranks.
+    Its residual is what this rank did not send, its own, set as the sync started: kept
+    when the replicas re-form (dropped, the residual from before it would send again what
+    it sent)."""
+
+    payloads: list[torch.Tensor] | None = None  # every rank's, once `work` completed
+
+    def _average(self, replicas: Replicas) -> None:
+        sparse = self.fragment.sparse
+        self.outer_gradient.zero_()
+        for payload in self.payloads:
+            sparse.add(payload, self.outer_gradient)
+        self.outer_gradient.div_(len(self.payloads))
+        replicas.count(sparse.nbytes, 4 * self.fragment.numel)
+        self.payloads = None
+
+    def keep_residual_at_reform(self) -> None:
+        pass
+
+    @classmethod
+    def start(cls, fragment: Fragment, replicas: Replicas, step: int, due: int, trained: Trained,
+              rows: torch.Tensor, delta: torch.Tensor, error_feedback: bool, sent: torch.Tensor | None) -> OwnPlacesSync:
+        """This rank's payload (delta plus its residual, decayed) and the all-gather of
+        every rank's (the rows on a call of their own); the residual becomes what the
+        payload does not carry."""
+        agreement = replicas.agree(SYNC, step, trained, rows)
+        values, residual = _with_residual(fragment, replicas, delta, error_feedback)
+        payload, carried = fragment.sparse.encode(values)
+        if residual is not None:
+            torch.sub(values, carried, out=residual)
+        payloads = [torch.empty_like(payload) for _ in range(replicas.size)]
+        work = replicas.backend.allgather([payloads], [payload])
+        return cls(fragment, due, agreement, torch.zeros_like(delta), residual, work, sent, payloads=payloads)
+
+
+@dataclass(eq=False)
+class SharedPlacesSync(Sync):
+    """The values at the places every replica draws from the sync's step, in cgx's
+    compressed allreduce with the rows. The residual becomes the values, but at the
+    places sent: what the allreduce dropped of them (filled in at completion)."""
+
+    places: list[torch.Tensor | None] | None = None  # SparsePlan.shared_places
+    averaged: torch.Tensor | None = None  # the allreduce's values (the average, once it completed)
+    dropped: torch.Tensor | None = None  # what the allreduce's quantizations dropped (error feedback)
+
+    def _average(self, replicas: Replicas) -> None:
+        sparse = self.fragment.sparse
+        sparse.put(self.averaged, self.places, self.outer_gradient)
+        if self.residual is not None:
+            sparse.put(self.dropped.narrow(0, 0, self.averaged.numel()), self.places, self.residual)
+        replicas.count(layout_bytes(sparse.selected_layout(), replicas.skip_incomplete, _C.sent_exactly(self.work)),
+                       4 * self.fragment.numel)
+        self.places = self.averaged = self.dropped = None
+
+    @classmethod
+    def start(cls, fragment: Fragment, replicas: Replicas, step: int, due: int, trained: Trained,
+              rows: torch.Tensor, delta: torch.Tensor, error_feedback: bool, sent: torch.Tensor | None) -> SharedPlacesSync:
+        values, residual = _with_residual(fragment, replicas, delta, error_feedback)
+        places = fragment.sparse.shared_places(step * 65536 + fragment.index, delta.device)
+        selected = fragment.sparse.select(values, places)
+        flat = torch.cat([selected, rows.view(-1)])
+        layout = fragment.sparse.selected_layout()
+        append_segment(layout, selected.numel(), rows.numel(), RAW)
+        dropped = torch.zeros_like(flat) if residual is not None else None
+        work = replicas.backend.allreduce_layout(flat, layout, average=True, residual=dropped)
+        if residual is not None:
+            residual.copy_(values)
+        agreement = Agreement(SYNC, step, trained, flat[selected.numel():].view_as(rows), work)
+        return cls(fragment, due, agreement, torch.zeros_like(delta), residual, work, sent,
+                   places=places, averaged=flat[:selected.numel()], dropped=dropped)
+
+
+def start_sync(fragment: Fragment, replicas: Replicas, step: int, due: int, error_feedback: bool, trained: Trained,
+               strangers: int, joiners: int = 0, keep: bool = False, delta: torch.Tensor | None = None,
+               scale: float | None = None) -> Sync:
+    """Starts the fragment's sync of inner step `step`, of the kind its fragment takes:
+    the outer gradient (global - local, times `scale` where given: this replica's weight
+    in the average; `delta` instead, for a sync done again) with the agreement's rows.
+    With `keep` (an elastic run), the sync keeps a copy of the outer gradient it sent
+    (before `scale`), and the rows carry a digest of the fragment's state."""
+    # The rows travel with the outer gradient, so they live on its device.
+    members = fragment.members
+    device = members[0].global_weight.device if members else torch.device("cpu")
+    state = digest(fragment.state_tensors()) if keep and members else 0
+    rows = replicas.rows(SYNC, step, trained, strangers, device, joiners, state)
+    if not members:  # the replicas still agree, on their step above all
+        return Sync(fragment, due, replicas.agree(SYNC, step, trained, rows), None, None, None)
+    with torch.no_grad():
+        if delta is None:
+            delta = torch.cat([(m.global_weight - local(m.param).float()).reshape(-1) for m in members])
+        sent = delta.clone() if keep else None
+        drift = None  # (unscaled; one copy with `sent`: neither is written after)
+        if fragment.sparse is not None and error_feedback and fragment.compressed:
+            drift = sent if sent is not None else delta.clone()
+        if scale is not None:
+            delta.mul_(scale)
+        kind = DenseSync if fragment.sparse is None else SharedPlacesSync if fragment.top_k.shared else OwnPlacesSync
+        sync = kind.start(fragment, replicas, step, due, trained, rows, delta, error_feedback, sent)
+    sync.drift = drift
+    return sync
+
+
+def arrived(fragments: list[Fragment], in_flight: list[tuple[tuple[int, int, int], Trained]],
+            mine: list[Sync]) -> list[Sync]:
+    """The syncs in flight of another replica's layout (`in_flight`: each key and trained
+    set), arrived completed (Sync.arrived); one this replica also has (`mine`) keeps what
+    it sent into it, so that it can be done again with it."""
+    sent = {s.key: s.sent for s in mine}
+    syncs = []
+    for key, trained in in_flight:
+        index, start, due = key
+        syncs.append(Sync.arrived(fragments[index], start, due, trained, sent.get(tuple(key))))
+    return syncs
+
+
+def _with_residual(fragment: Fragment, replicas: Replicas, delta: torch.Tensor,
+                   error_feedback: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A sparse sync's values, delta plus this rank's residual times the decay, and the
+    residual (None without error feedback)."""
+    if not (error_feedback and fragment.compressed):
+        return delta, None
+    residual = replicas.residuals.gather(fragment.numel, fragment.compressed, delta.device)
+    return delta + fragment.top_k.decay * residual, residual
