@@ -2006,3 +2006,47 @@ def test_a_joiner_that_reads_the_terms_before_diloco_s_are_published_is_admitted
     results = values(run_ranks(_joins_before_diloco_s_terms_are_published, 4, args=(_free_port(),),
                                timeout_s=150))[1:]
     assert len(set(results)) == 1 and results[0][2] == 3, results
+
+
+def _dropped_by_torch_and_back(replica, replicas, port):
+    """Replicas 0-2 run DiLoCo (replica 0 serves the store too). From inner step 6,
+    replica 2's heartbeats stop while it trains on (a busy machine's starved thread, made
+    sure): torch's rendezvous drops it after 3 missed beats (3 s), it learns so at its next
+    sync, leaves its round and asks to join again; its heartbeats go on once it is in a new
+    round. Every replica ends at one step with one global digest, and the two that stayed
+    count the drop alike: one replica lost, one joined (before: a drop seen by one rank
+    and not another left them out of step at close())."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    import cgx
+    from test_diloco import _model, _train_step
+
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    membership = _membership(replica, port, "dropped-back", starting=3, min_replicas=2)
+    store = _rendezvous_store(port)
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, overlap=1, membership=membership)
+    if replica == 2:
+        keep_alive, silent_in = dynamic_rendezvous.DynamicRendezvousHandler._keep_alive, []
+
+        beats = _rendezvous_store(port)  # the heartbeat thread's own client
+
+        def starved(handler):
+            if diloco.step >= 6 and not silent_in:
+                silent_in.append(membership.rounds)
+            if silent_in and membership.rounds == silent_in[0]:
+                return  # no beat while in the round it was dropped from
+            if silent_in:
+                beats.set("dropped-back/back", "1")  # beating again, in a round after the drop
+            keep_alive(handler)
+        dynamic_rendezvous.DynamicRendezvousHandler._keep_alive = starved
+    step, digest, stats = _train_to_an_agreed_end(
+        replica, port, "dropped-back", model, inner, diloco, membership, store,
+        lambda: store.check(["dropped-back/back"]) and diloco.stats()["replicas"] == 3, others=(1, 2))
+    return step, digest, {k: stats[k] for k in ("replicas", "replicas_lost", "replicas_joined")}
+
+
+def test_a_member_torch_drops_for_missed_heartbeats_comes_back_counted_alike():
+    results = values(run_ranks(_dropped_by_torch_and_back, 3, args=(_free_port(),), timeout_s=150))
+    assert len({(step, digest) for step, digest, _ in results}) == 1, results  # one step, bit-identical
+    assert results[0][2] == results[1][2] == {"replicas": 3, "replicas_lost": 1, "replicas_joined": 1}, results
