@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 import warnings
 import weakref
 from typing import Any, Callable
@@ -43,7 +42,7 @@ from cgx.backend import resolve_group
 from cgx.config import check_int
 from cgx.counters import Stats
 from cgx.diloco.checkpoint import check_state, loaded, saved
-from cgx.diloco.fragments import PATTERNS, Fragments, synced_parameters, trained_parameters
+from cgx.diloco.fragments import PATTERNS, Fragments, synced_parameters
 from cgx.diloco.recovery import Recoverable, Recovery
 from cgx.diloco.replica_host import CHANGED, CLOSED, FAILED, LEFT, UNCHANGED, ReplicaHost
 from cgx.diloco.replicas import Replicas
@@ -314,68 +313,58 @@ class DiLoCo:
 
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
         self.step += 1
-        self._then_tell_host(self._syncs_of_this_step, UNCHANGED)
+        self._then_tell_host(None, UNCHANGED)
 
-    def _then_tell_host(self, action: Callable[[], Any], event: int) -> None:
-        """Runs `action` with recovery, then tells the host's other ranks `event` (or,
-        where `action` raised, that the lead failed)."""
+    def _then_tell_host(self, action: Callable[[], Any] | None, event: int) -> None:
+        """Runs `action` (None: this step's syncs) with recovery, then tells the host's
+        other ranks `event` (or, where `action` raised, that the lead failed)."""
         try:
-            action() if self._recovery is None else self._recovery.run(action)
+            if self._recovery is not None:
+                self._recovery.run(action)
+            else:
+                (action or self._syncs_of_this_step)()
         except BaseException:
             self._tell_host(FAILED)
             raise
         self._tell_host(event)
 
-    def _syncs_of_this_step(self) -> None:
+    def _syncs_of_this_step(self) -> list[list[int]]:
         """Finishes the syncs due at this step and starts the one whose turn it is. Run
         again after the replicas re-formed (Recovery.run), it does what is left: an
-        applied sync has left the in-flight list, and a fragment's sync starts once."""
+        applied sync has left the in-flight list, and a fragment's sync starts once.
+        Returns what the checked syncs' rows say of joiners (Recovery.admit)."""
         joining = []
         for sync in [s for s in self._in_flight if s.due == self.step]:
             joining.append(self._finish(sync))
         for fragment in self._fragments.all:
             if self.step % self.sync_every == fragment.offset and fragment.last_start != self.step:
-                if self._fragments.change_members(fragment, self._replicas.residuals):
-                    self._weights_changed = True  # leaving members take their global weights
-                trained, strangers = trained_parameters(self._model, self._optimizer)
-                joiners, scale = (0, None) if self._recovery is None else self._recovery.at_sync_start(self.step)
+                elastic = self._recovery is not None
+                changed, trained, strangers, state = self._fragments.at_sync_start(fragment, self._replicas.residuals,
+                                                                                   state=elastic)
+                self._weights_changed |= changed  # leaving members take their global weights
+                joiners, scale = self._recovery.at_sync_start(self.step, self._replicas.rank, self._replicas.size,
+                                                              self.sync_every) if elastic else (0, None)
                 sync = start_sync(fragment, self._replicas, self.step, self.step + self.overlap, self.error_feedback,
-                                  trained, strangers, joiners, keep=self._recovery is not None, scale=scale)
+                                  trained, strangers, joiners, keep=elastic, state=state, scale=scale)
                 self._in_flight.append(sync)
                 fragment.last_start = self.step
                 if self.overlap == 0:
                     joining.append(self._finish(sync))
-        if self._recovery is not None:
-            self._recovery.admit(joining)
+        return joining
 
     def _finish(self, sync: Sync, follow: bool = True) -> list[int]:
-        """Waits for the sync's allreduce, checks the agreement it carried, then applies it;
-        with `follow`, then makes the synced set follow the trained set the replicas agreed
-        on. A failed allreduce or agreement raises here and changes nothing (on a group its
-        sync is dropped; in an elastic run it stays in flight, to be done again). Returns
-        what each replica's row says of joiners (Recovery.joining; empty where the
-        agreement was checked before)."""
+        """Finishes the sync (Sync.finish: its agreement checked, its collective waited
+        for, applied); with `follow`, then makes the synced set follow the trained set
+        the replicas agreed on. A failed collective or agreement raises and changes
+        nothing (on a group its sync is dropped; in an elastic run it stays in flight, to
+        be done again). Returns what each replica's row says of joiners (Recovery.joining;
+        empty where the agreement was checked before)."""
         if self._recovery is None:
             self._in_flight.remove(sync)
-        stats = self._replicas.stats
-        started = time.perf_counter()
-        waits = sync.work is not None and (self.overlap == 0 or not sync.work.is_completed())
-        joiners: list[int] = []
-        # The agreement first: beside an exact sync it is a call of its own, and where the
-        # replicas are out of step the exact sync's Gloo call has no partner to wait for.
-        if not sync.checked:
-            self._replicas.check(sync.agreement)
-            sync.checked = True
-            joiners = [int(v) for v in sync.agreement.rows[:, 2].tolist()]
-        if sync.outer_gradient is not None and sync.work is not None:
-            stats["waits"] += waits  # without overlap the step always waits
-            sync.complete(self._replicas)
-            stats["wait_seconds"] += time.perf_counter() - started
+        joiners = sync.finish(self._replicas, self.overlap, self.mix)
         if self._recovery is not None:
             self._in_flight.remove(sync)
         self._weights_changed = True
-        if sync.outer_gradient is not None:
-            sync.apply(self._replicas, self.overlap, self.mix)
         if follow:
             self._fragments.follow(sync.agreement.trained, self._replicas)
         return joiners
@@ -502,7 +491,7 @@ class DiLoCo:
         def complete() -> None:
             for sync in self._in_flight:
                 sync.complete(self._replicas)
-        complete() if self._recovery is None else self._recovery.run(complete)
+        self._recovery.run(complete) if self._recovery is not None else complete()
         return saved(self._replicas, self._fragments, self.step, self._in_flight)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -547,7 +536,7 @@ def _checked_arguments(model, optimizer, bits, bucket_size, policy, schedule: _S
         warnings.warn("cgx.DiLoCo: top_k with outer momentum: sparse outer gradients were measured to "
                       "train worse with it (the residual, decayed, takes its part); give outer_lr=1.5, "
                       "outer_momentum=0, nesterov=False (docs/diloco.md, 'Sparse outer gradients')",
-                      stacklevel=4)
+                      stacklevel=3)  # the caller of DiLoCo(...)
     if host is None:
         return {}
     if (membership is not None) != host.is_lead or group is not None:

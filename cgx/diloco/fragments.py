@@ -13,7 +13,7 @@ import torch
 from cgx.agreement import first_difference
 from cgx.diloco.replicas import Replicas
 from cgx.diloco.sparse import SparsePlan, TopK
-from cgx.diloco.tensors import local
+from cgx.diloco.tensors import digest, local
 from cgx.layers import CompressionPolicy, LayerSetting, Segment, all_raw, append_segment
 from cgx.residuals import Residuals
 
@@ -195,18 +195,22 @@ class Fragments:
             load[index] += numel
         return min(range(len(load)), key=lambda index: (load[index], index))
 
-    def change_members(self, fragment: Fragment, residuals: Residuals) -> bool:
-        """Applies the fragment's pending joins and leaves at its sync's start. Returns
-        whether any (leaving members take their global weights)."""
+    def at_sync_start(self, fragment: Fragment, residuals: Residuals,
+                      state: bool) -> tuple[bool, Trained, int, int]:
+        """Applies the fragment's pending joins and leaves as its sync starts. Returns
+        whether any (leaving members take their global weights); what the inner optimizer
+        trains now with how many tensors it holds that are not the model's
+        (trained_parameters); and, with `state`, a digest of the fragment's global weights
+        and outer momentum (0 without): the sync's agreement carries all three."""
         leaving = {m.name for m in fragment.members if m.name in self.leaving}
         joining = [m for index, m in self.joining.values() if index == fragment.index]
-        if not leaving and not joining:
-            return False
-        self.leaving -= leaving
-        for m in joining:
-            del self.joining[m.name]
-        fragment.change_members(leaving, joining, self._outer_options, residuals)
-        return True
+        if leaving or joining:
+            self.leaving -= leaving
+            for m in joining:
+                del self.joining[m.name]
+            fragment.change_members(leaving, joining, self._outer_options, residuals)
+        digested = digest(fragment.state_tensors()) if state and fragment.members else 0
+        return bool(leaving or joining), *trained_parameters(self._model, self._optimizer), digested
 
     # ---- what the replicas build alike, and the state a replica sends to one taking it
 

@@ -46,7 +46,7 @@ class Recoverable:
     take_layout: Callable[[dict[str, Any], int], None]  # another's layout and step (tensors follow)
     restart_local_weights: Callable[[], None]  # from the global weights
     start_together: Callable[[], None]  # the run's start, on every replica of the round
-    syncs_of_this_step: Callable[[], None]  # what is left of this step's syncs
+    syncs_of_this_step: Callable[[], list[list[int]]]  # what is left of this step's syncs; their rows' joiners
     stop: Callable[[], None]  # trains on without syncing (this replica was refused)
 
 
@@ -100,25 +100,25 @@ class Recovery:
                     raise
                 cause = e
         if took:
-            self.run(self._diloco.syncs_of_this_step)
+            self.run()
 
-    def run(self, action: Callable[[], Any]) -> Any:
-        """Runs `action`. Where a collective fails (a replica died, left or lost its link:
-        PeerError or CollectiveTimeoutError), in `action` or while the replicas re-form,
-        the replicas re-form (:meth:`_reform`) and `action` runs again, doing what is
-        left. A replica that took another's state and step first does the rest of that
-        step's syncs, as the others do."""
-        syncs_of_this_step = self._diloco.syncs_of_this_step
+    def run(self, action: Callable[[], Any] | None = None) -> Any:
+        """Runs `action`, or, by default, this step's syncs and the admission their rows
+        ask for (:meth:`admit`). Where a collective fails (a replica died, left or lost
+        its link: PeerError or CollectiveTimeoutError), in `action` or while the replicas
+        re-form, the replicas re-form (:meth:`_reform`) and `action` runs again, doing
+        what is left. A replica that took another's state and step first does the rest
+        of that step's syncs, as the others do."""
         cause, catch_up = None, False
         while True:
             try:
                 if cause is not None:
                     catch_up |= self._reform(cause)
                     cause = None
-                if catch_up and action != syncs_of_this_step:
-                    syncs_of_this_step()
+                if catch_up and action is not None:
+                    self._syncs_of_this_step()
                 catch_up = False
-                return action()
+                return self._syncs_of_this_step() if action is None else action()
             except TookState:
                 catch_up = True
             except dist.DistError as e:
@@ -126,10 +126,14 @@ class Recovery:
                     raise
                 cause = e
 
-    def at_sync_start(self, step: int) -> tuple[int, float | None]:
-        """What a sync started at inner step `step` carries of the run: this replica's
-        joiners value (joining()) and its outer gradient's scale (contribution())."""
-        return self.joining(self._diloco.replicas().size), self.contribution(step)
+    def at_sync_start(self, step: int, rank: int, size: int, sync_every: int) -> tuple[int, float | None]:
+        """What a sync started at inner step `step` carries of the run (this replica is
+        `rank` of `size`): its joiners value (joining()) and its outer gradient's scale
+        (contribution())."""
+        return self.joining(size), self.contribution(step, rank, sync_every)
+
+    def _syncs_of_this_step(self) -> None:
+        self.admit(self._diloco.syncs_of_this_step())
 
     def joining(self, replicas: int) -> int:
         """What this replica's row of a sync says of joiners: how many wait to join (none
@@ -174,14 +178,14 @@ class Recovery:
             _log.info("cgx.DiLoCo: run %r: could not end the run on the rendezvous (%s: %s); a replica that comes "
                       "back waits for a round until its join_timeout", self.membership.run_id, type(e).__name__, e)
 
-    def contribution(self, step: int, senders: list[bool] | None = None) -> float | None:
+    def contribution(self, step: int, rank: int, sync_every: int, senders: list[bool] | None = None) -> float | None:
         """The factor this replica scales its outer gradient by in a sync started at inner
         step `step`, so that the sync's average weighs each replica by the inner steps its
         outer gradient holds (of sync_every): fewer for one whose local weights restarted
         from the global ones since (a joiner's first syncs, whose few steps would else
         count as much as a whole interval), none for one that did not send into a sync
         done again (`senders`, by rank). None where every weight is the same."""
-        every = self._diloco.sync_every()
+        every = sync_every
 
         def weight(rank: int, replica: str) -> float:
             if senders is None:
@@ -195,7 +199,7 @@ class Recovery:
         total = sum(weights)
         if total == 0 or all(w == weights[0] for w in weights):
             return None
-        return len(weights) * weights[self._diloco.replicas().rank] / total
+        return len(weights) * weights[rank] / total
 
     # ---- the replicas re-form
 
@@ -356,7 +360,8 @@ class Recovery:
                 again.append((i, [key in theirs[r] and theirs[r][key]["sent"] for r in range(size)]))
         for i, senders in again:
             old = in_flight[i]
-            in_flight[i] = old.redo(replicas, diloco.error_feedback(), self.contribution(old.agreement.step, senders))
+            scale = self.contribution(old.agreement.step, replicas.rank, diloco.sync_every(), senders)
+            in_flight[i] = old.redo(replicas, diloco.error_feedback(), scale)
             self.stats["syncs_redone"] += 1
 
     def _count_members(self, ids: list[str], cause: Exception | None) -> None:

@@ -17,6 +17,7 @@ recovery asks which kind it holds."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 from cgx import _C
 from cgx.diloco.fragments import Fragment
 from cgx.diloco.replicas import ROW, SYNC, Agreement, Replicas
-from cgx.diloco.tensors import digest, local
+from cgx.diloco.tensors import local
 from cgx.layers import RAW, all_raw, append_segment, layout_bytes
 
 Trained = list[tuple[str, tuple[int, ...]]]
@@ -66,10 +67,35 @@ class Sync:
         agreement = Agreement(SYNC, step, trained, torch.zeros(1, ROW), None)
         return cls(fragment, due, agreement, gradient, None, None, sent, checked=True)
 
+    def finish(self, replicas: Replicas, overlap: int, mix: float) -> list[int]:
+        """At the step it is due: checks the agreement its rows carried (raises on every
+        rank alike where the replicas differ), waits for its collective (a wait, in the
+        stats, where it was not complete yet: always without overlap) and applies it.
+        Returns what each replica's row says of joiners (empty where the agreement was
+        checked before)."""
+        stats, started = replicas.stats, time.perf_counter()
+        waits = self.work is not None and (overlap == 0 or not self.work.is_completed())
+        joiners: list[int] = []
+        # The agreement first: beside an exact sync it is a call of its own, and where the
+        # replicas are out of step the exact sync's Gloo call has no partner to wait for.
+        if not self.checked:
+            replicas.check(self.agreement)
+            self.checked = True
+            joiners = [int(v) for v in self.agreement.rows[:, 2].tolist()]
+        if self.outer_gradient is None:
+            return joiners
+        if self.work is not None:
+            stats["waits"] += waits  # without overlap the step always waits
+            self.complete(replicas)
+            stats["wait_seconds"] += time.perf_counter() - started
+        self.apply(replicas, overlap, mix)
+        return joiners
+
     def complete(self, replicas: Replicas) -> None:
         """Waits for the sync's collective and its rows, makes the average, and counts
         the payload as it went (the agreement's rows are not counted)."""
-        replicas.wait(self.agreement)
+        if self.agreement.work is not None:
+            replicas.wait(self.agreement)
         if self.work is None:
             return
         self.work.wait()
@@ -236,17 +262,16 @@ class SharedPlacesSync(Sync):
 
 
 def start_sync(fragment: Fragment, replicas: Replicas, step: int, due: int, error_feedback: bool, trained: Trained,
-               strangers: int, joiners: int = 0, keep: bool = False, delta: torch.Tensor | None = None,
-               scale: float | None = None) -> Sync:
+               strangers: int, joiners: int = 0, keep: bool = False, state: int = 0,
+               delta: torch.Tensor | None = None, scale: float | None = None) -> Sync:
     """Starts the fragment's sync of inner step `step`, of the kind its fragment takes:
     the outer gradient (global - local, times `scale` where given: this replica's weight
-    in the average; `delta` instead, for a sync done again) with the agreement's rows.
-    With `keep` (an elastic run), the sync keeps a copy of the outer gradient it sent
-    (before `scale`), and the rows carry a digest of the fragment's state."""
+    in the average; `delta` instead, for a sync done again) with the agreement's rows
+    (`state`: a digest of the fragment's state, or 0). With `keep` (an elastic run), the
+    sync keeps a copy of the outer gradient it sent (before `scale`)."""
     # The rows travel with the outer gradient, so they live on its device.
     members = fragment.members
     device = members[0].global_weight.device if members else torch.device("cpu")
-    state = digest(fragment.state_tensors()) if keep and members else 0
     rows = replicas.rows(SYNC, step, trained, strangers, device, joiners, state)
     if not members:  # the replicas still agree, on their step above all
         return Sync(fragment, due, replicas.agree(SYNC, step, trained, rows), None, None, None)
