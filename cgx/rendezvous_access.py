@@ -123,12 +123,12 @@ class _CancellableExecutor:
     def __init__(self, executor, cancelled) -> None:
         self._executor, self._cancelled = executor, cancelled
 
-    def run(self, state_handler, deadline: float, update_deadline=None) -> None:
+    def run(self, state_handler, deadline: float, *args, **kwargs) -> None:
         def handle(ctx, deadline_: float):
             # Just past, not long past: torch's join then takes this node out of the
             # round it was forming (its rollback, within 5 s of the deadline).
             return state_handler(ctx, time.monotonic() - 0.001 if self._cancelled() else deadline_)
-        self._executor.run(handle, deadline, update_deadline)
+        self._executor.run(handle, deadline, *args, **kwargs)
 
 
 def make_cancellable(handler, cancelled) -> None:

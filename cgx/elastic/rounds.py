@@ -182,10 +182,6 @@ class Rendezvous:
     def end_run(self) -> None:
         self._live_handler().set_closed()
 
-    def ended(self) -> bool:
-        """Whether the run has ended (a replica called end_run()): read from the state."""
-        return self.read(lambda handler: handler.is_closed())
-
     def close(self) -> None:
         self._handler = None  # its heartbeat timer holds it weakly: no beat after this
 
