@@ -11,8 +11,9 @@ it (SIGSTOP for --stop seconds, then SIGCONT: it was dropped, or went on). After
 --minutes, every stopped replica is continued, the replicas agree on an end step and
 close (which ends the run), and the report is printed:
 
-- each replica's longest gap between torch's heartbeats while it was not stopped, against
-  the bound that drops a live member (3 missed heartbeats);
+- each replica's longest gap between torch's heartbeats while it was neither stopped nor
+  re-forming (torch's join beats for it then), against the bound that drops a live
+  member (3 missed heartbeats);
 - every stall of a replica's training (two inner steps further apart than the bound of a
   re-form: group_timeout + roll_call + 3 heartbeats + last call + 2 s of rendezvous
   skew, plus a sync's own time), with what happened around it;
@@ -230,13 +231,19 @@ def _report(out: str, events: list, args, started: float) -> dict:
     stall_bound = args.group_timeout + args.roll_call + MISSED_HEARTBEATS * args.heartbeat + args.last_call + 2 + 5
     lives = sorted({(r["slot"], r["incarnation"]) for r in records})
     report = {"settings": _settings(args), "hogs": args.hogs, "minutes": args.minutes, "replicas": args.replicas,
+              "started": started,
               "events": [(round(t - started, 1), what, slot) for t, what, slot in events],
               "beat_bound_s": beat_bound, "stall_bound_s": stall_bound, "lives": [], "stalls": [], "beat_gaps": []}
     for slot, incarnation in lives:
         mine = [r for r in records if (r["slot"], r["incarnation"]) == (slot, incarnation)]
         beats = [r["t"] for r in mine if r["kind"] == "beat"]
         steps = [(r["t"], r["step"]) for r in mine if r["kind"] == "step"]
-        gaps = [(b - a, a) for a, b in zip(beats, beats[1:]) if not stopped_during(slot, a, b)]
+        rounds = [(r["t"], r["rounds"]) for r in mine if r["kind"] == "step"]
+
+        def re_formed_during(a: float, b: float) -> bool:  # torch's join beats for it meanwhile
+            return len({n for t, n in rounds if a <= t <= b}) > 1
+        gaps = [(b - a, a) for a, b in zip(beats, beats[1:])
+                if not stopped_during(slot, a, b) and not re_formed_during(a, b)]
         longest = max(gaps, default=(0.0, 0.0))
         for gap, at in gaps:
             if gap > beat_bound:
