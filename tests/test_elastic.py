@@ -2060,3 +2060,61 @@ def test_a_member_torch_drops_for_missed_heartbeats_comes_back_counted_alike():
     results = values(run_ranks(_dropped_by_torch_and_back, 3, args=(_free_port(),), timeout_s=150))
     assert len({(step, digest) for step, digest, _ in results}) == 1, results  # one step, bit-identical
     assert results[0][2] == results[1][2] == {"replicas": 3, "replicas_lost": 1, "replicas_joined": 1}, results
+
+
+def _closes_while_its_next_round_waits_in_admission(replica, replicas, port):
+    """Replicas 1 and 2 are in a round (group_timeout 5 minutes); replica 3 asks to join
+    and stops itself (SIGSTOP) as its admission begins, so the members' round formed
+    beside their work waits for it in the admission. Replica 1 closes then: its close()
+    gives the forming up at the admission's next poll, not after group_timeout or torch's
+    drop of the joiner (both past this test's limit), and leaves no thread of it; replica
+    2 ends the run."""
+    import signal
+    import threading
+
+    import cgx
+    import cgx.elastic
+
+    # Neither the group's timeout nor torch's drop of the stopped joiner (3 missed beats of
+    # 60 s) comes within the test's limit: only the cancel ends the members' wait.
+    long_wait, beats = datetime.timedelta(minutes=5), datetime.timedelta(seconds=60)
+    if replica == 3:
+        store = _rendezvous_store(port)
+        store.wait(["admission-close/formed"])
+        gather = cgx.elastic.admission.gather
+
+        def stop_first(where, key, *args):
+            if key == "nonce":
+                store.set("admission-close/pid", str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return gather(where, key, *args)
+        cgx.elastic.admission.gather = stop_first
+        _membership(replica, port, "admission-close", min_replicas=2, group_timeout=long_wait,
+                    heartbeat=beats).next_round()
+        return "not reached"
+    membership = _pair(replica, port, "admission-close", min_replicas=2, group_timeout=long_wait, heartbeat=beats)
+    store = _rendezvous_store(port)
+    forming = None
+    if replica > 0:
+        store.set("admission-close/formed", "1")
+        _wait_for_a_joiner(membership)
+        membership.prepare_next_round()
+        store.wait(["admission-close/pid"])  # the joiner is stopped in the admission
+        if replica == 1:
+            membership.close()
+            forming = [t.name for t in threading.enumerate() if t.name == "cgx-next-round"]
+            store.set("admission-close/closed", "1")
+        else:
+            store.wait(["admission-close/closed"])
+            membership.end_run()
+            membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 2], port, "admission-close")
+    if replica == 0:
+        os.kill(int(store.get("admission-close/pid")), signal.SIGKILL)
+    return forming
+
+
+def test_a_members_close_gives_up_a_next_round_waiting_in_its_admission():
+    results = run_ranks(_closes_while_its_next_round_waits_in_admission, 4, args=(_free_port(),), expect_exit={3},
+                        timeout_s=120)
+    assert values(results[:3])[1] == [], results  # closed at once, no thread of the forming left
