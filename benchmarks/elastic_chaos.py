@@ -32,11 +32,14 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P: the helpers here
+
+from launch import free_port  # noqa: E402
 
 MISSED_HEARTBEATS = 3  # torch's rendezvous drops a member that missed this many
 
@@ -125,18 +128,12 @@ def _spawn(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), *args])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def controller(args) -> dict:
     import torch.distributed as dist
 
     out = args.out or tempfile.mkdtemp(prefix="cgx-chaos-")
     os.makedirs(out, exist_ok=True)
-    port, run_id = _free_port(), f"chaos-{os.getpid()}"
+    port, run_id = free_port(), f"chaos-{os.getpid()}"
     settings = json.dumps(_settings(args))
     rng = random.Random(args.seed)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]

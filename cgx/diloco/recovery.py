@@ -185,7 +185,7 @@ class Recovery:
         from the global ones since (a joiner's first syncs, whose few steps would else
         count as much as a whole interval), none for one that did not send into a sync
         done again (`senders`, by rank). None where every weight is the same."""
-        every = sync_every
+        every = sync_every  # (the name the weights below are written with)
 
         def weight(rank: int, replica: str) -> float:
             if senders is None:
