@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from typing import Sequence
 
 from netemu import EmulatedHosts
 
-__all__ = ["RankFailure", "run_job", "run_worker", "join_worker"]
+__all__ = ["RankFailure", "free_port", "run_job", "run_worker", "join_worker"]
 
 
 class RankFailure(RuntimeError):
@@ -29,10 +30,25 @@ class RankFailure(RuntimeError):
 
 
 def free_port() -> int:
-    """A port free on this machine's loopback now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on this machine's loopback now, chosen below the kernel's ephemeral
+    range: a port the kernel hands out (bind to 0) is free only until some outgoing
+    connection (another job's Gloo or store client) is given it as its local port, and a
+    server started on it later then fails with EADDRINUSE (seen in CI)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    low = 10000 if ephemeral_low > 11000 else 1024
+    for _ in range(100):
+        port = random.randrange(low, ephemeral_low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"free_port: no free port in [{low}, {ephemeral_low}) after 100 tries")
 
 
 def run_job(argv: Sequence[str], world_size: int, *, hosts: EmulatedHosts | None = None,

@@ -8,7 +8,6 @@ import datetime
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from harness import process_gone, run_ranks, values
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import netemu  # noqa: E402
+from launch import free_port as _free_port  # noqa: E402
 
 # What each setting protects against, and why a loaded machine keeps it:
 # - heartbeat 1 s (the shortest the rendezvous takes): a member that dies between two
@@ -36,12 +36,6 @@ import netemu  # noqa: E402
 # test_elastic.py passed whole beside 4 busy loops twice in a row with these (issue 69).
 _FAST = {"heartbeat": datetime.timedelta(seconds=1), "last_call": datetime.timedelta(seconds=1),
          "group_timeout": datetime.timedelta(seconds=10)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _membership(replica: int, port: int, run_id: str, starting: int = 0, **kwargs):
@@ -2029,7 +2023,7 @@ def _dropped_by_torch_and_back(replica, replicas, port):
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     import cgx
-    from test_diloco import _model, _train_step
+    from test_diloco import _model
 
     model = _model(replica)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
