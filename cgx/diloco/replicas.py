@@ -125,11 +125,6 @@ class Replicas:
         with exact():
             return self.backend.allreduce([flat], options)
 
-    def count(self, payload_bytes: int, uncompressed_payload_bytes: int) -> None:
-        self.stats["payload_bytes"] += payload_bytes
-        self.stats["uncompressed_payload_bytes"] += uncompressed_payload_bytes
-        self.stats["peak_payload_bytes"] = max(self.stats["peak_payload_bytes"], payload_bytes)
-
     def broadcast(self, tensors: list[torch.Tensor], root: int = 0) -> int:
         """The tensors (parameters, or anything a rank holds) take group rank `root`'s
         values, one broadcast per dtype. Returns the bytes broadcast."""

@@ -164,8 +164,8 @@ class DenseSync(Sync):
 
     def _average(self, replicas: Replicas) -> None:
         fragment = self.fragment
-        replicas.count(layout_bytes(fragment.layout, replicas.skip_incomplete, _C.sent_exactly(self.work)),
-                       4 * fragment.numel)
+        _count(replicas.stats, layout_bytes(fragment.layout, replicas.skip_incomplete, _C.sent_exactly(self.work)),
+               4 * fragment.numel)
 
     @classmethod
     def start(cls, fragment: Fragment, replicas: Replicas, step: int, due: int, trained: Trained,
@@ -202,7 +202,7 @@ class OwnPlacesSync(Sync):
         for payload in self.payloads:
             sparse.add(payload, self.outer_gradient)
         self.outer_gradient.div_(len(self.payloads))
-        replicas.count(sparse.nbytes, 4 * self.fragment.numel)
+        _count(replicas.stats, sparse.nbytes, 4 * self.fragment.numel)
         self.payloads = None
 
     def keep_residual_at_reform(self) -> None:
@@ -239,8 +239,8 @@ class SharedPlacesSync(Sync):
         sparse.put(self.averaged, self.places, self.outer_gradient)
         if self.residual is not None:
             sparse.put(self.dropped.narrow(0, 0, self.averaged.numel()), self.places, self.residual)
-        replicas.count(layout_bytes(sparse.selected_layout(), replicas.skip_incomplete, _C.sent_exactly(self.work)),
-                       4 * self.fragment.numel)
+        sent = layout_bytes(sparse.selected_layout(), replicas.skip_incomplete, _C.sent_exactly(self.work))
+        _count(replicas.stats, sent, 4 * self.fragment.numel)
         self.places = self.averaged = self.dropped = None
 
     @classmethod
@@ -311,3 +311,10 @@ def _with_residual(fragment: Fragment, replicas: Replicas, delta: torch.Tensor,
         return delta, None
     residual = replicas.residuals.gather(fragment.numel, fragment.compressed, delta.device)
     return delta + fragment.top_k.decay * residual, residual
+
+
+def _count(stats: dict, payload_bytes: int, uncompressed_payload_bytes: int) -> None:
+    """A completed sync's payload in the stats (the agreement's rows are not counted)."""
+    stats["payload_bytes"] += payload_bytes
+    stats["uncompressed_payload_bytes"] += uncompressed_payload_bytes
+    stats["peak_payload_bytes"] = max(stats["peak_payload_bytes"], payload_bytes)
