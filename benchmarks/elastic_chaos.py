@@ -21,6 +21,21 @@ close (which ends the run), and the report is printed:
   hold bit-identical global weights.
 
     python -P benchmarks/elastic_chaos.py --minutes 10 --hogs 4 [--out DIR]
+
+With --at STATE --action ACTION it is an adversary aimed at one state of the protocol
+(docs/diloco.md): each event arms a trap in the chosen replica instead of striking at a
+random moment, and the replica strikes itself the next time it enters STATE, in the
+middle of the protocol's work: `kill` (SIGKILL), `stop` (SIGSTOP; continued --stop
+seconds later) or `delay` (its training thread sleeps --delay seconds there; its
+heartbeats go on). The states: `syncing` (a sync's completion: the agreement checked,
+the collective waited for), `forming` (a round formed by torch's rendezvous: the first, a
+re-form after a failure or the move to the round that admits joiners), `forming-beside`
+(the start of the round that admits joiners, formed beside training), `admitting` (the
+admission's checks of terms and secrets in a round that formed), `sending-state` (a
+member sending the run's state to joiners) and `leaving` (DiLoCo.close(), armed at the
+end step for one replica). The four states between `forming` and `sending-state` come
+with a change of members: at each event, with every replica up, a second replica is
+killed beside the armed one, so that the others re-form and admit it when it restarts.
 """
 
 from __future__ import annotations
@@ -69,7 +84,56 @@ def host_main(port: int, run_id: str, settings: dict, out: str) -> None:
     del membership
 
 
-def replica_main(slot: int, incarnation: int, port: int, run_id: str, settings: dict, out: str) -> None:
+STATES = ("syncing", "forming", "forming-beside", "admitting", "sending-state", "leaving")
+ACTIONS = ("kill", "stop", "delay")
+PROVOKED = ("forming", "forming-beside", "admitting", "sending-state")  # states a change of members brings
+
+
+def _set_traps(slot: int, out: str, delay: float, note) -> None:
+    """Where the controller armed a trap for this replica (a file trap-SLOT holding "STATE
+    ACTION"), the replica strikes itself when it next enters STATE."""
+    import cgx
+    import cgx.diloco.replicas
+    import cgx.diloco.syncs
+    import cgx.elastic.membership
+
+    trap = os.path.join(out, f"trap-{slot}")
+
+    def enter(state: str) -> None:
+        try:
+            with open(trap) as f:
+                armed, action = f.read().split()
+        except (OSError, ValueError):
+            return
+        if armed != state:
+            return
+        os.remove(trap)
+        note("trap", state=state, action=action)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stop":
+            open(os.path.join(out, f"stopped-{slot}"), "w").close()  # the controller continues it
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            time.sleep(delay)
+
+    def trapped(owner, name: str, state: str) -> None:
+        original = getattr(owner, name)
+
+        def entering(*args, **kwargs):
+            enter(state)
+            return original(*args, **kwargs)
+        setattr(owner, name, entering)
+    trapped(cgx.diloco.syncs.Sync, "finish", "syncing")
+    trapped(cgx.elastic.membership.Membership, "next_round", "forming")
+    trapped(cgx.elastic.membership.Membership, "prepare_next_round", "forming-beside")
+    trapped(cgx.elastic.membership, "admit", "admitting")
+    trapped(cgx.diloco.replicas.Replicas, "send", "sending-state")
+    trapped(cgx.DiLoCo, "close", "leaving")
+
+
+def replica_main(slot: int, incarnation: int, port: int, run_id: str, settings: dict, out: str,
+                 delay: float) -> None:
     """Trains until the controller's end step; logs every heartbeat, step, round and error."""
     import torch
     import torch.distributed as dist
@@ -82,6 +146,7 @@ def replica_main(slot: int, incarnation: int, port: int, run_id: str, settings: 
 
     def note(kind: str, **fields) -> None:
         log.write(json.dumps({"t": time.monotonic(), "kind": kind, **fields}) + "\n")
+    _set_traps(slot, out, delay, note)
 
     keep_alive = dynamic_rendezvous.DynamicRendezvousHandler._keep_alive
 
@@ -143,21 +208,47 @@ def controller(args) -> dict:
 
     def start(slot: int) -> subprocess.Popen:
         return _spawn(["--role", "replica", "--slot", str(slot), "--incarnation", str(incarnations[slot]),
-                       "--port", str(port), "--run-id", run_id, "--settings", settings, "--out", out])
+                       "--port", str(port), "--run-id", run_id, "--settings", settings, "--out", out,
+                       "--delay", str(args.delay)])
+
+    def arm(slot: int, state: str) -> None:
+        with open(os.path.join(out, f"trap-{slot}.new"), "w") as f:
+            f.write(f"{state} {args.action}")
+        os.replace(os.path.join(out, f"trap-{slot}.new"), os.path.join(out, f"trap-{slot}"))
+        events.append((time.monotonic(), f"arm {state} {args.action}", slot))
+
+    def kill(slot: int) -> None:
+        replicas[slot].kill()
+        replicas[slot].wait()
+        down[slot] = time.monotonic() + args.down
+        events.append((time.monotonic(), "kill", slot))
     replicas = [start(slot) for slot in range(args.replicas)]
     events = []  # (time, what, slot)
     stopped: dict[int, float] = {}  # slot -> when it continues
     down: dict[int, float] = {}  # slot -> when it restarts
     started = time.monotonic()
     next_event = started + args.every
+
+    def tend(now: float) -> None:
+        """Continues the stopped replicas whose time is up; notes the traps that struck."""
+        for slot, when in list(stopped.items()):
+            if now >= when:
+                replicas[slot].send_signal(signal.SIGCONT)
+                events.append((time.monotonic(), "continue", slot))
+                del stopped[slot]
+        for slot in range(args.replicas):
+            if os.path.exists(os.path.join(out, f"stopped-{slot}")):
+                os.remove(os.path.join(out, f"stopped-{slot}"))
+                stopped[slot] = now + args.stop
+                events.append((time.monotonic(), "stop", slot))
+            elif args.at and slot not in down and slot not in killed and replicas[slot].poll() == -signal.SIGKILL:
+                down[slot] = now + args.down
+                events.append((time.monotonic(), "kill", slot))
+    killed: set[int] = set()  # the end's: not restarted
     try:
         while time.monotonic() < started + args.minutes * 60:
             now = time.monotonic()
-            for slot, when in list(stopped.items()):
-                if now >= when:
-                    replicas[slot].send_signal(signal.SIGCONT)
-                    events.append((time.monotonic(), "continue", slot))
-                    del stopped[slot]
+            tend(now)
             for slot, when in list(down.items()):
                 if now >= when:
                     incarnations[slot] += 1
@@ -167,13 +258,20 @@ def controller(args) -> dict:
             if now >= next_event:
                 next_event = now + args.every
                 live = [s for s in range(args.replicas) if s not in stopped and s not in down]
-                if len(live) > 1:  # one replica always trains on
+                armed = [s for s in live if os.path.exists(os.path.join(out, f"trap-{s}"))]
+                if args.at in PROVOKED and len(live) == args.replicas > 2:
+                    # Those states come with a change of members: a second replica is
+                    # killed, so that the others re-form and then admit it.
+                    victim, provoker = rng.sample(live, 2)
+                    if not armed:
+                        arm(victim, args.at)
+                    kill(provoker)
+                elif args.at == "syncing" and len(live) > 1 and not armed:
+                    arm(rng.choice(live), args.at)
+                elif not args.at and len(live) > 1:  # one replica always trains on
                     slot = rng.choice(live)
                     if rng.random() < 0.5:
-                        replicas[slot].kill()
-                        replicas[slot].wait()
-                        down[slot] = now + args.down
-                        events.append((time.monotonic(), "kill", slot))
+                        kill(slot)
                     else:
                         replicas[slot].send_signal(signal.SIGSTOP)
                         stopped[slot] = now + args.stop
@@ -188,10 +286,16 @@ def controller(args) -> dict:
             events.append((time.monotonic(), "restart", slot))
         # The end: a step two intervals past the furthest replica's, reached by all.
         furthest = max((r["step"] for r in _records(out) if r["kind"] == "step"), default=0)
+        if args.at == "leaving":
+            arm(rng.randrange(args.replicas), "leaving")
         store.set("chaos/end", str(furthest + 16))
         events.append((time.monotonic(), "end", -1))
-        for process in replicas:
-            process.wait(timeout=args.group_timeout * 4 + 600)
+        deadline = time.monotonic() + args.group_timeout * 4 + 600
+        while any(p.poll() is None for p in replicas) and time.monotonic() < deadline:
+            tend(time.monotonic())
+            killed.update(down)  # struck at the end: not restarted
+            down.clear()
+            time.sleep(0.1)
     finally:
         store.set("chaos/over", "1")
         for process in hogs + replicas:
@@ -259,7 +363,11 @@ def _report(out: str, events: list, args, started: float) -> dict:
                                                                    ("kind", "step", "digest", "error", "stats")}})
     digests = {life["last"]["digest"] for life in report["lives"] if life["last"] and life["last"]["kind"] == "end"}
     report["identical_at_end"] = len(digests) == 1
+    report["ended"] = sum(1 for life in report["lives"] if life["last"] and life["last"]["kind"] == "end")
     report["kills"], report["stops"] = len(kills), len(stops)
+    report["traps"] = [{"slot": r["slot"], "incarnation": r["incarnation"], "state": r["state"],
+                        "action": r["action"], "at_s": round(r["t"] - started, 1)}
+                       for r in records if r["kind"] == "trap"]
     with open(os.path.join(out, "chaos.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
@@ -278,6 +386,9 @@ def main() -> None:
     parser.add_argument("--last-call", type=int, default=1)
     parser.add_argument("--roll-call", type=float, default=2)
     parser.add_argument("--group-timeout", type=int, default=30)
+    parser.add_argument("--at", choices=STATES, help="aim each event at this state of the protocol")
+    parser.add_argument("--action", choices=ACTIONS, default="kill", help="what an event does, with --at")
+    parser.add_argument("--delay", type=float, default=10, help="seconds a delay holds the training thread")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
     parser.add_argument("--slot", type=int)
@@ -289,13 +400,15 @@ def main() -> None:
     if args.role == "host":
         host_main(args.port, args.run_id, json.loads(args.settings), args.out)
     elif args.role == "replica":
-        replica_main(args.slot, args.incarnation, args.port, args.run_id, json.loads(args.settings), args.out)
+        replica_main(args.slot, args.incarnation, args.port, args.run_id, json.loads(args.settings), args.out,
+                     args.delay)
     else:
         report = controller(args)
         print(json.dumps({k: v for k, v in report.items() if k != "events"}, indent=1))
-        print(f"{report['kills']} kills, {report['stops']} stops; {len(report['stalls'])} stalls past "
+        print(f"{len(report['traps'])} traps struck; "
+              f"{report['kills']} kills, {report['stops']} stops; {len(report['stalls'])} stalls past "
               f"{report['stall_bound_s']} s; {len(report['beat_gaps'])} heartbeat gaps past {report['beat_bound_s']} s; "
-              f"identical at the end: {report['identical_at_end']}")
+              f"{report['ended']} replicas ended, identical: {report['identical_at_end']}")
 
 
 if __name__ == "__main__":

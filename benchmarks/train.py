@@ -142,15 +142,16 @@ class GPTTask:
     context = 64
     lr = 3e-3
 
-    def __init__(self, dim=128, batch=16):
+    def __init__(self, dim=128, batch=16, depth=2):
         self.dim = dim
+        self.depth = depth
         self.batch = batch
         data = torch.tensor(list(stdlib_text()), dtype=torch.long)
         split = int(0.9 * data.numel())
         self.train, self.val = data[:split], data[split:]
 
     def model(self):
-        return GPT(dim=self.dim, context=self.context)
+        return GPT(dim=self.dim, depth=self.depth, context=self.context)
 
     def batch_for(self, rank, step, seed=0, source=None):
         source = self.train if source is None else source
@@ -486,6 +487,7 @@ def main():
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     parser.add_argument("--gpt-dim", type=int, default=128, help="width of the GPT model")
+    parser.add_argument("--gpt-depth", type=int, default=2, help="blocks of the GPT model")
     parser.add_argument("--gpt-batch", type=int, default=16, help="GPT sequences per rank and step")
     parser.add_argument("--lr", type=float, help="AdamW's learning rate (default: the task's)")
     parser.add_argument("--link", metavar="RATE",
@@ -494,7 +496,7 @@ def main():
     parser.add_argument("--out", default=default_output("convergence"))
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    task_options = {"dim": args.gpt_dim, "batch": args.gpt_batch} if args.task == "gpt" else {}
+    task_options = {"dim": args.gpt_dim, "depth": args.gpt_depth, "batch": args.gpt_batch} if args.task == "gpt" else {}
     if args.lr:
         task_options["lr"] = args.lr
     results = []

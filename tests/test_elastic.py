@@ -2112,3 +2112,59 @@ def test_a_members_close_gives_up_a_next_round_waiting_in_its_admission():
     results = run_ranks(_closes_while_its_next_round_waits_in_admission, 4, args=(_free_port(),), expect_exit={3},
                         timeout_s=120)
     assert values(results[:3])[1] == [], results  # closed at once, no thread of the forming left
+
+
+def _joiner_alone_while_the_holder_is_out(replica, replicas, port):
+    """Replica 0 serves the store only. Replica 1 starts the run alone (min_replicas 1);
+    from inner step 6 its heartbeats stop and it waits: torch's rendezvous drops it (3 s)
+    and replica 2, a new replica, forms a round alone, holding none of the run's state.
+    It must not start the run again (it would train from scratch, and hand that to
+    replica 1 once it has more syncs): it forms again until replica 1, back, is in its
+    round, and takes replica 1's state and step."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    import cgx
+    from test_diloco import _model
+
+    run_id = "holder-out"
+    membership = _membership(replica, port, run_id)  # replica 0's serves the store
+    store = _rendezvous_store(port)
+    if replica == 0:
+        _host_stays_until_the_others_are_done(replica, [1, 2], port, run_id)
+        return None
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if replica == 2:
+        store.wait([f"{run_id}/holder-silent"])
+        next_round = membership.next_round
+
+        def told(**kwargs):  # the test's signal: a round formed (one without the holder, first)
+            formed = next_round(**kwargs)
+            store.set(f"{run_id}/joiner-formed", "1")
+            return formed
+        membership.next_round = told
+    diloco = cgx.DiLoCo(model, inner, sync_every=_SYNC_EVERY, fragments=2, bits=4, overlap=1, membership=membership)
+    joined_at = diloco.step
+    if replica == 1:
+        from test_diloco import _train_step
+
+        while diloco.step < 6:
+            _train_step(model, inner, replica, diloco.step)
+        keep_alive, silent_in = dynamic_rendezvous.DynamicRendezvousHandler._keep_alive, [membership.rounds]
+
+        def starved(handler):
+            if membership.rounds != silent_in[0]:  # beating again, in a round after the drop
+                keep_alive(handler)
+        dynamic_rendezvous.DynamicRendezvousHandler._keep_alive = starved
+        store.set(f"{run_id}/holder-silent", "1")
+        store.wait([f"{run_id}/joiner-formed"])
+    step, digest, _ = _train_to_an_agreed_end(replica, port, run_id, model, inner, diloco, membership, store,
+                                              lambda: diloco.stats()["replicas"] == 2, others=(1, 2))
+    return joined_at, step, digest
+
+
+def test_a_joiner_alone_while_the_runs_holder_is_out_waits_for_it_and_takes_its_state():
+    _, holder, joiner = values(run_ranks(_joiner_alone_while_the_holder_is_out, 3, args=(_free_port(),),
+                                         timeout_s=150))
+    assert holder[0] == 0 and joiner[0] >= 6, (holder, joiner)  # the joiner took the run's step, not step 0
+    assert holder[1:] == joiner[1:], (holder, joiner)  # one end step, bit-identical global weights

@@ -251,11 +251,16 @@ class Recovery:
         given to whoever lacks them; the others are done again, averaged over the members
         that sent into them. Returns whether this replica took the reference's state."""
         diloco = self._diloco
+        waiting_since = None  # for the replicas holding the run's state
         while True:
             replicas = Replicas.of_round(round_)
             diloco.use_replicas(replicas)
             positions = replicas.all_gather_object(self._position())
             refused = _refused(positions)
+            if not refused and _holders_elsewhere(positions):
+                waiting_since = self._wait_for_holders(waiting_since)
+                round_ = self.membership.next_round()
+                continue
             if not refused:
                 break
             me = replicas.rank
@@ -275,6 +280,8 @@ class Recovery:
                     f"cgx.DiLoCo: run {self.membership.run_id!r}: every replica holding the run's state is gone "
                     f"(the others had not finished taking it); restart the run from a checkpoint")
             diloco.start_together()
+            if replicas.rank == 0:
+                self.membership.mark_run_started()
             self.established = True
             return False
         reference = _reference(positions)
@@ -332,7 +339,28 @@ class Recovery:
             "in_flight": [{"key": s.key, "completed": s.completed, "sent": s.sent is not None}
                           for s in diloco.in_flight()],
             "restarted": self._restarted,
+            "run_started": self.membership.run_started,  # read before any member of this round marks it
         }
+
+    def _wait_for_holders(self, since: float | None) -> float:
+        """This round holds none of the run's state, but the run started: its holders
+        are out of it (re-forming, waiting in a collective for a dead peer, or gone).
+        Starting the run again here would train from scratch and then hand that to them;
+        instead these replicas form again until a round holds a holder, up to
+        join_timeout from the first such round. Returns when that wait began."""
+        now = time.monotonic()
+        limit = self.membership.join_timeout
+        if since is None:
+            _log.warning("cgx.DiLoCo: run %r: a round formed without any replica holding the run's state (they are "
+                         "re-forming or gone); it forms again until one holds it, up to join_timeout=%s",
+                         self.membership.run_id, limit)
+            return now
+        if now - since > limit.total_seconds():
+            raise MembershipError(
+                f"cgx.DiLoCo: run {self.membership.run_id!r} has started, but no replica holding its state came to "
+                f"a round within join_timeout={limit}: they are gone. Restart the run from a checkpoint under a new "
+                f"run_id (this one's rendezvous store says it started; its state is lost with its replicas)")
+        return since
 
     def _settle_in_flight(self, positions: list[dict[str, Any]], reference: int, takers: list[int]) -> None:
         """The syncs in flight, as the reference has them: the averages it completed are
@@ -378,6 +406,13 @@ class Recovery:
                 stats["replicas_joined"] += 1
                 _log.info("cgx.DiLoCo: run %r: replica %s joined; %d replicas", run, new, len(ids))
         self._ids = ids
+
+
+def _holders_elsewhere(positions: list[dict[str, Any]]) -> bool:
+    """Whether the run started but no replica of this round holds its state (and none
+    is past step 0 without it: that is the error of a state lost while it was taken)."""
+    return (any(p["run_started"] for p in positions) and not any(p["established"] for p in positions)
+            and not any(p["step"] > 0 for p in positions))
 
 
 def _reference(positions: list[dict[str, Any]]) -> int:

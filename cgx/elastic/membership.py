@@ -262,6 +262,19 @@ class Membership:
         if self.round is not None and self.round.rank == 0:
             self._terms.publish()
 
+    @property
+    def run_started(self) -> bool:
+        """Whether a member said the run's training started (:meth:`mark_run_started`), on
+        the rendezvous's store (c10d's; always False with another backend, which keeps
+        no run-wide keys)."""
+        return self._terms.started(self._rendezvous.reach_the_store)
+
+    def mark_run_started(self) -> None:
+        """Says, for the run's life, that its training started: a round of replicas that
+        hold none of its state (all joiners, while the holders re-form) then waits for the
+        holders instead of starting the run again (cgx.DiLoCo's recovery)."""
+        self._terms.mark_started(self._rendezvous.reach_the_store)
+
     # ---- leaving and ending
 
     def close(self) -> None:

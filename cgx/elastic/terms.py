@@ -76,12 +76,26 @@ class Terms:
         if store is not None:
             store.set(self._key, json.dumps({"terms": text, "tag": self._tag(text)}))
 
+    def started(self, reach: Callable[[Callable[[], Any]], Any]) -> bool:
+        """Whether a member marked the run started (mark_started)."""
+        store = self._terms_store()
+        return store is not None and bool(reach(lambda: store.check([self._started_key])))
+
+    def mark_started(self, reach: Callable[[Callable[[], Any]], Any]) -> None:
+        store = self._terms_store()
+        if store is not None:
+            reach(lambda: store.set(self._started_key, "1"))
+
     def close(self) -> None:
         self._store = None
 
     @property
     def _key(self) -> str:
         return f"cgx-terms/{self.run_id}"
+
+    @property
+    def _started_key(self) -> str:
+        return f"cgx-started/{self.run_id}"
 
     def _terms_store(self) -> dist.Store | None:
         """A client of the rendezvous's own store (the c10d backend's), which outlives
