@@ -34,8 +34,9 @@ re-form after a failure or the move to the round that admits joiners), `forming-
 admission's checks of terms and secrets in a round that formed), `sending-state` (a
 member sending the run's state to joiners) and `leaving` (DiLoCo.close(), armed at the
 end step for one replica). The four states between `forming` and `sending-state` come
-with a change of members: at each event, with every replica up, a second replica is
-killed beside the armed one, so that the others re-form and admit it when it restarts.
+with a change of members: at each event, with every replica up and in the run, a
+second replica is killed beside the armed one, so that the others re-form and admit it
+when it restarts.
 """
 
 from __future__ import annotations
@@ -166,7 +167,12 @@ def replica_main(slot: int, incarnation: int, port: int, run_id: str, settings: 
         note("joined", step=diloco.step)
         generator = torch.Generator().manual_seed(slot)
         end = None
-        while end is None or diloco.step < end:
+        while True:
+            # Read before each step: a replica that joins at the end step closes there.
+            if end is None and store.check(["chaos/end"]):
+                end = int(store.get("chaos/end"))
+            if end is not None and diloco.step >= end:
+                break
             x = torch.randn(256, 64, generator=generator)
             loss = torch.nn.functional.cross_entropy(model(x), (x[:, :10].argmax(dim=1)))
             loss.backward()
@@ -174,8 +180,6 @@ def replica_main(slot: int, incarnation: int, port: int, run_id: str, settings: 
             inner.zero_grad()
             stats = diloco.stats()
             note("step", step=diloco.step, replicas=stats["replicas"], rounds=stats["rounds"])
-            if end is None and store.check(["chaos/end"]):
-                end = int(store.get("chaos/end"))
         diloco.close()
         globals_ = diloco.state_dict()["global_weights"]
         digest = hashlib.blake2b(digest_size=12)
@@ -216,6 +220,15 @@ def controller(args) -> dict:
             f.write(f"{state} {args.action}")
         os.replace(os.path.join(out, f"trap-{slot}.new"), os.path.join(out, f"trap-{slot}"))
         events.append((time.monotonic(), f"arm {state} {args.action}", slot))
+
+    def joined(slot: int) -> bool:
+        """Whether the slot's running incarnation has joined the run (holds its state)."""
+        name = os.path.join(out, f"replica-{slot}-{incarnations[slot]}.jsonl")
+        try:
+            with open(name) as f:
+                return any(json.loads(line)["kind"] == "joined" for line in f if line.strip())
+        except (OSError, ValueError):
+            return False
 
     def kill(slot: int) -> None:
         replicas[slot].kill()
@@ -259,9 +272,12 @@ def controller(args) -> dict:
                 next_event = now + args.every
                 live = [s for s in range(args.replicas) if s not in stopped and s not in down]
                 armed = [s for s in live if os.path.exists(os.path.join(out, f"trap-{s}"))]
-                if args.at in PROVOKED and len(live) == args.replicas > 2:
+                if args.at in PROVOKED and len(live) == args.replicas > 2 and all(map(joined, live)):
                     # Those states come with a change of members: a second replica is
-                    # killed, so that the others re-form and then admit it.
+                    # killed, so that the others re-form and then admit it. Only with
+                    # every replica in the run: killing the armed one too while the third
+                    # has not taken the state yet would lose the run's state (a
+                    # MembershipError after join_timeout, by design), not test a state.
                     victim, provoker = rng.sample(live, 2)
                     if not armed:
                         arm(victim, args.at)
@@ -342,7 +358,11 @@ def _report(out: str, events: list, args, started: float) -> dict:
         rounds = [(r["t"], r["rounds"]) for r in mine if r["kind"] == "step"]
 
         def re_formed_during(a: float, b: float) -> bool:  # torch's join beats for it meanwhile
-            return len({n for t, n in rounds if a <= t <= b}) > 1
+            # The rounds of the last step before the gap and of the first after it: a
+            # re-form may hold up training for the whole gap, with no step inside it.
+            before = [n for t, n in rounds if t <= a][-1:]
+            after = [n for t, n in rounds if t >= b][:1]
+            return len(set(before + after + [n for t, n in rounds if a <= t <= b])) > 1
         gaps = [(b - a, a) for a, b in zip(beats, beats[1:])
                 if not stopped_during(slot, a, b) and not re_formed_during(a, b)]
         longest = max(gaps, default=(0.0, 0.0))
