@@ -188,6 +188,9 @@ def replica_main(slot: int, incarnation: int, port: int, run_id: str, settings: 
         note("end", step=diloco.step, digest=digest.hexdigest(), stats=dict(diloco.stats()))
     except cgx.MembershipError as e:  # came back after the run ended, or found no round
         note("membership-error", error=str(e))
+    except Exception as e:
+        note("error", error=f"{type(e).__name__}: {e}")
+        raise
     finally:
         membership.close()
         store.add("chaos/finished", 1)
@@ -300,11 +303,17 @@ def controller(args) -> dict:
             incarnations[slot] += 1
             replicas[slot] = start(slot)
             events.append((time.monotonic(), "restart", slot))
-        # The end: a step two intervals past the furthest replica's, reached by all.
-        furthest = max((r["step"] for r in _records(out) if r["kind"] == "step"), default=0)
+        # The end: a step every replica is still short of when it reads it (closing past
+        # it, one step apart, is the user's error close() reports): 10 s of the fastest
+        # replica's steps past the furthest logged step, whole sync intervals.
+        steps = [(r["t"], r["step"]) for r in _records(out) if r["kind"] == "step"]
+        furthest = max((step for _, step in steps), default=0)
+        recent = [step for t, step in steps if t >= time.monotonic() - 5]
+        rate = (max(recent) - min(recent)) / 5 if recent else 0
+        margin = 16 + 8 * int(rate * 10 / 8)
         if args.at == "leaving":
             arm(rng.randrange(args.replicas), "leaving")
-        store.set("chaos/end", str(furthest + 16))
+        store.set("chaos/end", str(furthest + margin))
         events.append((time.monotonic(), "end", -1))
         deadline = time.monotonic() + args.group_timeout * 4 + 600
         while any(p.poll() is None for p in replicas) and time.monotonic() < deadline:
@@ -375,7 +384,7 @@ def _report(out: str, events: list, args, started: float) -> dict:
                 near = [(round(t - started, 1), what, s) for t, what, s in events if a - stall_bound <= t <= b]
                 report["stalls"].append({"slot": slot, "incarnation": incarnation, "after_step": step_a,
                                          "stall_s": round(b - a, 1), "at_s": round(a - started, 1), "events": near})
-        last = next((r for r in reversed(mine) if r["kind"] in ("end", "membership-error")), None)
+        last = next((r for r in reversed(mine) if r["kind"] in ("end", "membership-error", "error")), None)
         report["lives"].append({"slot": slot, "incarnation": incarnation, "beats": len(beats),
                                 "longest_beat_gap_s": round(longest[0], 2), "steps": len(steps),
                                 "first_step": steps[0][1] if steps else None,
@@ -384,6 +393,7 @@ def _report(out: str, events: list, args, started: float) -> dict:
     digests = {life["last"]["digest"] for life in report["lives"] if life["last"] and life["last"]["kind"] == "end"}
     report["identical_at_end"] = len(digests) == 1
     report["ended"] = sum(1 for life in report["lives"] if life["last"] and life["last"]["kind"] == "end")
+    report["errors"] = [life["last"]["error"] for life in report["lives"] if life["last"] and life["last"]["kind"] == "error"]
     report["kills"], report["stops"] = len(kills), len(stops)
     report["traps"] = [{"slot": r["slot"], "incarnation": r["incarnation"], "state": r["state"],
                         "action": r["action"], "at_s": round(r["t"] - started, 1)}
@@ -428,7 +438,8 @@ def main() -> None:
         print(f"{len(report['traps'])} traps struck; "
               f"{report['kills']} kills, {report['stops']} stops; {len(report['stalls'])} stalls past "
               f"{report['stall_bound_s']} s; {len(report['beat_gaps'])} heartbeat gaps past {report['beat_bound_s']} s; "
-              f"{report['ended']} replicas ended, identical: {report['identical_at_end']}")
+              f"{report['ended']} replicas ended, identical: {report['identical_at_end']}; "
+              f"{len(report['errors'])} failed with another error")
 
 
 if __name__ == "__main__":
