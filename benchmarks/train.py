@@ -373,10 +373,11 @@ def diloco_method(method, model, inner):
     return diloco
 
 
-def run_method(rank, world, task_name, task_options, method, steps, seed, init_method, out_path):
+def run_method(rank, world, task_name, task_options, method, steps, seed, threads, init_method, out_path):
     import cgx  # noqa: F401  (backend "cgx")
 
-    torch.set_num_threads(1)
+    if threads:  # 0: torch's own choice (a thread per core in every rank)
+        torch.set_num_threads(threads)
     dist.init_process_group("cgx", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     options = dict(task_options)
@@ -405,13 +406,18 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
         traffic = lambda step: (bytes_so_far(step), float32 * step)  # noqa: E731
     opt = opt or torch.optim.AdamW(model.parameters(), lr=lr)
     losses, step_ends = [], []
+    phases = {"compute_seconds": 0.0, "optimizer_seconds": 0.0}  # forward+backward; step (with DiLoCo's hook)
     start = time.perf_counter()
     for step in range(steps):
+        began = time.perf_counter()
         x, y = task.batch_for(rank, step, seed)
         loss = task.loss(ddp, x, y)
         opt.zero_grad()
         loss.backward()
+        computed = time.perf_counter()
         opt.step()
+        phases["compute_seconds"] += computed - began
+        phases["optimizer_seconds"] += time.perf_counter() - computed
         avg = loss.detach().clone()
         dist.all_reduce(avg, op=dist.ReduceOp.AVG)  # an interleaved allreduce, as in real scripts
         losses.append(avg.item())
@@ -423,6 +429,7 @@ def run_method(rank, world, task_name, task_options, method, steps, seed, init_m
         if is_diloco(method):  # how long the inner loop waited on the link
             evaluation.update({k: diloco.stats()[k] for k in ("waits", "wait_seconds", "outer_syncs")})
         result = {"method": method, "losses": losses, "step_ends": step_ends, "seconds": elapsed, "steps": steps,
+                  **phases,
                   "bytes_per_step": sent and sent / steps,
                   "float32_bytes_per_step": float32 and float32 / steps, **evaluation}
         with open(out_path, "w") as f:
@@ -493,6 +500,8 @@ def main():
     parser.add_argument("--link", metavar="RATE",
                         help="run each rank on its own emulated host behind a link of this rate "
                              "(e.g. 1gbit; needs root); default: all ranks local")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's intra-op threads per rank (0: torch's default, one per core)")
     parser.add_argument("--out", default=default_output("convergence"))
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -504,7 +513,7 @@ def main():
         for method in args.methods:
             print(f"[{args.task}] {method} ...", flush=True)
             out = os.path.join(tmp, f"{method}.json")
-            call = (args.task, task_options, method, args.steps, args.seed)
+            call = (args.task, task_options, method, args.steps, args.seed, args.threads)
             if args.link:
                 results.append(run_on_emulated_hosts(call, args.world_size, args.link, tmp, out))
             else:
@@ -521,7 +530,8 @@ def main():
     base = results[0]
     metric = "val_accuracy" if args.task == "digits" else "val_loss"
     print(f"\n{args.task}, {args.world_size} ranks, {args.steps} steps, seed {args.seed}, "
-          f"lr {args.lr or TASKS[args.task].lr}, link {args.link or 'local'}, torch {torch.__version__}")
+          f"lr {args.lr or TASKS[args.task].lr}, link {args.link or 'local'}, "
+          f"threads {args.threads or 'torch default'}, torch {torch.__version__}")
     print(f"| method | {metric} | val_loss vs {base['method']} | payload bytes/step/rank | "
           f"x fewer than float32 | s | steps/s | x {base['method']} steps/s | wire MiB/step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -534,6 +544,10 @@ def main():
             ratio = f"{r['float32_bytes_per_step'] / r['bytes_per_step']:.2f}"
         print(f"| {r['method']} | {r[metric]:.4f} | {rel:+.2%} | {payload} | {ratio} | {r['seconds']:.1f} | "
               f"{r['steps'] / r['seconds']:.2f} | {base['seconds'] / r['seconds']:.2f} | {wire} |")
+    print("\nms per step on rank 0: forward+backward, optimizer step (with DiLoCo's syncs)")
+    for r in results:
+        print(f"  {r['method']}: {1e3 * r['compute_seconds'] / r['steps']:.1f}, "
+              f"{1e3 * r['optimizer_seconds'] / r['steps']:.1f}")
     stem = os.path.join(args.out, args.task + (f"-seed{args.seed}" if args.seed else ""))
     with open(stem + ".json", "w") as f:
         json.dump({"task": args.task, "world_size": args.world_size, "steps": args.steps,
