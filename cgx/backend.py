@@ -17,6 +17,7 @@ import torch.distributed as dist
 from cgx import _C, mpi
 from cgx.config import VARIABLES, Config, from_env, read
 from cgx.gloo_group import new_gloo_group
+from cgx.machine import RankMachine, cuda_exact_backend, warn_if_oversubscribed
 
 # Settings every rank of a group must share (the host name, the segment names' tag and the
 # codec's threads, which change no bit, are each rank's own).
@@ -85,7 +86,10 @@ def new_backend(store: dist.Store, rank: int, size: int, timeout: datetime.timed
         mpi.require(config)
     exact = new_gloo_group(dist.PrefixStore(f"gloo/{incarnation}/", store), rank, size, timeout)
     exact_cuda = None
-    if cuda_exact_backend(gather(cgx_store, "gpu", rank, size, _this_gpu(), timeout, give_up)) == "nccl":
+    machines = [RankMachine.from_json(m) for m in
+                gather(cgx_store, "machine", rank, size, RankMachine.this_rank().to_json(), timeout, give_up)]
+    warn_if_oversubscribed(machines, rank)
+    if cuda_exact_backend([m.gpu for m in machines]) == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         nccl_store = dist.PrefixStore(f"nccl/{incarnation}/", store)
@@ -99,23 +103,6 @@ def with_process_settings(config: Config) -> Config:
     if config.shm_name_tag is not None:
         return config
     return dataclasses.replace(config, shm_name_tag=read("shm_name_tag"))
-
-
-def _this_gpu() -> str:
-    """The identity of this rank's current GPU (its UUID: two ranks that see one GPU
-    under different indices still match), or "" without CUDA or NCCL."""
-    if not (torch.cuda.is_available() and dist.is_nccl_available()):
-        return ""
-    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-
-
-def cuda_exact_backend(gpus: list[str]) -> str:
-    """The exact path's backend for CUDA tensors, given each rank's GPU ("" for none):
-    NCCL when every rank has a GPU of its own, else Gloo, which stages CUDA tensors
-    through host memory (NCCL refuses two ranks on one GPU)."""
-    if all(gpus) and len(set(gpus)) == len(gpus):
-        return "nccl"
-    return "gloo"
 
 
 def shared_settings(config: Config) -> dict[str, Any]:

@@ -32,10 +32,10 @@ def make_input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def test_exact_path_takes_nccl_only_when_every_rank_has_its_own_gpu():
-    assert cgx.backend.cuda_exact_backend(["gpu-a", "gpu-b", "gpu-c"]) == "nccl"
-    assert cgx.backend.cuda_exact_backend(["gpu-a", "gpu-a"]) == "gloo"  # one GPU shared
-    assert cgx.backend.cuda_exact_backend(["gpu-a", ""]) == "gloo"  # a rank without one
-    assert cgx.backend.cuda_exact_backend([""]) == "gloo"
+    assert cgx.machine.cuda_exact_backend(["gpu-a", "gpu-b", "gpu-c"]) == "nccl"
+    assert cgx.machine.cuda_exact_backend(["gpu-a", "gpu-a"]) == "gloo"  # one GPU shared
+    assert cgx.machine.cuda_exact_backend(["gpu-a", ""]) == "gloo"  # a rank without one
+    assert cgx.machine.cuda_exact_backend([""]) == "gloo"
 
 
 def _cpu_and_cuda_allreduce(rank, world, cases):

@@ -31,6 +31,8 @@ def test_torchrun_launch_is_unchanged():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(re.findall(r"rank \d ok: [\d.]+", done.stdout)) == [
         "rank 0 ok: 3.0", "rank 1 ok: 3.0"], done.stdout
+    # torchrun gives each of several ranks a machine one thread: nothing oversubscribed.
+    assert "intra-op threads" not in done.stderr, done.stderr[-3000:]
 
 
 def test_mpi_communicator_under_torchrun_is_a_clear_error():
