@@ -27,9 +27,11 @@ def run(rank: int, world_size: int, bits: int, device_type: str, store_path: str
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)  # before init: cgx reads each rank's GPU there
 
+    # One thread a rank, before init: the ranks share this machine's CPUs (cgx warns
+    # at init where they would oversubscribe it).
+    torch.set_num_threads(1)
     dist.init_process_group("cgx", init_method=f"file://{store_path}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)
 
     # 1. One compressed allreduce of 10M float32 values.
     inputs = [torch.randn(10_000_000, generator=torch.Generator().manual_seed(r))
