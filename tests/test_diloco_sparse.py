@@ -148,7 +148,7 @@ def _bad_sparse_settings(rank, world):
 def test_bad_sparse_settings_raise_naming_the_setting():
     expected = ["k must be an integer >= 1", "k=65 is more than chunk=64", "decay must be in (0, 1]",
                 "top_k with bits=32",
-                "top_k's chunk=1048576 is larger than every fragment's compressed values",
+                "top_k's chunk=1048576 is larger than every compressed layer",
                 "top_k must be a cgx.diloco.TopK", "top_k with no compressed layer", None]
     for messages, (with_momentum, without) in values(run_ranks(_bad_sparse_settings, 2, timeout_s=60)):
         assert len(with_momentum) == 1 and "give outer_lr=1.5, outer_momentum=0, nesterov=False" in with_momentum[0]
@@ -284,3 +284,40 @@ def test_shared_places_are_the_same_on_every_replica_and_what_is_not_sent_is_kep
     for sent, _, stats in results:
         assert stats["payload_bytes"] == sum(s["bytes"] for s in sent)
         assert all(s["bytes"] < sum(p.nbytes for p in s["pieces"]) for s in sent)  # less than with own places
+
+
+def _compressed_layers_frozen_at_first(rank, world):
+    """Fine-tuning's schedule: every compressed layer (the weights) frozen when DiLoCo is
+    built, trained from step 4 on; 12 steps of sync_every 4, 2 fragments, 2 bits."""
+    import cgx
+
+    init_cgx(rank, world)
+    model = _model(0)
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    for p in weights:
+        p.requires_grad_(False)
+    start = [p.detach().clone() for p in weights]
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = cgx.DiLoCo(model, inner, sync_every=4, fragments=2, bits=2, top_k=cgx.diloco.TopK(k=4, chunk=64))
+    global_weights = []
+    for step in range(12):
+        if step == 4:
+            for p in weights:
+                p.requires_grad_(True)
+        _train_step(model, inner, rank, step)
+        global_weights.append(diloco.state_dict()["global_weights"])
+    diloco.close()
+    moved = [not torch.equal(p, s) for p, s in zip(weights, start)]
+    return global_weights, moved, diloco.stats()
+
+
+def test_a_sparse_run_starts_with_its_compressed_layers_frozen_and_syncs_them_once_trained():
+    """(A top_k check once looked only at the layers trained at construction: it refused.)"""
+    results = values(run_ranks(_compressed_layers_frozen_at_first, 2, timeout_s=120))
+    (weights0, moved, stats), (weights1, _, _) = results
+    assert all(moved)
+    for step in range(12):
+        assert weights0[step].keys() == weights1[step].keys()
+        assert all(torch.equal(weights0[step][n], weights1[step][n]) for n in weights0[step]), step
+    assert set(weights0[-1]) == {n for n, _ in _model(0).named_parameters()}  # the weights joined
+    assert stats["payload_bytes"] * 4 < stats["uncompressed_payload_bytes"]  # sent sparse

@@ -128,15 +128,16 @@ class Fragments:
         self.all = [Fragment(p, p * sync_every // fragments, top_k) for p in range(fragments)]
         for fragment, names in zip(self.all, assignment):
             fragment.set_members([new_member(n, params[n], settings[n]) for n in names], outer_options)
-        if top_k is not None:
-            largest = max(sum(numel for _, _, numel in f.compressed) for f in self.all)
+        if top_k is not None:  # against every layer of the model: a frozen one may be trained later
+            largest = max((local(p).numel() for n, p in model.named_parameters() if self.setting(n, p).compressed),
+                          default=0)
             if largest == 0:
-                raise ValueError("cgx.DiLoCo: top_k with no compressed layer (the policy keeps every layer exact): "
-                                 "sparse outer gradients are for compressed layers; leave top_k=None")
+                raise ValueError("cgx.DiLoCo: top_k with no compressed layer in the model (the policy keeps every "
+                                 "layer exact): sparse outer gradients are for compressed layers; leave top_k=None")
             if top_k.chunk > largest:
-                raise ValueError(f"cgx.DiLoCo: top_k's chunk={top_k.chunk} is larger than every fragment's "
-                                 f"compressed values (at most {largest}): each layer would be one chunk; choose a "
-                                 f"chunk of at most {largest}")
+                raise ValueError(f"cgx.DiLoCo: top_k's chunk={top_k.chunk} is larger than every compressed layer "
+                                 f"(at most {largest} values): each layer would be one chunk; choose a chunk of at "
+                                 f"most {largest}")
         self.joining: dict[str, tuple[int, Member]] = {}  # name -> (fragment, member): joins at its start
         self.leaving: set[str] = set()  # members that leave when their fragment's sync next starts
 
