@@ -13,6 +13,7 @@
 #include "backend/tensor_codec.h"
 #include "collectives/call_agreement.h"
 #include "collectives/path_choice.h"
+#include "compression/chunk_places.h"
 #include "compression/quantizer.h"
 #ifdef CGX_WITH_MPI
 #include "transport/mpi_runtime.h"
@@ -119,6 +120,13 @@ std::vector<cgx::compression::Segment> segments(const ProcessGroupCGX& pg, const
 void check_threads(int threads, const char* what) {
   TORCH_CHECK_VALUE(threads >= 1 && threads <= cgx::backend::kMaxCodecThreads, what, ": threads must be in 1..",
                     cgx::backend::kMaxCodecThreads, ", got ", threads);
+}
+
+void check_chunk_places(const cgx::compression::ChunkPlaces& shape, const char* what) {
+  TORCH_CHECK_VALUE(shape.rows >= 0 && shape.width >= 1 && shape.kept >= 1 && shape.kept <= shape.width &&
+                        shape.low_bits >= 0 && shape.low_bits < 31 && (shape.width - 1) >> shape.low_bits < (1 << 30),
+                    what, ": need rows >= 0, 1 <= kept <= width and 0 <= low_bits < 31, got rows=", shape.rows,
+                    " width=", shape.width, " kept=", shape.kept, " low_bits=", shape.low_bits);
 }
 
 // The codec on tensors (backend/tensor_codec.h), its bit count, scheme and threads read here.
@@ -359,6 +367,52 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("numel"), py::arg("bits"), py::arg("bucket_size"), py::kw_only(),
       py::arg("skip_incomplete_buckets") = false, py::arg("scheme") = "maxmin", "Bytes of the compressed form of numel values.");
+
+  m.def(
+      "select_places",
+      [](const at::Tensor& values, int64_t rows, int64_t width, int64_t kept, int low_bits) {
+        const cgx::compression::ChunkPlaces shape{rows, width, kept, low_bits};
+        check_chunk_places(shape, "cgx.select_places");
+        TORCH_CHECK_VALUE(values.device().is_cpu() && values.scalar_type() == at::kFloat && values.dim() == 1 &&
+                              values.is_contiguous() && values.numel() <= rows * width &&
+                              values.numel() > (rows - 1) * width,
+                          "cgx.select_places: values must be a contiguous 1-D float32 CPU tensor filling ",
+                          rows, " chunks of ", width);
+        auto code = at::empty({shape.code_bytes()}, at::kByte);
+        auto kept_values = at::empty({rows * kept}, at::kFloat);
+        auto places = at::empty({rows, kept}, at::kLong);
+        {
+          py::gil_scoped_release no_gil;
+          cgx::compression::select_places(values.const_data_ptr<float>(), values.numel(), shape,
+                                          code.mutable_data_ptr<uint8_t>(), kept_values.mutable_data_ptr<float>(),
+                                          places.mutable_data_ptr<int64_t>());
+        }
+        return std::make_tuple(code, kept_values, places);
+      },
+      py::arg("values"), py::arg("rows"), py::arg("width"), py::arg("kept"), py::arg("low_bits"),
+      "Of each chunk of `width` values, the `kept` largest in magnitude, ascending by place: "
+      "(their places in Elias-Fano's code, their values, their places as (rows, kept)).");
+  m.def(
+      "read_places",
+      [](const at::Tensor& code, int64_t rows, int64_t width, int64_t kept, int low_bits) {
+        const cgx::compression::ChunkPlaces shape{rows, width, kept, low_bits};
+        check_chunk_places(shape, "cgx.read_places");
+        TORCH_CHECK_VALUE(code.device().is_cpu() && code.scalar_type() == at::kByte && code.dim() == 1 &&
+                              code.is_contiguous() && code.numel() == shape.code_bytes(),
+                          "cgx.read_places: code must be a contiguous 1-D uint8 CPU tensor of ",
+                          shape.code_bytes(), " bytes");
+        auto places = at::empty({rows, kept}, at::kLong);
+        bool read;
+        {
+          py::gil_scoped_release no_gil;
+          read = cgx::compression::read_places(code.const_data_ptr<uint8_t>(), shape,
+                                               places.mutable_data_ptr<int64_t>());
+        }
+        return read ? py::object(py::cast(places)) : py::object(py::none());
+      },
+      py::arg("code"), py::arg("rows"), py::arg("width"), py::arg("kept"), py::arg("low_bits"),
+      "The (rows, kept) places select_places coded; None where the code does not hold `kept` "
+      "ascending places below `width` in every chunk.");
 
   // MPI runtime, for the mpirun launch (cgx/mpi.py). Absent functions: built without MPI.
   m.attr("mpi_built") = cgx::backend::kWithMpi;

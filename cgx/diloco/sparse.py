@@ -27,8 +27,8 @@ from cgx.layers import RAW_BITS, Segment
 class TopK:
     """Which values of an outer gradient a replica sends: of each chunk of `chunk`
     consecutive values of a compressed layer (a layer's last chunk may be shorter), the
-    `k` largest in magnitude of the outer gradient plus `decay` times the residual (what
-    earlier syncs did not send; SparseLoCo's beta, with which the residual takes the
+    `k` largest in magnitude (of equal ones the first; NaN above every number) of the
+    outer gradient plus `decay` times the residual (what earlier syncs did not send; SparseLoCo's beta, with which the residual takes the
     outer momentum's part: then give DiLoCo outer_momentum=0). With `shared`, every
     replica sends the same k places of each chunk, drawn at random from the sync's step,
     in an allreduce, in place of each replica's own top k in an all-gather."""
@@ -106,24 +106,23 @@ class SparsePlan:
         residual), and what it sends as the others decode it (flat, zero where it sends
         nothing): `values` minus that is what it keeps."""
         payload = torch.empty(self.nbytes, dtype=torch.uint8, device=values.device)
-        sent = torch.empty_like(values)
+        sent = torch.zeros_like(values)
         at = 0
         for p in self.pieces:
             part = values.narrow(0, p.offset, p.numel)
-            if p.bits == RAW_BITS:
-                payload.narrow(0, at, p.nbytes).copy_(part.contiguous().view(torch.uint8))
-                sent.narrow(0, p.offset, p.numel).copy_(part)
-                at += p.nbytes
-                continue
-            chunks = _padded(part, p)
-            places = chunks.abs().topk(p.kept, dim=1, sorted=False).indices.sort(dim=1).values
-            kept = chunks.gather(1, places).reshape(-1)
             piece = payload.narrow(0, at, p.nbytes)
-            _encode_places(places, p, piece)
-            piece.narrow(0, p.nbytes - p.value_bytes, p.value_bytes).copy_(
-                _C.compress(kept, p.bits, p.bucket_size, scheme=p.scheme))
             at += p.nbytes
-            sent.narrow(0, p.offset, p.numel).copy_(self._decoded(piece, p))
+            if p.bits == RAW_BITS:
+                piece.copy_(part.contiguous().view(torch.uint8))
+                sent.narrow(0, p.offset, p.numel).copy_(part)
+                continue
+            # The selection and its code on the CPU (a GPU's values copied: the code is small).
+            code, kept, places = _C.select_places(part.cpu().contiguous(), p.rows, p.width, p.kept, p.low_bits)
+            piece.narrow(0, 0, p.low_bytes + p.high_bytes).copy_(code)
+            values_part = piece.narrow(0, p.nbytes - p.value_bytes, p.value_bytes)
+            values_part.copy_(_C.compress(kept.to(values.device), p.bits, p.bucket_size, scheme=p.scheme))
+            decoded = _C.decompress(values_part, p.rows * p.kept, p.bits, p.bucket_size, scheme=p.scheme)
+            _at_places(sent.narrow(0, p.offset, p.numel), p, places.to(values.device), decoded)
         return payload, sent
 
     def add(self, payload: torch.Tensor, into: torch.Tensor) -> None:
@@ -132,11 +131,18 @@ class SparsePlan:
         for p in self.pieces:
             piece = payload.narrow(0, at, p.nbytes)
             target = into.narrow(0, p.offset, p.numel)
+            at += p.nbytes
             if p.bits == RAW_BITS:
                 target.add_(piece.clone().view(torch.float32))  # (a copy: the piece may not be aligned)
-            else:
-                target.add_(self._decoded(piece, p))
-            at += p.nbytes
+                continue
+            places = _C.read_places(piece.narrow(0, 0, p.low_bytes + p.high_bytes).cpu(), p.rows, p.width, p.kept,
+                                    p.low_bits)
+            if places is None:
+                raise ValueError(f"cgx.DiLoCo: a sparse payload holds places that are not {p.kept} ascending ones in "
+                                 f"each chunk of {p.width} values: the replicas' plans differ")
+            decoded = _C.decompress(piece.narrow(0, p.nbytes - p.value_bytes, p.value_bytes), p.rows * p.kept,
+                                    p.bits, p.bucket_size, scheme=p.scheme)
+            _at_places(target, p, places.to(into.device), decoded, add=True)
 
     def shared_places(self, seed: int, device: torch.device) -> list[torch.Tensor | None]:
         """Per piece, the (chunks, kept) ascending places every replica sends with
@@ -144,8 +150,8 @@ class SparsePlan:
         `seed` on every replica."""
         generator = torch.Generator().manual_seed(seed)
         return [None if p.bits == RAW_BITS else
-                torch.rand(p.rows, p.width, generator=generator).topk(p.kept, dim=1, sorted=False)
-                .indices.sort(dim=1).values.to(device) for p in self.pieces]
+                _C.select_places(torch.rand(p.rows * p.width, generator=generator), p.rows, p.width, p.kept, p.low_bits)[2]
+                .to(device) for p in self.pieces]
 
     def selected_layout(self) -> list[Segment]:
         """The layout of `select`'s values: raw pieces whole, the others' kept values at
@@ -169,25 +175,12 @@ class SparsePlan:
         at = 0
         for p, chosen in zip(self.pieces, places):
             target = into.narrow(0, p.offset, p.numel)
+            numel = p.numel if chosen is None else p.rows * p.kept
             if chosen is None:
-                target.copy_(selected.narrow(0, at, p.numel))
-                at += p.numel
-                continue
-            chunks = _padded(target, p)
-            chunks.scatter_(1, chosen, selected.narrow(0, at, p.rows * p.kept).view(p.rows, p.kept))
-            if chunks.data_ptr() != target.data_ptr():  # padded: a copy
-                target.copy_(chunks.view(-1).narrow(0, 0, p.numel))
-            at += p.rows * p.kept
-
-    @staticmethod
-    def _decoded(piece: torch.Tensor, p: _Piece) -> torch.Tensor:
-        """A compressed piece's values in place (zero where none was sent), `p.numel` of them."""
-        places = _decode_places(piece, p)
-        values = _C.decompress(piece.narrow(0, p.nbytes - p.value_bytes, p.value_bytes), p.rows * p.kept, p.bits,
-                               p.bucket_size, scheme=p.scheme)
-        dense = torch.zeros(p.rows, p.width, dtype=torch.float32, device=piece.device)
-        dense.scatter_(1, places, values.view(p.rows, p.kept))
-        return dense.view(-1).narrow(0, 0, p.numel)
+                target.copy_(selected.narrow(0, at, numel))
+            else:
+                _at_places(target, p, chosen, selected.narrow(0, at, numel))
+            at += numel
 
 
 def _padded(part: torch.Tensor, p: _Piece) -> torch.Tensor:
@@ -199,50 +192,13 @@ def _padded(part: torch.Tensor, p: _Piece) -> torch.Tensor:
     return padded.view(p.rows, p.width)
 
 
-def _encode_places(places: torch.Tensor, p: _Piece, piece: torch.Tensor) -> None:
-    """Writes the (chunks, kept) ascending `places` at the start of `piece`, in Elias-Fano's
-    code: each place's `low_bits` low bits packed, then each chunk's high parts (place >>
-    low_bits, ascending) as a bitmap of `high_width` bits with a bit set at high + i for its
-    i-th place."""
-    if p.low_bits:
-        low = places & ((1 << p.low_bits) - 1)
-        piece.narrow(0, 0, p.low_bytes).copy_(_pack(low.reshape(-1), p.low_bits))
-    high = torch.zeros(p.rows, p.high_width, dtype=torch.uint8, device=places.device)
-    high.scatter_(1, (places >> p.low_bits) + torch.arange(p.kept, device=places.device), 1)
-    piece.narrow(0, p.low_bytes, p.high_bytes).copy_(_pack_stream(high.view(-1)))
-
-
-def _decode_places(piece: torch.Tensor, p: _Piece) -> torch.Tensor:
-    """The (chunks, kept) ascending places `_encode_places` wrote (int64)."""
-    bitmap = _unpack(piece.narrow(0, p.low_bytes, p.high_bytes), p.rows * p.high_width, 1).view(p.rows, p.high_width)
-    set_at = bitmap.nonzero()[:, 1]  # row by row, ascending in each
-    if set_at.numel() != p.rows * p.kept:
-        raise ValueError(f"cgx.DiLoCo: a sparse payload holds {set_at.numel()} places where {p.rows * p.kept} "
-                         f"were sent: the replicas' plans differ")
-    places = (set_at.view(p.rows, p.kept) - torch.arange(p.kept, device=piece.device)) << p.low_bits
-    if p.low_bits:
-        places |= _unpack(piece.narrow(0, 0, p.low_bytes), p.rows * p.kept, p.low_bits).view(p.rows, p.kept)
-    return places
-
-
-def _pack(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """`values` (non-negative, below 2**bits) at `bits` bits each, least significant
-    first, in bytes."""
-    shifts = torch.arange(bits, device=values.device)
-    return _pack_stream(((values.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1))
-
-
-def _pack_stream(stream: torch.Tensor) -> torch.Tensor:
-    """A uint8 stream of 0 and 1, eight to a byte, the first in the least significant bit."""
-    pad = -stream.numel() % 8
-    if pad:
-        stream = torch.cat([stream, stream.new_zeros(pad)])
-    weights = (1 << torch.arange(8, device=stream.device)).to(torch.uint8)
-    return (stream.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
-
-
-def _unpack(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
-    """The `count` values `_pack` packed at `bits` bits each (int64)."""
-    stream = ((packed.unsqueeze(1) >> torch.arange(8, device=packed.device, dtype=torch.uint8)) & 1).reshape(-1)
-    stream = stream.narrow(0, 0, count * bits).view(count, bits).long()
-    return (stream << torch.arange(bits, device=packed.device)).sum(1)
+def _at_places(target: torch.Tensor, p: _Piece, places: torch.Tensor, values: torch.Tensor, add: bool = False) -> None:
+    """Writes (with `add`, adds) the rows * kept `values` at the (rows, kept) `places` of
+    the piece's flat `target`; what falls in the last chunk's padding is dropped."""
+    chunks = _padded(target, p)
+    if add:
+        chunks.scatter_add_(1, places, values.view(p.rows, p.kept))
+    else:
+        chunks.scatter_(1, places, values.view(p.rows, p.kept))
+    if chunks.data_ptr() != target.data_ptr():  # padded: a copy
+        target.copy_(chunks.view(-1).narrow(0, 0, p.numel))
