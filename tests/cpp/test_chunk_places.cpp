@@ -101,5 +101,28 @@ CGX_TEST(read_places_refuses_a_code_with_a_place_too_many_too_few_or_past_the_ch
   }
 }
 
+CGX_TEST(read_places_on_random_bytes_refuses_or_gives_ascending_places_in_the_chunk) {
+  std::mt19937 generator(9);
+  for (auto [rows, width, kept] : {std::tuple<int64_t, int64_t, int64_t>{3, 1024, 32}, {5, 7, 7}, {4, 100, 1}}) {
+    const ChunkPlaces shape = shape_for(rows * width, width, kept);
+    std::vector<uint8_t> code(shape.code_bytes());
+    std::vector<int64_t> places(rows * kept);
+    int read = 0;
+    for (int trial = 0; trial < 2000; ++trial) {
+      for (auto& byte : code) byte = static_cast<uint8_t>(generator());
+      if (!compression::read_places(code.data(), shape, places.data())) continue;
+      ++read;
+      for (int64_t row = 0; row < rows; ++row) {
+        for (int64_t j = 0; j < kept; ++j) {
+          const int64_t place = places[row * kept + j];
+          CHECK(place >= 0 && place < width);
+          CHECK(j == 0 || place > places[row * kept + j - 1]);
+        }
+      }
+    }
+    CHECK(read < 2000);  // random bytes are mostly refused
+  }
+}
+
 }  // namespace
 }  // namespace cgx::test
