@@ -18,6 +18,7 @@ uint32_t magnitude_key(float v) {
 void set_bit(uint8_t* bytes, int64_t at) { bytes[at >> 3] |= static_cast<uint8_t>(1u << (at & 7)); }
 
 // `count` (at most 57) bits of `bytes` (`size` of them) from bit `at` on, the first lowest.
+static_assert(std::endian::native == std::endian::little, "bits_at reads a byte stream as a little-endian word");
 uint64_t bits_at(const uint8_t* bytes, int64_t size, int64_t at, int count) {
   uint64_t word = 0;
   const int64_t first = at >> 3;
