@@ -28,8 +28,9 @@ class TopK:
     """Which values of an outer gradient a replica sends: of each chunk of `chunk`
     consecutive values of a compressed layer (a layer's last chunk may be shorter), the
     `k` largest in magnitude (of equal ones the first; NaN above every number) of the
-    outer gradient plus `decay` times the residual (what earlier syncs did not send; SparseLoCo's beta, with which the residual takes the
-    outer momentum's part: then give DiLoCo outer_momentum=0). With `shared`, every
+    outer gradient plus `decay` times the residual (what earlier syncs did not send;
+    SparseLoCo's beta, with which the residual takes the outer momentum's part: then give
+    DiLoCo outer_momentum=0). With `shared`, every
     replica sends the same k places of each chunk, drawn at random from the sync's step,
     in an allreduce, in place of each replica's own top k in an all-gather."""
 
