@@ -73,11 +73,6 @@ class _Piece:
     def nbytes(self) -> int:
         return 4 * self.numel if self.bits == RAW_BITS else self.low_bytes + self.high_bytes + self.value_bytes
 
-    @property
-    def high_width(self) -> int:
-        """Bits a chunk's unary high parts take: one set per place, one clear per high value passed."""
-        return self.kept + ((self.width - 1) >> self.low_bits) + 1
-
 
 class SparsePlan:
     """How a fragment's outer gradient travels sparsely: its layout's segments, each as
@@ -95,7 +90,7 @@ class SparsePlan:
             rows = -(-numel // width)
             kept = min(top_k.k, width)
             low_bits = (width // kept).bit_length() - 1  # floor(log2(width / kept)): the fewest bits in all
-            high_width = kept + ((width - 1) >> low_bits) + 1
+            high_width = kept + ((width - 1) >> low_bits) + 1  # a chunk's unary bits (chunk_places.h)
             self.pieces.append(_Piece(
                 offset, numel, bits, bucket_size, scheme_name, rows, width, kept, low_bits,
                 -(-rows * kept * low_bits // 8), -(-rows * high_width // 8),
