@@ -2,7 +2,7 @@
 
 For a layer of N float32 values (normal), cgx.DiLoCo's sparse outer gradients (cgx.diloco.
 TopK) encode a replica's payload (each chunk's k largest, their places' code, the values
-quantized, and what the others decode of it) and add a payload into a sum; with shared
+quantized, and the residual: the values minus what the others decode) and add a payload into a sum; with shared
 places every replica draws the same places. Beside them, in the same run and interleaved,
 cgx's dense codec on the same N values (compress, decompress-add): what a dense 2-bit sync
 costs. Medians of the repeats.
@@ -39,18 +39,18 @@ def main():
     torch.set_num_threads(1)
     print(f"{platform.node()}, torch {torch.__version__}, one thread; {args.bits} bits, bucket {args.bucket_size}; "
           f"own places {args.k} of {args.chunk}, shared {args.shared_k} of {args.chunk}; ms per call (median)")
-    print("| values | own: encode | own: add | shared: draw places | dense: compress | dense: decompress-add |")
+    print("| values | own: encode (and residual) | own: add | shared: draw places | dense: compress | dense: decompress-add |")
     print("|---:|---:|---:|---:|---:|---:|")
     for numel in args.numel:
         layer = [(0, numel, args.bits, args.bucket_size, "maxmin")]
         own, shared = SparsePlan(layer, TopK(args.k, args.chunk)), SparsePlan(layer, TopK(args.shared_k, args.chunk,
                                                                                               shared=True))
         values = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-        payload, _ = own.encode(values)
+        payload = own.encode(values)
         dense = cgx.compress(values, args.bits, args.bucket_size)
-        into = torch.zeros(numel)
+        into, residual = torch.zeros(numel), torch.empty(numel)
         ms = median_seconds_per_call({
-            "encode": lambda: own.encode(values),
+            "encode": lambda: own.encode(values, residual),
             "add": lambda: own.add(payload, into),
             "draw": lambda: shared.shared_places(7, values.device),
             "compress": lambda: cgx.compress(values, args.bits, args.bucket_size),

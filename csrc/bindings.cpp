@@ -125,8 +125,8 @@ void check_threads(int threads, const char* what) {
 void check_chunk_places(const cgx::compression::ChunkPlaces& shape, const char* what) {
   TORCH_CHECK_VALUE(shape.rows >= 0 && shape.width >= 1 && shape.kept >= 1 && shape.kept <= shape.width &&
                         shape.low_bits >= 0 && shape.low_bits < 31 && (shape.width - 1) >> shape.low_bits < (1 << 30),
-                    what, ": need rows >= 0, 1 <= kept <= width and 0 <= low_bits < 31, got rows=", shape.rows,
-                    " width=", shape.width, " kept=", shape.kept, " low_bits=", shape.low_bits);
+                    what, ": need rows >= 0, 1 <= kept <= width, 0 <= low_bits < 31 and (width - 1) >> low_bits < 2**30",
+                    ", got rows=", shape.rows, " width=", shape.width, " kept=", shape.kept, " low_bits=", shape.low_bits);
 }
 
 // The codec on tensors (backend/tensor_codec.h), its bit count, scheme and threads read here.
@@ -368,6 +368,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("numel"), py::arg("bits"), py::arg("bucket_size"), py::kw_only(),
       py::arg("skip_incomplete_buckets") = false, py::arg("scheme") = "maxmin", "Bytes of the compressed form of numel values.");
 
+  m.def(
+      "chunk_places",
+      [](int64_t numel, int64_t chunk, int64_t k) {
+        TORCH_CHECK_VALUE(numel >= 1 && chunk >= 1 && k >= 1, "cgx.chunk_places: need numel, chunk and k >= 1, got ",
+                          numel, ", ", chunk, ", ", k);
+        const auto shape = cgx::compression::ChunkPlaces::of(numel, chunk, k);
+        return std::make_tuple(shape.rows, shape.width, shape.kept, shape.low_bits, shape.code_bytes());
+      },
+      py::arg("numel"), py::arg("chunk"), py::arg("k"),
+      "How numel values travel as chunks of `chunk` with k of each kept: (rows, width, kept, low_bits, "
+      "the places' code's bytes).");
   m.def(
       "select_places",
       [](const at::Tensor& values, int64_t rows, int64_t width, int64_t kept, int low_bits) {

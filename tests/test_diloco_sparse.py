@@ -33,11 +33,13 @@ def _sparse_syncs(rank, world, overlap, decay):
                                                                                  delta.device), "fragment": fragment.index})
         return start(fragment, replicas, step, due, trained, rows, delta, *args)
 
-    def recording_encode(self, values_):
-        payload, carried = encode(self, values_)
-        sent[-1].update({"values": values_.clone(), "carried": carried.clone(), "layout": self.layout,
+    def recording_encode(self, values_, residual=None):
+        payload = encode(self, values_, residual)
+        carried = torch.zeros_like(values_)  # what the others decode of it
+        self.add(payload, carried)
+        sent[-1].update({"values": values_.clone(), "carried": carried, "layout": self.layout,
                          "nbytes": self.nbytes})
-        return payload, carried
+        return payload
 
     def recording_complete(sync, replicas):
         decoding = getattr(sync, "payloads", None) is not None
@@ -167,12 +169,14 @@ def test_a_payload_carries_each_chunks_top_k_places_in_elias_fanos_bits(numel, k
 
     plan = SparsePlan([(0, numel, 2, 512, "maxmin"), (numel, 10, 32, 512, "maxmin")], TopK(k, chunk))
     values = torch.randn(numel + 10, generator=torch.Generator().manual_seed(numel))
-    payload, sent = plan.encode(values)
+    residual = torch.full_like(values, float("nan"))
+    payload = plan.encode(values, residual)
     assert payload.numel() == plan.nbytes
-    summed = torch.zeros_like(values)
-    plan.add(payload, summed)
-    assert torch.equal(summed, sent)
-    assert torch.equal(sent[numel:], values[numel:])  # the raw layer whole
+    sent = torch.zeros_like(values)
+    plan.add(payload, sent)
+    assert torch.equal(residual[:numel], values[:numel] - sent[:numel])  # kept: what was not sent
+    assert torch.equal(sent[numel:], values[numel:]) and torch.equal(residual[numel:], torch.zeros(10))  # raw: whole
+    assert torch.equal(plan.encode(values), payload)  # the same without a residual
     piece = plan.pieces[0]
     width = min(chunk, numel)
     padded = torch.cat([values[:numel], values.new_zeros(-numel % width)]).view(-1, width)
@@ -181,12 +185,12 @@ def test_a_payload_carries_each_chunks_top_k_places_in_elias_fanos_bits(numel, k
     assert torch.equal(sent[:numel] != 0, expected)
     low_bits = (width // piece.kept).bit_length() - 1
     per_chunk = piece.kept * low_bits + piece.kept + ((width - 1) >> low_bits) + 1
-    assert piece.low_bytes + piece.high_bytes == -(-piece.rows * piece.kept * low_bits // 8) + -(-piece.rows * (
-        per_chunk - piece.kept * low_bits) // 8)
+    low_bytes = -(-piece.rows * piece.kept * low_bits // 8)
+    assert piece.code_bytes == low_bytes + -(-piece.rows * (per_chunk - piece.kept * low_bits) // 8)
     if (numel, k, chunk) == (5000, 32, 1024):
         assert per_chunk == 7 * 32
     broken = payload.clone()
-    broken[piece.low_bytes] ^= 0x02  # one bit of the first chunk's bitmap flipped
+    broken[low_bytes] ^= 0x02  # one bit of the first chunk's bitmap flipped
     with pytest.raises(ValueError, match="sparse payload holds"):
         plan.add(broken, torch.zeros_like(values))
 

@@ -65,13 +65,12 @@ class _Piece:
     width: int = 0  # values a chunk holds (the last one padded with zeros to it)
     kept: int = 0  # values sent of each chunk
     low_bits: int = 0  # a place's low bits, stored as they are; its high part in unary
-    low_bytes: int = 0
-    high_bytes: int = 0
+    code_bytes: int = 0  # the places' code
     value_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
-        return 4 * self.numel if self.bits == RAW_BITS else self.low_bytes + self.high_bytes + self.value_bytes
+        return 4 * self.numel if self.bits == RAW_BITS else self.code_bytes + self.value_bytes
 
 
 class SparsePlan:
@@ -86,23 +85,19 @@ class SparsePlan:
             if bits == RAW_BITS:
                 self.pieces.append(_Piece(offset, numel, bits, bucket_size, scheme_name))
                 continue
-            width = min(top_k.chunk, numel)
-            rows = -(-numel // width)
-            kept = min(top_k.k, width)
-            low_bits = (width // kept).bit_length() - 1  # floor(log2(width / kept)): the fewest bits in all
-            high_width = kept + ((width - 1) >> low_bits) + 1  # a chunk's unary bits (chunk_places.h)
+            rows, width, kept, low_bits, code_bytes = _C.chunk_places(numel, top_k.chunk, top_k.k)
             self.pieces.append(_Piece(
-                offset, numel, bits, bucket_size, scheme_name, rows, width, kept, low_bits,
-                -(-rows * kept * low_bits // 8), -(-rows * high_width // 8),
+                offset, numel, bits, bucket_size, scheme_name, rows, width, kept, low_bits, code_bytes,
                 _C.compressed_size(rows * kept, bits, bucket_size, scheme=scheme_name)))
         self.nbytes = sum(p.nbytes for p in self.pieces)
 
-    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, values: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """This replica's payload for the flat float32 `values` (outer gradient plus
-        residual), and what it sends as the others decode it (flat, zero where it sends
-        nothing): `values` minus that is what it keeps."""
+        residual). With `residual`, writes there what it keeps: `values` minus what it
+        sends as the others decode it (zero for the raw pieces, sent whole)."""
         payload = torch.empty(self.nbytes, dtype=torch.uint8, device=values.device)
-        sent = torch.zeros_like(values)
+        if residual is not None:
+            residual.copy_(values)
         at = 0
         for p in self.pieces:
             part = values.narrow(0, p.offset, p.numel)
@@ -110,16 +105,18 @@ class SparsePlan:
             at += p.nbytes
             if p.bits == RAW_BITS:
                 piece.copy_(part.contiguous().view(torch.uint8))
-                sent.narrow(0, p.offset, p.numel).copy_(part)
+                if residual is not None:
+                    residual.narrow(0, p.offset, p.numel).zero_()
                 continue
             # The selection and its code on the CPU (a GPU's values copied: the code is small).
             code, kept, places = _C.select_places(part.cpu().contiguous(), p.rows, p.width, p.kept, p.low_bits)
-            piece.narrow(0, 0, p.low_bytes + p.high_bytes).copy_(code)
-            values_part = piece.narrow(0, p.nbytes - p.value_bytes, p.value_bytes)
+            piece.narrow(0, 0, p.code_bytes).copy_(code)
+            values_part = piece.narrow(0, p.code_bytes, p.value_bytes)
             values_part.copy_(_C.compress(kept.to(values.device), p.bits, p.bucket_size, scheme=p.scheme))
-            decoded = _C.decompress(values_part, p.rows * p.kept, p.bits, p.bucket_size, scheme=p.scheme)
-            _at_places(sent.narrow(0, p.offset, p.numel), p, places.to(values.device), decoded)
-        return payload, sent
+            if residual is not None:  # minus what is sent: plus its negation, the same float operation
+                decoded = _C.decompress(values_part, p.rows * p.kept, p.bits, p.bucket_size, scheme=p.scheme)
+                _at_places(residual.narrow(0, p.offset, p.numel), p, places.to(values.device), decoded.neg_(), add=True)
+        return payload
 
     def add(self, payload: torch.Tensor, into: torch.Tensor) -> None:
         """Adds what a replica's `payload` carries into the flat float32 `into`."""
@@ -131,13 +128,12 @@ class SparsePlan:
             if p.bits == RAW_BITS:
                 target.add_(piece.clone().view(torch.float32))  # (a copy: the piece may not be aligned)
                 continue
-            places = _C.read_places(piece.narrow(0, 0, p.low_bytes + p.high_bytes).cpu(), p.rows, p.width, p.kept,
-                                    p.low_bits)
+            places = _C.read_places(piece.narrow(0, 0, p.code_bytes).cpu(), p.rows, p.width, p.kept, p.low_bits)
             if places is None:
                 raise ValueError(f"cgx.DiLoCo: a sparse payload holds places that are not {p.kept} ascending ones in "
                                  f"each chunk of {p.width} values: the replicas' plans differ")
-            decoded = _C.decompress(piece.narrow(0, p.nbytes - p.value_bytes, p.value_bytes), p.rows * p.kept,
-                                    p.bits, p.bucket_size, scheme=p.scheme)
+            decoded = _C.decompress(piece.narrow(0, p.code_bytes, p.value_bytes), p.rows * p.kept, p.bits,
+                                    p.bucket_size, scheme=p.scheme)
             _at_places(target, p, places.to(into.device), decoded, add=True)
 
     def shared_places(self, seed: int, device: torch.device) -> list[torch.Tensor | None]:
@@ -162,7 +158,7 @@ class SparsePlan:
     def select(self, values: torch.Tensor, places: list[torch.Tensor | None]) -> torch.Tensor:
         """The flat `values` at `places` (`shared_places`), as `selected_layout` lays them out."""
         return torch.cat([values.narrow(0, p.offset, p.numel) if chosen is None
-                          else _padded(values.narrow(0, p.offset, p.numel), p).gather(1, chosen).reshape(-1)
+                          else _at(values.narrow(0, p.offset, p.numel), p, chosen)
                           for p, chosen in zip(self.pieces, places)])
 
     def put(self, selected: torch.Tensor, places: list[torch.Tensor | None], into: torch.Tensor) -> None:
@@ -179,22 +175,30 @@ class SparsePlan:
             at += numel
 
 
-def _padded(part: torch.Tensor, p: _Piece) -> torch.Tensor:
-    """The piece's values as (chunks, width), the last chunk padded with zeros."""
+def _flat_places(p: _Piece, places: torch.Tensor) -> torch.Tensor:
+    """The (rows, kept) places in their chunks as places in the piece (rows * kept; the
+    last chunk's may fall in its padding, past the piece's end)."""
+    starts = torch.arange(0, p.rows * p.width, p.width, device=places.device)
+    return (places + starts.unsqueeze(1)).view(-1)
+
+
+def _at(part: torch.Tensor, p: _Piece, places: torch.Tensor) -> torch.Tensor:
+    """The piece's values at the (rows, kept) `places` (rows * kept; zero in the padding)."""
+    flat = _flat_places(p, places)
     if p.rows * p.width == p.numel:
-        return part.view(p.rows, p.width)
-    padded = torch.zeros(p.rows * p.width, dtype=part.dtype, device=part.device)
-    padded.narrow(0, 0, p.numel).copy_(part)
-    return padded.view(p.rows, p.width)
+        return part.take(flat)
+    padding = flat >= p.numel
+    return part.take(flat.masked_fill(padding, 0)).masked_fill_(padding, 0)
 
 
 def _at_places(target: torch.Tensor, p: _Piece, places: torch.Tensor, values: torch.Tensor, add: bool = False) -> None:
     """Writes (with `add`, adds) the rows * kept `values` at the (rows, kept) `places` of
     the piece's flat `target`; what falls in the last chunk's padding is dropped."""
-    chunks = _padded(target, p)
+    flat, values = _flat_places(p, places), values.reshape(-1)
+    if p.rows * p.width != p.numel:
+        inside = flat < p.numel
+        flat, values = flat[inside], values[inside]
     if add:
-        chunks.scatter_add_(1, places, values.view(p.rows, p.kept))
+        target.index_add_(0, flat, values)
     else:
-        chunks.scatter_(1, places, values.view(p.rows, p.kept))
-    if chunks.data_ptr() != target.data_ptr():  # padded: a copy
-        target.copy_(chunks.view(-1).narrow(0, 0, p.numel))
+        target.index_copy_(0, flat, values)

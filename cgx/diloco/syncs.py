@@ -216,9 +216,7 @@ class OwnPlacesSync(Sync):
         payload does not carry."""
         agreement = replicas.agree(SYNC, step, trained, rows)
         values, residual = _with_residual(fragment, replicas, delta, error_feedback)
-        payload, carried = fragment.sparse.encode(values)
-        if residual is not None:
-            torch.sub(values, carried, out=residual)
+        payload = fragment.sparse.encode(values, residual)
         payloads = [torch.empty_like(payload) for _ in range(replicas.size)]
         work = replicas.backend.allgather([payloads], [payload])
         return cls(fragment, due, agreement, torch.zeros_like(delta), residual, work, sent, payloads=payloads)

@@ -28,6 +28,13 @@ uint64_t bits_at(const uint8_t* bytes, int64_t size, int64_t at, int count) {
 
 }  // namespace
 
+ChunkPlaces ChunkPlaces::of(int64_t numel, int64_t chunk, int64_t k) {
+  const int64_t width = std::min(chunk, numel);
+  const int64_t kept = std::min(k, width);
+  const int low_bits = static_cast<int>(std::bit_width(static_cast<uint64_t>(width / kept))) - 1;
+  return {(numel + width - 1) / width, width, kept, low_bits};
+}
+
 void select_places(const float* values, int64_t numel, const ChunkPlaces& shape, uint8_t* code,
                    float* kept_values, int64_t* places) {
   std::memset(code, 0, shape.code_bytes());

@@ -15,6 +15,10 @@ struct ChunkPlaces {
   int64_t kept = 0;   // places of each chunk
   int low_bits = 0;   // a place's low bits, stored as they are; its high part in unary
 
+  // `numel` (>= 1) values in chunks of `chunk` (one chunk where fewer), `k` of each kept;
+  // floor(log2(width / kept)) low bits, the fewest bits in all.
+  static ChunkPlaces of(int64_t numel, int64_t chunk, int64_t k);
+
   // Bits a chunk's unary high parts take: one set per place, one clear per high value passed.
   int64_t high_width() const { return kept + ((width - 1) >> low_bits) + 1; }
   int64_t low_bytes() const { return (rows * kept * low_bits + 7) / 8; }

@@ -1,7 +1,6 @@
 // compression::select_places / read_places: each chunk's k largest magnitudes and their
 // Elias-Fano code, against a plain sort; ties, NaN, zeros, padding; codes refused.
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -17,11 +16,6 @@ namespace cgx::test {
 namespace {
 
 using compression::ChunkPlaces;
-
-ChunkPlaces shape_for(int64_t numel, int64_t width, int64_t kept) {
-  const int low_bits = static_cast<int>(std::bit_width(static_cast<uint64_t>(width / kept))) - 1;
-  return {(numel + width - 1) / width, width, kept, low_bits};
-}
 
 // The expected places of one chunk: a stable sort by magnitude, descending, NaN first.
 std::vector<int64_t> sorted_places(const std::vector<float>& chunk, int64_t kept) {
@@ -40,9 +34,10 @@ std::vector<int64_t> sorted_places(const std::vector<float>& chunk, int64_t kept
   return order;
 }
 
-void check_selection(const std::vector<float>& values, int64_t width, int64_t kept) {
+void check_selection(const std::vector<float>& values, int64_t chunk, int64_t k) {
   const int64_t numel = static_cast<int64_t>(values.size());
-  const ChunkPlaces shape = shape_for(numel, width, kept);
+  const ChunkPlaces shape = ChunkPlaces::of(numel, chunk, k);
+  const int64_t width = shape.width, kept = shape.kept;
   std::vector<uint8_t> code(shape.code_bytes());
   std::vector<float> kept_values(shape.rows * kept);
   std::vector<int64_t> places(shape.rows * kept), read(shape.rows * kept);
@@ -61,11 +56,19 @@ void check_selection(const std::vector<float>& values, int64_t width, int64_t ke
   CHECK(read == places);
 }
 
+CGX_TEST(chunk_places_of_a_layer_takes_one_chunk_where_the_layer_is_smaller) {
+  const ChunkPlaces layer = ChunkPlaces::of(5000, 1024, 32);
+  CHECK(layer.rows == 5 && layer.width == 1024 && layer.kept == 32 && layer.low_bits == 5);
+  const ChunkPlaces small = ChunkPlaces::of(20, 1024, 32);
+  CHECK(small.rows == 1 && small.width == 20 && small.kept == 20 && small.low_bits == 0);
+  CHECK(ChunkPlaces::of(999, 1000, 3).low_bits == 8);  // floor(log2(333))
+}
+
 CGX_TEST(select_places_takes_each_chunks_largest_magnitudes_in_place_order) {
   std::mt19937 generator(5);
   std::normal_distribution<float> normal;
   for (auto [numel, width, kept] : {std::tuple<int64_t, int64_t, int64_t>{5000, 1024, 32}, {3000, 7, 7},
-                                    {1000, 7, 1}, {999, 1000, 3}, {4096, 256, 200}, {1, 1, 1}}) {
+                                    {1000, 7, 1}, {1999, 1000, 3}, {4096, 256, 200}, {1, 1, 1}}) {
     std::vector<float> values(numel);
     for (auto& v : values) v = normal(generator);
     check_selection(values, width, kept);
@@ -87,7 +90,7 @@ CGX_TEST(select_places_breaks_ties_first_first_and_ranks_nan_above_infinity) {
 CGX_TEST(read_places_refuses_a_code_with_a_place_too_many_too_few_or_past_the_chunk) {
   std::vector<float> values(2048);
   std::iota(values.begin(), values.end(), 1.0f);
-  const ChunkPlaces shape = shape_for(2048, 1024, 32);
+  const ChunkPlaces shape = ChunkPlaces::of(2048, 1024, 32);
   std::vector<uint8_t> code(shape.code_bytes());
   std::vector<float> kept(64);
   std::vector<int64_t> places(64);
@@ -104,7 +107,7 @@ CGX_TEST(read_places_refuses_a_code_with_a_place_too_many_too_few_or_past_the_ch
 CGX_TEST(read_places_on_random_bytes_refuses_or_gives_ascending_places_in_the_chunk) {
   std::mt19937 generator(9);
   for (auto [rows, width, kept] : {std::tuple<int64_t, int64_t, int64_t>{3, 1024, 32}, {5, 7, 7}, {4, 100, 1}}) {
-    const ChunkPlaces shape = shape_for(rows * width, width, kept);
+    const ChunkPlaces shape = ChunkPlaces::of(rows * width, width, kept);
     std::vector<uint8_t> code(shape.code_bytes());
     std::vector<int64_t> places(rows * kept);
     int read = 0;
