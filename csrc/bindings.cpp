@@ -320,6 +320,21 @@ PYBIND11_MODULE(_C, m) {
               paths.append(p);
             }
             d["auto"] = paths;
+            uint64_t exact_calls = 0, exact_bytes = 0;
+            py::dict why;
+            for (size_t i = 0; i < s.exact.size(); ++i) {
+              const auto& c = s.exact[i];
+              exact_calls += c.calls;
+              exact_bytes += c.bytes;
+              if (c.calls == 0) continue;
+              py::dict counts;
+              counts["calls"] = c.calls;
+              counts["bytes"] = c.bytes;
+              why[ProcessGroupCGX::exact_reason_name(static_cast<ProcessGroupCGX::ExactReason>(i))] = counts;
+            }
+            d["exact_calls"] = exact_calls;
+            d["exact_bytes"] = exact_bytes;
+            d["exact_why"] = why;
             return d;
           },
           "This rank's totals: calls, bytes_sent and uncompressed_bytes (what the same "
@@ -328,7 +343,10 @@ PYBIND11_MODULE(_C, m) {
           "cross_host_bytes (everything it sent to other hosts, call checks included); "
           "'auto': CGX_COMPRESSION_AUTO's last choice per size class of allreduce (float32 "
           "bytes in [min_bytes, 2 min_bytes)), the slowest rank's timings it compared (0: not "
-          "agreed yet) and the calls sent each way.");
+          "agreed yet) and the calls sent each way; exact_calls and exact_bytes: the allreduces "
+          "that went the exact way (auto's included) and their tensors' bytes, and exact_why "
+          "the same per reason ('auto', 'cgx.exact', 'bits', 'op', 'dtype', 'minimal_size', "
+          "'tensor_list').");
 
   m.def("set_exact_on_this_thread", &ProcessGroupCGX::set_exact_on_this_thread,
         py::arg("exact"),

@@ -73,6 +73,10 @@ def test_every_rank_takes_the_same_path_and_ends_bit_identical(world):
     # Both ways are counted in the allreduce totals, with the bytes each really sent: the
     # exact way 4 bytes a value (2 ranks: SRA sends half the values twice).
     assert stats[0]["calls"] == CALLS
+    # Auto's exact calls, and only those, said as such (4 bytes a value of the caller's tensor).
+    assert stats[0]["exact_calls"] == entry["exact_calls"] >= 5
+    assert stats[0]["exact_why"] == {"auto": {"calls": entry["exact_calls"], "bytes": entry["exact_calls"] * 4 * 5000}}
+    assert stats[0]["exact_bytes"] == entry["exact_calls"] * 4 * 5000
     if world == 2:
         per_exact_call = 4 * 5000
         compressed_bytes = stats[0]["bytes_sent"] - entry["exact_calls"] * per_exact_call
@@ -84,6 +88,7 @@ def test_with_auto_off_every_call_is_compressed():
     for calls, stats in results:
         assert stats["auto"] == []
         assert stats["calls"] == CALLS
+        assert stats["exact_calls"] == stats["exact_bytes"] == 0 and stats["exact_why"] == {}
         assert all(0 < error <= bound for _, _, error, bound in calls)
 
 

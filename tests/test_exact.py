@@ -238,6 +238,46 @@ def test_per_call_exact_equals_gloo():
         assert not failed, failed
 
 
+def _exact_reasons(rank, world):
+    """One allreduce of each kind that goes the exact way, and one compressed; the stats
+    after each."""
+    import cgx
+
+    cgx_group, _ = _pair(rank, world, 4)
+    seen = []
+
+    def call(make, **kwargs):
+        dist.all_reduce(make(), group=cgx_group, **kwargs)
+        stats = cgx.stats()
+        seen.append((stats["exact_calls"], stats["exact_bytes"], stats["exact_why"]))
+
+    call(lambda: torch.ones(100_000))  # compressed
+    call(lambda: torch.ones(100_000, dtype=torch.float64))
+    call(lambda: torch.ones(100_000), op=dist.ReduceOp.MAX)
+    call(lambda: torch.ones(16))
+    with cgx.exact():
+        call(lambda: torch.ones(100_000))
+    dist.all_reduce_coalesced([torch.ones(10, dtype=torch.int32), torch.ones(20, dtype=torch.int32)], group=cgx_group)
+    stats = cgx.stats()
+    seen.append((stats["exact_calls"], stats["exact_bytes"], stats["exact_why"]))
+    unquantized = dist.new_group(backend="cgx", pg_options=cgx.Config(bits=32))
+    dist.all_reduce(torch.ones(100_000), group=unquantized)
+    return seen, stats["calls"], cgx.stats(unquantized)["exact_why"]
+
+
+def test_the_stats_say_which_allreduces_went_exactly_and_why():
+    for seen, compressed_calls, unquantized in values(run_ranks(_exact_reasons, 2)):
+        assert compressed_calls == 1
+        assert unquantized == {"bits": {"calls": 1, "bytes": 400_000}}
+        assert seen[0] == (0, 0, {})
+        assert seen[1] == (1, 800_000, {"dtype": {"calls": 1, "bytes": 800_000}})
+        assert seen[2][2]["op"] == {"calls": 1, "bytes": 400_000}
+        assert seen[3][2]["minimal_size"] == {"calls": 1, "bytes": 64}
+        assert seen[4][2]["cgx.exact"] == {"calls": 1, "bytes": 400_000}
+        assert seen[5][2]["dtype"] == {"calls": 2, "bytes": 800_120}
+        assert seen[5][:2] == (5, 800_000 + 400_000 + 64 + 400_000 + 120)
+
+
 def _complex(rank, world):
     """Complex tensors reach the backend as float views (view_as_real): still exact."""
     cgx_group, gloo_group = _pair(rank, world, 2)

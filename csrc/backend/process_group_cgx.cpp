@@ -111,20 +111,42 @@ ProcessGroupCGX::Stats ProcessGroupCGX::stats() const {
   return s;
 }
 
-bool ProcessGroupCGX::compressible(const std::vector<at::Tensor>& tensors,
-                                   const c10d::ReduceOp& op) const {
-  if (settings_.bits == kRawBits || exact_on_this_thread || tensors.empty() ||
-      !(op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG))
-    return false;
-  if (!is_compressible_dtype(tensors[0].scalar_type())) return false;
+const char* ProcessGroupCGX::exact_reason_name(ExactReason reason) {
+  switch (reason) {
+    case ExactReason::kAuto: return "auto";
+    case ExactReason::kAsked: return "cgx.exact";
+    case ExactReason::kBits: return "bits";
+    case ExactReason::kOp: return "op";
+    case ExactReason::kDtype: return "dtype";
+    case ExactReason::kMinimalSize: return "minimal_size";
+    case ExactReason::kTensorList: return "tensor_list";
+    case ExactReason::kCount: break;
+  }
+  return "?";
+}
+
+void ProcessGroupCGX::count_exact(ExactReason why, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  ExactCounters& c = stats_.exact[static_cast<size_t>(why)];
+  c.calls += 1;
+  c.bytes += bytes;
+}
+
+std::optional<ProcessGroupCGX::ExactReason> ProcessGroupCGX::why_exact(const std::vector<at::Tensor>& tensors,
+                                                                       const c10d::ReduceOp& op) const {
+  if (exact_on_this_thread) return ExactReason::kAsked;
+  if (settings_.bits == kRawBits) return ExactReason::kBits;
+  if (!(op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG)) return ExactReason::kOp;
+  if (tensors.empty() || !is_compressible_dtype(tensors[0].scalar_type())) return ExactReason::kDtype;
   int64_t numel = 0;
   for (const auto& t : tensors) {
     // torch.distributed hands a complex tensor over as its view_as_real: float values,
     // but not a float tensor the caller asked to compress.
-    if (t.is_sparse() || (t.is_view() && t._base().is_complex())) return false;
+    if (t.is_sparse() || (t.is_view() && t._base().is_complex())) return ExactReason::kDtype;
     numel += t.numel();
   }
-  return numel > settings_.minimal_size;
+  if (numel <= settings_.minimal_size) return ExactReason::kMinimalSize;
+  return std::nullopt;
 }
 
 bool ProcessGroupCGX::travels_raw(const at::Tensor& tensor) const {
@@ -133,9 +155,14 @@ bool ProcessGroupCGX::travels_raw(const at::Tensor& tensor) const {
 
 ProcessGroupCGX::Route ProcessGroupCGX::route_of(const std::vector<at::Tensor>& tensors,
                                                  const c10d::ReduceOp& op,
-                                                 const compression::LayoutCodec* plan) const {
+                                                 const compression::LayoutCodec* plan, ExactReason* why) const {
   // A caller's plan is followed whatever the group's bits, the sizes or cgx.exact() say.
-  if (!plan && !compressible(tensors, op)) return Route::kExact;
+  if (!plan) {
+    if (const auto reason = why_exact(tensors, op)) {
+      if (why) *why = *reason;
+      return Route::kExact;
+    }
+  }
   // Auto times CPU calls only: a GPU call completes on streams that its timings do not
   // follow. And only calls that quantize something: an all-raw plan stays on the
   // compressed route, whose agreement it needs (ranks do not agree on a plan's being all
@@ -191,8 +218,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce(std::vector<at::Tensor
                                                           const c10d::AllreduceOptions& opts) {
   check_tensors(tensors, "allreduce", /*sparse_ok=*/true);
   // Lists of several tensors are compressed through allreduce_coalesced only.
-  const Route route = tensors.size() == 1 ? route_of(tensors, opts.reduceOp, nullptr) : Route::kExact;
-  if (route == Route::kExact) return exact_allreduce(tensors, opts.reduceOp, /*coalesced=*/false);
+  ExactReason why = ExactReason::kTensorList;
+  const Route route = tensors.size() == 1 ? route_of(tensors, opts.reduceOp, nullptr, &why) : Route::kExact;
+  if (route == Route::kExact) return exact_allreduce(tensors, opts.reduceOp, /*coalesced=*/false, why);
   return compressed_allreduce(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, route, nullptr);
 }
 
@@ -202,8 +230,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::allreduce_coalesced(
   check_one_device_and_dtype(tensors, "allreduce_coalesced");
   // The whole call takes one route: were its small tensors split off to Gloo, ranks whose
   // lists differ would leave Gloo calls pending that a later call pairs with.
-  const Route route = route_of(tensors, opts.reduceOp, nullptr);
-  if (route == Route::kExact) return exact_allreduce(tensors, opts.reduceOp, /*coalesced=*/true);
+  ExactReason why = ExactReason::kDtype;
+  const Route route = route_of(tensors, opts.reduceOp, nullptr, &why);
+  if (route == Route::kExact) return exact_allreduce(tensors, opts.reduceOp, /*coalesced=*/true, why);
   return compressed_allreduce(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE_COALESCED, route,
                               std::make_shared<compression::LayoutCodec>(per_tensor_codec(tensors)));
 }
@@ -320,11 +349,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::reduce_scatter_layout(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::exact_allreduce(std::vector<at::Tensor>& tensors,
                                                                 const c10d::ReduceOp& op,
-                                                                bool coalesced) {
+                                                                bool coalesced, ExactReason why) {
   c10d::Backend& exact = exact_for(tensors);
   const bool gloo_average = op == c10d::ReduceOp::AVG && exact.getBackendName() != "nccl";
   if (gloo_average) check_averageable(tensors);  // before the call is numbered
   begin_call();
+  uint64_t bytes = 0;
+  for (const auto& t : tensors) {
+    bytes += t.is_sparse() ? t._indices().nbytes() + t._values().nbytes() : t.nbytes();
+  }
+  count_exact(why, bytes);
   auto run = [&](std::vector<at::Tensor>& reduced, const c10d::ReduceOp& reduce_op) {
     if (coalesced) {
       c10d::AllreduceCoalescedOptions o;
@@ -507,7 +541,10 @@ void ProcessGroupCGX::run_compressed(std::vector<at::Tensor>& tensors,
     paths_.record(size_class, path, took.count());
     paths_.agreed(size_class, all, getSize());
   }
-  if (path == collectives::Path::kExact) work.mark_sent_exactly();
+  if (path == collectives::Path::kExact) {
+    work.mark_sent_exactly();
+    count_exact(ExactReason::kAuto, static_cast<uint64_t>(input_bytes));
+  }
   if (op == c10d::ReduceOp::AVG) flat.div_(getSize());
   if (in_place) return;
   int64_t offset = 0;

@@ -21,6 +21,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <array>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -74,8 +75,25 @@ class ProcessGroupCGX final : public c10d::Backend {
     uint64_t bytes_sent = 0;          // payload this rank put on the wire
     uint64_t uncompressed_bytes = 0;  // what the same algorithm sends without compression
   };
+  // Why an allreduce went the exact way (stats' "exact_why": exact_reason_name).
+  enum class ExactReason {
+    kAuto,          // CGX_COMPRESSION_AUTO timed the exact way faster for its size
+    kAsked,         // issued inside cgx.exact()
+    kBits,          // the group does not quantize (CGX_COMPRESSION_QUANTIZATION_BITS=32)
+    kOp,            // a reduce op other than SUM and AVG
+    kDtype,         // not a floating dtype, or a complex or sparse tensor
+    kMinimalSize,   // at most CGX_COMPRESSION_MINIMAL_SIZE values
+    kTensorList,    // allreduce of several tensors (allreduce_coalesced compresses lists)
+    kCount,
+  };
+  static const char* exact_reason_name(ExactReason reason);
+  struct ExactCounters {
+    uint64_t calls = 0;
+    uint64_t bytes = 0;  // the calls' tensors, in their dtype
+  };
   struct Stats {
     Counters allreduce;
+    std::array<ExactCounters, static_cast<size_t>(ExactReason::kCount)> exact;  // allreduces, by reason
     Counters allgather;
     Counters reduce_scatter;
     uint64_t cross_host_bytes = 0;    // all bytes this rank sent to other hosts
@@ -172,10 +190,14 @@ class ProcessGroupCGX final : public c10d::Backend {
   };
   // The route of an allreduce of `tensors` with `op`; `plan`: the caller's layout
   // (allreduce_layout), or null where the group's settings decide.
+  // Where it is kExact, `why` (if given) says why.
   Route route_of(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op,
-                 const compression::LayoutCodec* plan) const;
-  // Whether the group's settings compress an allreduce of `tensors` (route_of, no plan).
-  bool compressible(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) const;
+                 const compression::LayoutCodec* plan, ExactReason* why = nullptr) const;
+  // Why the group's settings do not compress an allreduce of `tensors` (route_of, no
+  // plan); none where they do.
+  std::optional<ExactReason> why_exact(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) const;
+  // Counts an allreduce that went the exact way.
+  void count_exact(ExactReason why, uint64_t bytes);
   // Whether the group's codec sends `tensor` raw in a coalesced call (minimal_size).
   bool travels_raw(const at::Tensor& tensor) const;
   // The exact backend for tensors on the device of `tensor`.
@@ -206,7 +228,7 @@ class ProcessGroupCGX final : public c10d::Backend {
   // Gloo allreduce, with AVG done as SUM followed by a division (Gloo has no AVG; 16-bit
   // values summed in float32).
   c10::intrusive_ptr<c10d::Work> exact_allreduce(std::vector<at::Tensor>& tensors,
-                                                 const c10d::ReduceOp& op, bool coalesced);
+                                                 const c10d::ReduceOp& op, bool coalesced, ExactReason why);
   // Numbers a compressed call now and queues `body` on the worker thread; any failure of
   // it but a same-step signature mismatch marks the group failed. `tensors`: the call's
   // tensors (a CUDA call follows their caller's stream); `outputs`: the work's result.
