@@ -14,12 +14,28 @@ import collections
 import warnings
 from typing import Any, Mapping
 
-__all__ = ["RENAMED", "Stats", "warn_renamed"]
+__all__ = ["RENAMED", "Stats", "count_exact", "no_exact", "warn_renamed"]
 
 # The front-ends' stats() and state keys renamed when they took one vocabulary (old -> new;
 # docs/stats.md): the one map, read by every front-end and its checkpoints' loading.
 RENAMED = {"bytes_sent": "payload_bytes", "bytes_uncompressed": "uncompressed_payload_bytes",
            "peak_bytes": "peak_payload_bytes"}
+
+
+def no_exact() -> dict[str, Any]:
+    """The counts of calls that went the exact way before any did (docs/stats.md):
+    exact_calls, exact_bytes and exact_why (reason -> {"calls", "bytes"})."""
+    return {"exact_calls": 0, "exact_bytes": 0, "exact_why": {}}
+
+
+def count_exact(counts: dict[str, Any], reason: str, nbytes: int) -> None:
+    """Counts a call of `nbytes` that went the exact way for `reason` into `counts`
+    (no_exact()'s keys)."""
+    counts["exact_calls"] += 1
+    counts["exact_bytes"] += nbytes
+    why = counts["exact_why"].setdefault(reason, {"calls": 0, "bytes": 0})
+    why["calls"] += 1
+    why["bytes"] += nbytes
 
 
 def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:

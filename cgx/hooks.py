@@ -43,6 +43,7 @@ compress/decompress per step); that form needs round-to-nearest.
 
 # No `from __future__ import annotations` here: DDP checks cgx_hook's annotations as
 # objects (dist.GradBucket), not strings.
+import copy
 import gc
 import warnings
 from typing import Any
@@ -54,8 +55,8 @@ from cgx import _C
 from cgx.adaptive import AdaptiveBits
 from cgx.backend import get_backend, resolve_group
 from cgx.config import check_int
-from cgx.counters import RENAMED, Stats, warn_renamed
-from cgx.layers import (RAW_BITS, SCHEMES, CompressionPolicy, LayerSetting, bucket_plan, check_bits,
+from cgx.counters import RENAMED, Stats, count_exact, no_exact, warn_renamed
+from cgx.layers import (RAW_BITS, SCHEMES, CompressionPolicy, LayerSetting, all_raw, bucket_plan, check_bits,
                         check_bucket_size, check_setting, layout_bytes)
 from cgx.residuals import Residuals, check_same_place, place
 
@@ -122,6 +123,7 @@ class CGXState:
         # stats (docs/stats.md)
         "payload_bytes",
         "uncompressed_payload_bytes",
+        "exact",  # calls sent the exact way, and why (no_exact()'s keys)
         "layer_errors",
     )
 
@@ -167,6 +169,7 @@ class CGXState:
         self.residuals = Residuals()
         self.payload_bytes = 0
         self.uncompressed_payload_bytes = 0
+        self.exact = no_exact()
         self.layer_errors: dict[str, float] = {}
         self.layer_settings: dict[str, LayerSetting] = {}
         self._model: torch.nn.Module | None = None
@@ -256,13 +259,17 @@ class CGXState:
     def stats(self) -> dict[str, Any]:
         """This rank's totals (docs/stats.md): step, payload_bytes (what it handed to the
         allreduces: compressed, or float32 where sent exactly) against
-        uncompressed_payload_bytes (the buckets in their dtype), compression_ratio, and
+        uncompressed_payload_bytes (the buckets in their dtype), compression_ratio,
+        exact_calls, exact_bytes and exact_why: the bucket allreduces sent the exact way,
+        their payload, and why ('warmup', 'auto': CGX_COMPRESSION_AUTO timed it faster,
+        'policy': every layer of the bucket exact, 'sparse': sparse gradients), and
         layer_errors: each compressed layer's last sampled relative quantization error."""
         return Stats({
             "step": self.step,
             "payload_bytes": self.payload_bytes,
             "uncompressed_payload_bytes": self.uncompressed_payload_bytes,
             "compression_ratio": self.uncompressed_payload_bytes / max(1, self.payload_bytes),
+            **copy.deepcopy(self.exact),
             "layer_errors": dict(self.layer_errors),
         })
 
@@ -296,6 +303,7 @@ class CGXState:
             ),
             "payload_bytes": self.payload_bytes,
             "uncompressed_payload_bytes": self.uncompressed_payload_bytes,
+            "exact": copy.deepcopy(self.exact),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -314,6 +322,7 @@ class CGXState:
         self.residuals = Residuals({n: r.clone() for n, r in state["residuals"].items()})
         self.payload_bytes = int(state["payload_bytes"])
         self.uncompressed_payload_bytes = int(state["uncompressed_payload_bytes"])
+        self.exact = copy.deepcopy(state.get("exact", no_exact()))  # (a state saved before it was counted: none)
         self.set_layer_settings({n: LayerSetting(*s) for n, s in state["layer_settings"].items()})
 
     def __getstate__(self) -> dict[str, Any]:
@@ -328,6 +337,7 @@ class CGXState:
         self._reduced = set()
         self.two_level = True  # a state pickled before two-level feedback existed
         self._torch_cgx = None
+        self.exact = no_exact()  # a state pickled before it was counted
         for slot, value in state.items():
             slot = RENAMED.get(slot, slot)  # a state pickled before the stats' names changed
             if slot in self.__slots__:  # older pickles hold slots since removed
@@ -471,6 +481,7 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         sent = buffer._indices().nbytes + buffer._values().nbytes  # Gloo gathers both
         state.payload_bytes += sent
         state.uncompressed_payload_bytes += sent
+        count_exact(state.exact, "sparse", sent)
         future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
     else:
         future = _reduce_dense(state, bucket, group, backend)
@@ -487,7 +498,8 @@ def _reduce_dense(state: CGXState, bucket: dist.GradBucket, group: dist.ProcessG
     settings = backend.settings
     buffer = bucket.buffer()
     residual, compressed, fed = None, [], []
-    if state.step < state.warmup_steps:
+    warmup = state.step < state.warmup_steps
+    if warmup:
         layout = [(0, buffer.numel(), RAW_BITS, 1, "maxmin")]
     else:
         layout, compressed = bucket_plan(bucket, state._settings_by_param)
@@ -502,7 +514,11 @@ def _reduce_dense(state: CGXState, bucket: dist.GradBucket, group: dist.ProcessG
         if residual is not None:
             state.residuals.keep(residual, fed)
         state.uncompressed_payload_bytes += buffer.numel() * buffer.element_size()
-        state.payload_bytes += layout_bytes(layout, settings.skip_incomplete_buckets, _C.sent_exactly(work))
+        sent_exactly = _C.sent_exactly(work)
+        payload = layout_bytes(layout, settings.skip_incomplete_buckets, sent_exactly)
+        state.payload_bytes += payload
+        if warmup or sent_exactly or all_raw(layout):
+            count_exact(state.exact, "warmup" if warmup else "auto" if sent_exactly else "policy", payload)
         return result
     return work.get_future().then(settle)
 

@@ -241,8 +241,9 @@ def test_16_bit_averages_do_not_overflow_on_any_path(inner):
 
 
 def _hook_counts_what_was_sent(rank, world):
-    """A class's first five calls are compressed and its sixth goes the exact way,
-    whatever the timings: the hook's payload count follows the way each bucket went."""
+    """Two warm-up steps (exact), then a class's first five calls are compressed and its
+    sixth goes the exact way, whatever the timings: the hook's payload count follows the
+    way each bucket went, and its stats say which went exactly and why."""
     import cgx
     from test_hooks import make_model, train
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -250,21 +251,27 @@ def _hook_counts_what_was_sent(rank, world):
     init_cgx(rank, world, pg_options=cgx.Config(minimal_size=0))  # auto is on by default
     model = make_model()
     ddp = DDP(model)  # one bucket
-    state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=4))
+    state = cgx.CGXState(None, model, cgx.CompressionPolicy(bits=4), warmup_steps=2)
     ddp.register_comm_hook(state, cgx.cgx_hook)
     sent = []
-    for step in range(6):
+    for step in range(8):
         train(ddp, model, rank, 1, start=step)
         sent.append(state.stats()["payload_bytes"])
     numel = sum(p.numel() for p in model.parameters())
-    (entry,) = cgx.stats()["auto"]
-    return sent, numel, entry["compressed_calls"], entry["exact_calls"]
+    backend = cgx.stats()
+    (entry,) = backend["auto"]
+    return sent, numel, entry["compressed_calls"], entry["exact_calls"], state.stats(), backend["exact_why"]
 
 
-def test_the_hook_counts_a_bucket_sent_exactly_as_float32():
-    for sent, numel, compressed_calls, exact_calls in values(run_ranks(_hook_counts_what_was_sent, 2)):
+def test_the_hook_counts_a_bucket_sent_exactly_as_float32_and_says_why():
+    for sent, numel, compressed_calls, exact_calls, stats, backend_why in values(
+            run_ranks(_hook_counts_what_was_sent, 2)):
         assert (compressed_calls, exact_calls) == (5, 1)
-        compressed = sent[0]
+        assert sent[:2] == [4 * numel, 8 * numel]  # the warm-up's all-raw plan
+        compressed = sent[2] - sent[1]
         assert 0 < compressed < numel  # 4 bits: about an eighth of float32
-        assert sent[:5] == [compressed * (step + 1) for step in range(5)]
-        assert sent[5] - sent[4] == 4 * numel
+        assert sent[2:7] == [8 * numel + compressed * (step + 1) for step in range(5)]
+        assert sent[7] - sent[6] == 4 * numel
+        assert stats["exact_why"] == {"warmup": {"calls": 2, "bytes": 8 * numel}, "auto": {"calls": 1, "bytes": 4 * numel}}
+        assert (stats["exact_calls"], stats["exact_bytes"]) == (3, 12 * numel)
+        assert backend_why == {"auto": {"calls": 1, "bytes": 4 * numel}}  # the backend's count of the same call

@@ -101,6 +101,9 @@ def test_exact_diloco_equals_a_hand_written_reference(world):
         assert mismatched == []
         assert stats["outer_syncs"] == 2
         assert stats["payload_bytes"] == stats["uncompressed_payload_bytes"]
+        # bits=32: every layer exact by the policy, said so.
+        assert stats["exact_why"] == {"policy": {"calls": 2, "bytes": stats["payload_bytes"]}}
+        assert (stats["exact_calls"], stats["exact_bytes"]) == (2, stats["payload_bytes"])
         assert old_names == (True, True, True)  # the names from before docs/stats.md still read, warning
         assert settable == (True, True)
 
@@ -290,13 +293,15 @@ def _counts_what_auto_sent(rank, world):
             sent.append(diloco.stats()["payload_bytes"])
     (fragment,) = diloco._fragments
     (entry,) = cgx.stats()["auto"]
-    return sent, layout_bytes(fragment.layout, False), fragment.numel, entry["exact_calls"]
+    return sent, layout_bytes(fragment.layout, False), fragment.numel, entry["exact_calls"], diloco.stats()
 
 
-def test_a_sync_auto_sent_exactly_counts_as_float32():
-    for sent, compressed, numel, exact_calls in values(run_ranks(_counts_what_auto_sent, 2)):
+def test_a_sync_auto_sent_exactly_counts_as_float32_and_says_why():
+    for sent, compressed, numel, exact_calls, stats in values(run_ranks(_counts_what_auto_sent, 2)):
         assert exact_calls == 1 and compressed < numel
         assert sent == [compressed * (sync + 1) for sync in range(5)] + [5 * compressed + 4 * numel]
+        assert stats["exact_why"] == {"auto": {"calls": 1, "bytes": 4 * numel}}
+        assert (stats["exact_calls"], stats["exact_bytes"]) == (1, 4 * numel)
 
 
 def _sparse(kind):

@@ -3,13 +3,14 @@ state passes before it loads (ValueError naming what does not fit)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 
 from cgx.counters import RENAMED
 from cgx.diloco.fragments import Fragments
-from cgx.diloco.replicas import SYNC, Agreement, Replicas, current_rows
+from cgx.diloco.replicas import SYNC, Agreement, Replicas, current_rows, fresh_stats
 from cgx.diloco.syncs import Sync
 from cgx.diloco.tensors import local
 from cgx.residuals import Residuals, check_same_place
@@ -26,7 +27,7 @@ def saved(replicas: Replicas, fragments: Fragments, step: int, in_flight: list[S
     """A replica's state_dict(): the synced set's state, this rank's place, residuals and
     stats, the step and the syncs in flight (completed: their average is kept)."""
     return {**replicas.place(), **fragments.state(), "step": step, "residuals": replicas.residuals.cloned(),
-            "in_flight": _in_flight_state(in_flight), "stats": dict(replicas.stats)}
+            "in_flight": _in_flight_state(in_flight), "stats": copy.deepcopy(replicas.stats)}
 
 
 def loaded(state: dict[str, Any], replicas: Replicas, fragments: Fragments,
@@ -40,7 +41,8 @@ def loaded(state: dict[str, Any], replicas: Replicas, fragments: Fragments,
             sync.work.wait()
     fragments.load(state)
     replicas.residuals = Residuals({n: r.clone() for n, r in state["residuals"].items()})
-    replicas.stats = {RENAMED.get(k, k): v for k, v in state["stats"].items()}  # older names too
+    # Older names too, and counters added since (none counted).
+    replicas.stats = {**fresh_stats(), **{RENAMED.get(k, k): copy.deepcopy(v) for k, v in state["stats"].items()}}
     return int(state["step"]), _in_flight_of(state, fragments)
 
 

@@ -29,6 +29,7 @@ the ranks holding the same shard in each replica.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import warnings
@@ -469,6 +470,9 @@ class DiLoCo:
         payload_bytes (what this rank put into syncs, counted as each completes:
         compressed, or float32 where CGX_COMPRESSION_AUTO sent it exactly) against
         uncompressed_payload_bytes (float32), peak_payload_bytes (the largest single sync),
+        exact_calls, exact_bytes and exact_why: the syncs sent the exact way, their payload,
+        and why ('auto': CGX_COMPRESSION_AUTO timed it faster, 'policy': every layer of
+        the fragment exact),
         waits (syncs not yet complete when their result was due, and every sync without
         overlap: the inner loop waited on the link), wait_seconds and in_flight. In an
         elastic run also: replicas (in the current round), rounds (this replica was in),
@@ -479,7 +483,8 @@ class DiLoCo:
         if self._following:
             return Stats({"step": self.step})  # the replica's stats are its lead's
         elastic = {} if self._recovery is None else {"replicas": self._replicas.size, **self._recovery.stats}
-        return Stats({"step": self.step, **self._replicas.stats, "in_flight": len(self._in_flight), **elastic})
+        return Stats({"step": self.step, **copy.deepcopy(self._replicas.stats), "in_flight": len(self._in_flight),
+                      **elastic})
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: global weights, outer momentum, residuals, step, stats, which

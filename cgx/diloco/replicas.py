@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from cgx import _C
 from cgx.backend import exact, get_backend
+from cgx.counters import no_exact
 from cgx.diloco.tensors import local, move_by_dtype
 from cgx.elastic import Round
 from cgx.errors import CallMismatchError, CollectiveTimeoutError, PeerError
@@ -68,8 +69,7 @@ class Replicas:
         self.rank, self.size = rank, size
         self.skip_incomplete = self.backend.settings.skip_incomplete_buckets
         self.residuals = Residuals()
-        self.stats = {"outer_syncs": 0, "payload_bytes": 0, "uncompressed_payload_bytes": 0,
-                      "peak_payload_bytes": 0, "waits": 0, "wait_seconds": 0.0}
+        self.stats = fresh_stats()
 
     @classmethod
     def of_group(cls, group: dist.ProcessGroup) -> Replicas:
@@ -227,6 +227,12 @@ def current_rows(rows: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"cgx.DiLoCo: a checkpoint's agreement rows have {rows.shape[-1]} columns, a layout of no "
                          f"cgx version ({_STATE - 1}, {_STATE} or {ROW})")
     return rows.clone()
+
+
+def fresh_stats() -> dict[str, Any]:
+    """DiLoCo's sync counters before any sync (docs/stats.md)."""
+    return {"outer_syncs": 0, "payload_bytes": 0, "uncompressed_payload_bytes": 0, "peak_payload_bytes": 0,
+            **no_exact(), "waits": 0, "wait_seconds": 0.0}
 
 
 class ReplicasDiverged(dist.DistError):

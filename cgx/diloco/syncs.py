@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from cgx import _C
+from cgx.counters import count_exact
 from cgx.diloco.fragments import Fragment
 from cgx.diloco.replicas import ROW, SYNC, Agreement, Replicas
 from cgx.diloco.tensors import local
@@ -164,8 +165,9 @@ class DenseSync(Sync):
 
     def _average(self, replicas: Replicas) -> None:
         fragment = self.fragment
-        _count(replicas.stats, layout_bytes(fragment.layout, replicas.skip_incomplete, _C.sent_exactly(self.work)),
-               4 * fragment.numel)
+        sent_exactly = _C.sent_exactly(self.work)
+        _count(replicas.stats, layout_bytes(fragment.layout, replicas.skip_incomplete, sent_exactly),
+               4 * fragment.numel, "policy" if all_raw(fragment.layout) else "auto" if sent_exactly else None)
 
     @classmethod
     def start(cls, fragment: Fragment, replicas: Replicas, step: int, due: int, trained: Trained,
@@ -237,8 +239,9 @@ class SharedPlacesSync(Sync):
         sparse.put(self.averaged, self.places, self.outer_gradient)
         if self.residual is not None:
             sparse.put(self.dropped.narrow(0, 0, self.averaged.numel()), self.places, self.residual)
-        sent = layout_bytes(sparse.selected_layout(), replicas.skip_incomplete, _C.sent_exactly(self.work))
-        _count(replicas.stats, sent, 4 * self.fragment.numel)
+        sent_exactly = _C.sent_exactly(self.work)
+        sent = layout_bytes(sparse.selected_layout(), replicas.skip_incomplete, sent_exactly)
+        _count(replicas.stats, sent, 4 * self.fragment.numel, "auto" if sent_exactly else None)
         self.places = self.averaged = self.dropped = None
 
     @classmethod
@@ -311,8 +314,11 @@ def _with_residual(fragment: Fragment, replicas: Replicas, delta: torch.Tensor,
     return delta + fragment.top_k.decay * residual, residual
 
 
-def _count(stats: dict, payload_bytes: int, uncompressed_payload_bytes: int) -> None:
-    """A completed sync's payload in the stats (the agreement's rows are not counted)."""
+def _count(stats: dict, payload_bytes: int, uncompressed_payload_bytes: int, exact: str | None = None) -> None:
+    """A completed sync's payload in the stats (the agreement's rows are not counted);
+    `exact`: why it went the exact way, if it did."""
+    if exact is not None:
+        count_exact(stats, exact, payload_bytes)
     stats["payload_bytes"] += payload_bytes
     stats["uncompressed_payload_bytes"] += uncompressed_payload_bytes
     stats["peak_payload_bytes"] = max(stats["peak_payload_bytes"], payload_bytes)
