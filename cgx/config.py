@@ -10,6 +10,7 @@ docs/configuration.md shows it as :func:`markdown_table` writes it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import socket
@@ -282,9 +283,20 @@ def _not_valid(var: Variable, text: str) -> str:
     return f"{var.name}={text!r} is not valid: expected {var.accepted}"
 
 
+def _closest(name: str, known: list[str]) -> str | None:
+    """The known name most like `name`, word by word (a misspelt or missing word), if any is."""
+    def likeness(candidate: str) -> float:
+        words, theirs = name.split("_")[1:], candidate.split("_")[1:]
+        matched = sum(max(difflib.SequenceMatcher(None, w, t).ratio() for t in theirs) for w in words)
+        return matched / max(len(words), len(theirs))
+    best = max(known, key=likeness)
+    return best if likeness(best) >= 0.6 else None
+
+
 def describe(environ: Mapping[str, str] | None = None) -> tuple[str, list[str]]:
     """The table of variables with the value in effect and who set it, and a message for
-    each value that is not valid (its row says so instead of a value)."""
+    each value that is not valid (its row says so instead of a value) and each CGX_*
+    variable set that cgx does not read."""
     environ = os.environ if environ is None else environ
     rows, problems = [], []
     for var in VARIABLES:
@@ -302,6 +314,10 @@ def describe(environ: Mapping[str, str] | None = None) -> tuple[str, list[str]]:
         elif value is None and var.field == "shm_name_tag":
             value = "none"
         rows.append((var.name, str(value), source, var.accepted))
+    known = [var.name for var in VARIABLES]
+    for name in sorted(n for n in environ if n.startswith("CGX_") and n not in known):
+        close = _closest(name, known)
+        problems.append(f"{name} is not a variable cgx reads" + (f": did you mean {close}?" if close else ""))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
     return table, problems

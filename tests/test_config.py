@@ -195,6 +195,22 @@ def test_python_m_cgx_marks_a_bad_value_and_exits_1(tmp_path):
     assert "CGX_COMPRESSION_BUCKET_SIZE='12abc' is not valid: expected integer in 1..2^30" in out.stderr
 
 
+def test_python_m_cgx_names_a_misspelt_variable_and_exits_1_and_has_help(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CGX_")}
+    env["CGX_COMPRESION_BITS"] = "4"
+    out = subprocess.run([sys.executable, "-m", "cgx"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert ("CGX_COMPRESION_BITS is not a variable cgx reads: did you mean CGX_COMPRESSION_QUANTIZATION_BITS?"
+            in out.stderr)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CGX_")}
+    out = subprocess.run([sys.executable, "-m", "cgx", "--help"], capture_output=True, text=True, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m cgx") and "--markdown" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "cgx", "--table"], capture_output=True, text=True, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 2 and "unrecognized arguments: --table" in out.stderr
+
+
 def _configuration_md() -> str:
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")) as f:
         return f.read()
