@@ -160,6 +160,32 @@ def test_bad_sparse_settings_raise_naming_the_setting():
             assert got == want if want is None else got is not None and want in got, (want, got)
 
 
+def _top_k_differing(rank, world):
+    import cgx
+
+    init_cgx(rank, world)
+    model = _model(0)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    messages = []
+    for top_k in (cgx.diloco.TopK(k=4 + rank, chunk=64), cgx.diloco.TopK(k=4, chunk=64, decay=0.5 + 0.25 * rank),
+                  cgx.diloco.TopK(k=4, chunk=64) if rank else None):
+        try:
+            cgx.DiLoCo(model, inner, sync_every=4, top_k=top_k).close()
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_top_k_differing_between_ranks_is_refused_naming_the_field_and_both_values():
+    rank_0, rank_1 = values(run_ranks(_top_k_differing, 2, timeout_s=60))
+    assert ["top_k.k 4 here, 5 on group rank 1" in m for m in rank_0[:1]] == [True]
+    assert ["top_k.k 5 here, 4 on group rank 0" in m for m in rank_1[:1]] == [True]
+    assert "top_k.decay 0.5 here, 0.75 on group rank 1" in rank_0[1]
+    assert "top_k False here, True on group rank 1" in rank_0[2]
+    assert "top_k True here, False on group rank 0" in rank_1[2]
+
+
 @pytest.mark.parametrize("numel,k,chunk", [(5000, 32, 1024), (3000, 7, 7), (1000, 1, 7), (999, 3, 1000)])
 def test_a_payload_carries_each_chunks_top_k_places_in_elias_fanos_bits(numel, k, chunk):
     """One process: the places decode as the top-k of each chunk; a place costs the

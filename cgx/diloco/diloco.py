@@ -287,7 +287,7 @@ class DiLoCo:
     def _start_together(self) -> None:
         """The run's start: every replica starts from group rank 0's weights (ValueError
         on every rank where they built DiLoCo otherwise)."""
-        self._fragments.start_together(self._replicas, dataclasses.asdict(self._schedule))
+        self._fragments.start_together(self._replicas, _compared(self._schedule))
 
     # The hyper-parameters, as attributes (a value set is checked as the constructor's).
     sync_every = _schedule_field("sync_every")
@@ -515,6 +515,17 @@ class DiLoCo:
                                "elastic run when it joined; loading a checkpoint would set it apart from the others "
                                "(load checkpoints when every replica of the run starts again)")
         self.step, self._in_flight = loaded(state, self._replicas, self._fragments, self._in_flight)
+
+
+def _compared(schedule: _Schedule) -> dict[str, Any]:
+    """The schedule as the replicas compare it at the start: top_k field by field (the same
+    fields whether it is given or not), so that a difference names the field and both values."""
+    fields = dataclasses.asdict(schedule)
+    top_k = fields.pop("top_k")
+    fields["top_k"] = top_k is not None
+    for field in dataclasses.fields(TopK):
+        fields[f"top_k.{field.name}"] = field.default if top_k is None else top_k[field.name]
+    return fields
 
 
 def _terms(schedule: _Schedule, model, bits, bucket_size, policy) -> dict[str, Any]:
