@@ -3,6 +3,7 @@ behind a group, and lets a caller ask for exact calls on a compressing group."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -24,6 +25,13 @@ from cgx.machine import RankMachine, cuda_exact_backend, warn_if_oversubscribed
 _OWN_FIELDS = ("hostname", "shm_name_tag", "codec_threads")
 _SHARED_FIELDS = tuple(v.field for v in VARIABLES if v.field not in _OWN_FIELDS)
 
+
+# As Python exits, before it finalizes: cgx's threads finish and release what their calls
+# held (csrc/backend/thread_tasks.h), else a release that needs the GIL then ends the
+# process with std::terminate. A completed call releases in microseconds; a call still
+# waiting on a peer is not waited for past this bound (the process exits as it would).
+_EXIT_WAIT_SECONDS = 1.0
+atexit.register(_C.wait_for_thread_tasks, _EXIT_WAIT_SECONDS)
 
 # The settings C++ holds as enums, by the name cgx.config gives them.
 _ENUMS = {"scheme": _C.Scheme, "inner_communicator": _C.InnerCommunicator, "cross_communicator": _C.CrossCommunicator,

@@ -11,6 +11,7 @@
 #include "backend/argument_checks.h"
 #include "backend/process_group_cgx.h"
 #include "backend/tensor_codec.h"
+#include "backend/thread_tasks.h"
 #include "collectives/call_agreement.h"
 #include "collectives/path_choice.h"
 #include "compression/chunk_places.h"
@@ -386,6 +387,15 @@ PYBIND11_MODULE(_C, m) {
       py::arg("numel"), py::arg("bits"), py::arg("bucket_size"), py::kw_only(),
       py::arg("skip_incomplete_buckets") = false, py::arg("scheme") = "maxmin", "Bytes of the compressed form of numel values.");
 
+  m.def(
+      "wait_for_thread_tasks",
+      [](double seconds) {
+        return cgx::backend::thread_tasks::wait_released(
+            std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+      },
+      py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),
+      "Waits until every task queued to cgx's threads ran and released what it held, at most "
+      "`seconds`: False where they passed (cgx/backend.py calls it as Python exits).");
   m.def(
       "chunk_places",
       [](int64_t numel, int64_t chunk, int64_t k) {

@@ -7,6 +7,8 @@
 #include <system_error>
 #include <thread>
 
+#include "backend/thread_tasks.h"
+
 namespace cgx::backend {
 namespace {
 
@@ -18,6 +20,7 @@ class CallbackThreads {
   void run(std::function<void()> task) {
     std::unique_lock<std::mutex> lock(mutex_);
     tasks_.push_back(std::move(task));
+    thread_tasks::queued();
     if (idle_ >= tasks_.size()) {
       cv_.notify_one();
       return;
@@ -34,6 +37,8 @@ class CallbackThreads {
       tasks_.pop_back();
       lock.unlock();
       mine();
+      mine = nullptr;
+      thread_tasks::released();
     }
   }
 
@@ -55,6 +60,8 @@ class CallbackThreads {
       tasks_.pop_front();
       lock.unlock();
       task();
+      task = nullptr;
+      thread_tasks::released();
       lock.lock();
     }
   }

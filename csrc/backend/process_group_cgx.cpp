@@ -453,6 +453,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupCGX::enqueue_compressed(
       fail(Failure::kOther, "an unknown error in a compressed collective");
       error = std::current_exception();
     }
+    // The call's tensors released before its caller learns it completed: a caller that
+    // then exits must not leave its last reference to a tensor on this thread, whose
+    // release takes the GIL, which Python's exit does not give back (std::terminate).
+    body = nullptr;
     CGXWork::settle_async(std::move(work), error, done_on,
                           [completions = completions_, completion] { completions->end(completion); });
   };

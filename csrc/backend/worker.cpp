@@ -2,6 +2,8 @@
 
 #include <stdexcept>
 
+#include "backend/thread_tasks.h"
+
 namespace cgx::backend {
 
 Worker::Worker() : thread_([this] { loop(); }) {}
@@ -13,6 +15,7 @@ void Worker::enqueue(std::function<void()> task) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_) throw std::runtime_error("cgx: the process group has been shut down");
     tasks_.push_back(std::move(task));
+    thread_tasks::queued();
   }
   cv_.notify_one();
 }
@@ -42,6 +45,8 @@ void Worker::loop() {
       tasks_.pop_front();
     }
     task();
+    task = nullptr;
+    thread_tasks::released();
   }
 }
 
