@@ -20,18 +20,20 @@ import torch
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-def _blocks() -> list[tuple[str, str]]:
-    """(where, code) of every python block in README.md and docs/*.md."""
+def _blocks() -> list[tuple[str, str, str]]:
+    """(where, code, the line before) of every python block in README.md and docs/*.md."""
     blocks = []
     for path in ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
         with open(os.path.join(ROOT, path)) as f:
             text = f.read()
         for match in re.finditer(r"```python\n(.*?)```", text, re.S):
-            blocks.append((f"{path}:{text[:match.start()].count(chr(10)) + 1}", match.group(1)))
+            before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            blocks.append((f"{path}:{text[:match.start()].count(chr(10)) + 1}", match.group(1), before))
     return blocks
 
 
-PROGRAMS = [(where, code) for where, code in _blocks() if re.match(r"(import|from) ", code)]
+PROGRAMS = [(where, code) for where, code, _ in _blocks() if re.match(r"(import|from) ", code)]
+FRAGMENTS = [(where, before) for where, code, before in _blocks() if not re.match(r"(import|from) ", code)]
 
 
 def _undefined_names(code: str) -> set[str]:
@@ -53,6 +55,12 @@ def _undefined_names(code: str) -> set[str]:
 
 def test_the_docs_have_whole_programs_to_check():
     assert len(PROGRAMS) >= 6, [w for w, _ in PROGRAMS]
+
+
+def test_a_fragment_in_the_docs_follows_the_text_that_places_it():
+    """A block that is not a whole program comes after a sentence that says where it goes
+    (ending in a colon), not straight after a heading."""
+    assert [(where, before) for where, before in FRAGMENTS if not before.endswith(":") or before.startswith("#")] == []
 
 
 @pytest.mark.parametrize("where,code", PROGRAMS, ids=[w for w, _ in PROGRAMS])
