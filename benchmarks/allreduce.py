@@ -8,7 +8,8 @@ noisy machine slows them alike), for each size, world size and link rate:
 - `gloo-fp16`: cast to float16, Gloo allreduce, cast back (the casts are timed);
 - `cgx-<bits>-<SRA|Ring>`: the cgx backend, compressed where CGX_COMPRESSION_AUTO finds it
   pays (the table counts the timed calls it sent the exact way; CGX_COMPRESSION_AUTO=0
-  compresses every call; `--warmup 30` lets it settle first); with several ranks per host
+  compresses every call; the default 12 untimed calls of each size let it settle first);
+  with several ranks per host
   (`--ranks-per-host`) this is the hierarchical allreduce (shared memory inside a host,
   the algorithm across hosts), `-leader` its leader form (CGX_INTRA_BROADCAST), and
   `-flat` the same algorithm over all ranks with the topology ignored (every rank its own
@@ -69,9 +70,10 @@ def parse_args(argv=None):
     parser.add_argument("--methods", nargs="+", choices=METHODS + TOPOLOGY_METHODS,
                         default=METHODS)
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per method")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed calls per size and method first (CGX_COMPRESSION_AUTO "
-                             "settles within about 30 calls of a size)")
+    parser.add_argument("--warmup", type=int, default=12,
+                        help="untimed calls per size and method first (default 12: CGX_COMPRESSION_AUTO "
+                             "times 5 calls each way, then settles from the 11th, so the timed calls "
+                             "measure its steady state; 1 measures its trials)")
     parser.add_argument("--bucket-size", type=int, default=512)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the tensors are (default cpu)")
@@ -319,6 +321,9 @@ def main():
           f"bucket {args.bucket_size}, {args.ranks_per_host} rank(s) per host, "
           f"{time.time() - started:.0f} s")
     print(table(results))
+    if any(r.get("auto_calls", {}).get("exact") for r in results):
+        print("[n exact]: n of the timed calls went the exact way, where CGX_COMPRESSION_AUTO timed it faster "
+              "on this machine (the figure is then not compression's); CGX_COMPRESSION_AUTO=0 compresses every call")
     wire = wire_table(results)
     if wire:
         print("\n" + wire)
