@@ -28,7 +28,7 @@ N_HIERARCHY = 4 << 20  # hierarchy_worker.N
 
 def run_benchmark(tmp_path, *args):
     out = tmp_path / "allreduce.json"
-    cmd = [sys.executable, "-P", os.path.join(BENCHMARKS, "allreduce.py"), "--repeats", "1",
+    cmd = [sys.executable, "-P", os.path.join(BENCHMARKS, "allreduce.py"), "--repeats", "1", "--warmup", "1",
            "--json", str(out), "--plot", str(tmp_path / "allreduce.png"), *args]
     # Its pid names the emulated hosts it makes (netemu), which the caller checks are gone.
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as benchmark:
