@@ -272,6 +272,7 @@ def test_the_hook_counts_a_bucket_sent_exactly_as_float32_and_says_why():
         assert 0 < compressed < numel  # 4 bits: about an eighth of float32
         assert sent[2:7] == [8 * numel + compressed * (step + 1) for step in range(5)]
         assert sent[7] - sent[6] == 4 * numel
-        assert stats["exact_why"] == {"warmup": {"calls": 2, "bytes": 8 * numel}, "auto": {"calls": 1, "bytes": 4 * numel}}
+        assert stats["exact_why"] == {"warmup": {"calls": 2, "bytes": 8 * numel},
+                                      "auto": {"calls": 1, "bytes": 4 * numel}}
         assert (stats["exact_calls"], stats["exact_bytes"]) == (3, 12 * numel)
         assert backend_why == {"auto": {"calls": 1, "bytes": 4 * numel}}  # the backend's count of the same call
