@@ -562,6 +562,35 @@ def test_checkpoint_with_a_sync_in_flight_resumes_bit_identically():
         assert differing == []
 
 
+def _checkpoint_from_before_the_exact_counts(rank, world):
+    """A state saved before DiLoCo counted the syncs sent exactly (no exact_* in its
+    stats) loads: those counters start at none, the others go on."""
+    import cgx
+
+    init_cgx(rank, world)
+    model = _model(0)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = cgx.DiLoCo(model, inner, sync_every=2, bits=32)
+    for step in range(4):
+        _train_step(model, inner, rank, step)
+    state = diloco.state_dict()
+    before = dict(state["stats"])
+    for key in ("exact_calls", "exact_bytes", "exact_why"):
+        del state["stats"][key]
+    diloco.load_state_dict(state)
+    _train_step(model, inner, rank, 4)
+    _train_step(model, inner, rank, 5)
+    return before, diloco.stats()
+
+
+def test_a_checkpoint_from_before_the_exact_counts_loads():
+    for before, after in values(run_ranks(_checkpoint_from_before_the_exact_counts, 2)):
+        assert before["exact_calls"] == before["outer_syncs"] == 2  # bits=32: every sync exact, 'policy'
+        assert after["outer_syncs"] == 3 and after["exact_calls"] == 1
+        assert after["exact_why"] == {"policy": {"calls": 1, "bytes": after["exact_bytes"]}}
+        assert after["payload_bytes"] == 3 * before["payload_bytes"] // 2
+
+
 def _checkpoint_at_another_size(rank, world, saved_path):
     import cgx
 
