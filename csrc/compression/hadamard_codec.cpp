@@ -5,6 +5,7 @@
 // formula in the order written (the CUDA codec reproduces them bit for bit).
 #include "compression/hadamard_codec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -27,8 +28,12 @@ const GaussianLevels& gaussian_levels(int bits) {
   return tables[bits - 1];
 }
 
-// One bucket's working space on this thread: its values, its levels, the rotation's signs,
-// and the loops (rotated_loops.h) this CPU runs, looked up once per buffer.
+// Buckets encoded together: their sums of squares interleave (rotated_loops.h).
+constexpr int kBucketsTogether = 4;
+
+// The working space on this thread of kBucketsTogether buckets: their rotated values and
+// levels, the rotation's signs, and the loops (rotated_loops.h) this CPU runs, looked up
+// once per buffer.
 struct Scratch {
   float* values;
   uint8_t* levels;
@@ -39,39 +44,22 @@ struct Scratch {
 Scratch bucket_scratch(int64_t bucket) {
   thread_local std::vector<float> values;
   thread_local std::vector<uint8_t> levels;
-  values.resize(static_cast<size_t>(bucket));
-  levels.resize(static_cast<size_t>(bucket));
+  values.resize(static_cast<size_t>(bucket * kBucketsTogether));
+  levels.resize(static_cast<size_t>(bucket * kBucketsTogether));
   return {values.data(), levels.data(), rotation_signs(bucket), &rotated_loops()};
 }
 
-// Rotates one whole bucket of `src` into the scratch's values and writes its levels there;
-// returns the bucket's rms, or NaN (levels all 0) for a bucket holding NaN, Inf or a
-// magnitude of kMaxRotatedMagnitude or more.
-CGX_INLINE float encode_rotated(const float* __restrict src, int64_t len, int bits, bool stochastic,
-                                uint32_t first_index, uint32_t key, const Scratch& scratch) {
-  float* __restrict y = scratch.values;
-  uint8_t* __restrict levels = scratch.levels;
-  const RotatedLoops& loops = *scratch.loops;
-  int in_range = 1;
-  for (int64_t k = 0; k < len; ++k) in_range &= std::fabs(src[k]) < kMaxRotatedMagnitude;
-  if (!in_range) {
-    std::memset(levels, 0, static_cast<size_t>(len));
-    return std::numeric_limits<float>::quiet_NaN();
-  }
-  rotate(src, y, len, scratch.signs, loops.low_stages);
-  double lanes[4] = {0, 0, 0, 0};  // a fixed summation order: the same bits everywhere
-  for (int64_t k = 0; k < len; k += 4)
-    for (int l = 0; l < 4; ++l) lanes[l] += static_cast<double>(y[k + l]) * y[k + l];
-  const double mean_square = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) / static_cast<double>(len);
-  const float rms = static_cast<float>(std::sqrt(mean_square));
+// The levels of one rotated bucket `y` of rms `rms` (not NaN).
+CGX_INLINE void quantize_rotated(const float* __restrict y, int64_t len, float rms, int bits,
+                                 bool stochastic, uint32_t first_index, uint32_t key,
+                                 const RotatedLoops& loops, uint8_t* __restrict levels) {
   float inv = rms > 0.0f ? 1.0f / rms : 0.0f;
   if (!std::isfinite(inv)) inv = 0.0f;
-
   const GaussianLevels& t = gaussian_levels(bits);
   const int top = (1 << bits) - 1;
   if (!stochastic) {
     loops.nearest(y, len, inv, t, bits, levels);
-    return rms;
+    return;
   }
   for (int64_t k = 0; k < len; ++k) {
     const float z = y[k] * inv;
@@ -82,18 +70,6 @@ CGX_INLINE float encode_rotated(const float* __restrict src, int64_t len, int bi
     const float u = static_cast<float>(static_cast<int32_t>(h >> 8)) * 0x1p-24f;
     levels[k] = static_cast<uint8_t>(below + (u < p));
   }
-  return rms;
-}
-
-// Decodes the whole bucket whose levels are in the scratch into `out` (or adds it where
-// `add`).
-CGX_INLINE void decode_rotated(int64_t len, int bits, float rms, const Scratch& scratch, bool add,
-                               float* __restrict out) {
-  const GaussianLevels& t = gaussian_levels(bits);
-  float scaled[16] = {};  // each level times rms: the product every value of it decodes to
-  for (int j = 0; j < (1 << bits); ++j) scaled[j] = t.level[j] * rms;
-  scratch.loops->lookup(scratch.levels, len, scaled, scratch.values);
-  unrotate(scratch.values, len, scratch.signs, scratch.loops->low_stages, add, out);
 }
 
 // A hadamard buffer's shorter last bucket: its (min, scale) after the whole buckets' rms.
@@ -103,7 +79,9 @@ MaxminRun hadamard_tail(const QuantizerParams& params, const Layout& layout) {
                     static_cast<size_t>(layout.rotated_buckets) * sizeof(float));
 }
 
-// Whole buckets [first, last) of a hadamard buffer.
+// Whole buckets [first, last) of a hadamard buffer, kBucketsTogether at a time: each
+// rotated, their rms (NaN, levels all 0, for a bucket holding NaN, Inf or a magnitude of
+// kMaxRotatedMagnitude or more), levels, packed.
 CGX_AVX2_CLONE void encode_hadamard(const QuantizerParams& params, const Layout& layout,
                                     const float* src, uint64_t seed, uint32_t stream_offset,
                                     uint8_t* dst, int64_t first, int64_t last) {
@@ -111,12 +89,28 @@ CGX_AVX2_CLONE void encode_hadamard(const QuantizerParams& params, const Layout&
   const uint32_t key = stream_key(seed);
   uint8_t* stream = dst + layout.levels_offset;
   const Scratch scratch = bucket_scratch(bucket);
-  for (int64_t b = first; b < last; ++b) {
-    const int64_t start = b * bucket;
-    const float rms = encode_rotated(src + start, bucket, params.bits, params.stochastic,
-                                     stream_offset + static_cast<uint32_t>(start), key, scratch);
-    std::memcpy(dst + b * sizeof(float), &rms, sizeof(rms));
-    pack(params.bits, scratch.levels, bucket / 8, stream + start / 8 * params.bits);
+  const RotatedLoops& loops = *scratch.loops;
+  for (int64_t b = first; b < last; b += kBucketsTogether) {
+    const int count = static_cast<int>(std::min<int64_t>(kBucketsTogether, last - b));
+    bool in_range[kBucketsTogether];
+    for (int c = 0; c < count; ++c)
+      in_range[c] = loops.rotate(src + (b + c) * bucket, scratch.signs, bucket, scratch.values + c * bucket);
+    double sums[kBucketsTogether];
+    loops.sums_of_squares(scratch.values, bucket, count, sums);
+    for (int c = 0; c < count; ++c) {
+      const int64_t start = (b + c) * bucket;
+      float rms = std::numeric_limits<float>::quiet_NaN();
+      uint8_t* levels = scratch.levels + c * bucket;
+      if (in_range[c]) {
+        rms = static_cast<float>(std::sqrt(sums[c] / static_cast<double>(bucket)));
+        quantize_rotated(scratch.values + c * bucket, bucket, rms, params.bits, params.stochastic,
+                         stream_offset + static_cast<uint32_t>(start), key, loops, levels);
+      } else {
+        std::memset(levels, 0, static_cast<size_t>(bucket));
+      }
+      std::memcpy(dst + (b + c) * sizeof(float), &rms, sizeof(rms));
+      pack(params.bits, levels, bucket / 8, stream + start / 8 * params.bits);
+    }
   }
 }
 
@@ -126,12 +120,15 @@ CGX_AVX2_CLONE void decode_hadamard(const QuantizerParams& params, const Layout&
   const int64_t bucket = params.bucket_size;
   const uint8_t* stream = src + layout.levels_offset;
   const Scratch scratch = bucket_scratch(bucket);
+  const GaussianLevels& t = gaussian_levels(params.bits);
   for (int64_t b = first; b < last; ++b) {
     const int64_t start = b * bucket;
     float rms;
     std::memcpy(&rms, src + b * sizeof(float), sizeof(rms));
+    float scaled[16] = {};  // each level times rms: the product every value of it decodes to
+    for (int j = 0; j < (1 << params.bits); ++j) scaled[j] = t.level[j] * rms;
     unpack(params.bits, stream + start / 8 * params.bits, bucket / 8, scratch.levels);
-    decode_rotated(bucket, params.bits, rms, scratch, add, dst + start);
+    scratch.loops->unrotate(scratch.levels, scaled, scratch.signs, bucket, scratch.values, add, dst + start);
   }
 }
 

@@ -139,7 +139,7 @@ struct MaxminRun {
   int64_t first;       // its first value
 };
 
-MaxminRun maxmin_run(const QuantizerParams& params, const Layout& layout, int64_t first, int64_t last,
+inline MaxminRun maxmin_run(const QuantizerParams& params, const Layout& layout, int64_t first, int64_t last,
                      size_t meta_offset) {
   MaxminRun run;
   run.first = first;

@@ -1,5 +1,8 @@
 #include "compression/rotated_loops.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "compression/rotation.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -12,10 +15,22 @@ namespace {
 
 // ---- portable
 
-void low_stages_portable(float* x, int64_t n) {
-  butterflies(x, n, 1);  // constant strides, so that the compiler vectorizes each
-  butterflies(x, n, 2);
-  butterflies(x, n, 4);
+bool rotate_portable(const float* src, const float* signs, int64_t n, float* y) {
+  int in_range = 1;
+  for (int64_t k = 0; k < n; ++k) in_range &= std::fabs(src[k]) < kMaxRotatedMagnitude;
+  if (in_range) rotate(src, y, n, signs);
+  return in_range;
+}
+
+double sum_of_squares(const float* y, int64_t n) {
+  double lanes[4] = {0, 0, 0, 0};
+  for (int64_t k = 0; k < n; k += 4)
+    for (int l = 0; l < 4; ++l) lanes[l] += static_cast<double>(y[k + l]) * y[k + l];
+  return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+}
+
+void sums_of_squares_portable(const float* y, int64_t n, int count, double* sums) {
+  for (int b = 0; b < count; ++b) sums[b] = sum_of_squares(y + b * n, n);
 }
 
 // The width a constant, so that the loop over the midpoints unrolls.
@@ -40,9 +55,10 @@ void nearest_portable(const float* y, int64_t n, float inv, const GaussianLevels
   }
 }
 
-void lookup_portable(const uint8_t* __restrict levels, int64_t n, const float* __restrict scaled,
-                     float* __restrict y) {
-  for (int64_t k = 0; k < n; ++k) y[k] = scaled[levels[k]];
+void unrotate_portable(const uint8_t* levels, const float* scaled, const float* signs, int64_t n,
+                       float* scratch, bool add, float* out) {
+  for (int64_t k = 0; k < n; ++k) scratch[k] = scaled[levels[k]];
+  unrotate(scratch, n, signs, add, out);
 }
 
 // ---- AVX2
@@ -58,14 +74,113 @@ CGX_AVX2 inline __m256 stage_in_register(__m256 a, __m256 b) {
   return _mm256_blend_ps(_mm256_add_ps(a, b), _mm256_sub_ps(b, a), Mask);
 }
 
-CGX_AVX2 void low_stages_avx2(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; i += 8) {
-    __m256 v = _mm256_loadu_ps(x + i);
-    v = stage_in_register<0b10101010>(v, _mm256_permute_ps(v, 0b10110001));
-    v = stage_in_register<0b11001100>(v, _mm256_permute_ps(v, 0b01001110));
-    v = stage_in_register<0b11110000>(v, _mm256_permute2f128_ps(v, v, 1));
-    _mm256_storeu_ps(x + i, v);
+CGX_AVX2 inline __m256 low_stages_in_register(__m256 v) {
+  v = stage_in_register<0b10101010>(v, _mm256_permute_ps(v, 0b10110001));
+  v = stage_in_register<0b11001100>(v, _mm256_permute_ps(v, 0b01001110));
+  return stage_in_register<0b11110000>(v, _mm256_permute2f128_ps(v, v, 1));
+}
+
+// The stages across Count registers (1, 2, 4 or 8) in order: pairs 1, then 2, then 4
+// apart. Count a constant, so that the loops unroll and v stays in registers.
+template <int Count>
+CGX_AVX2 inline void stages_across(__m256* v) {
+#pragma GCC unroll 4
+  for (int h = 1; h < Count; h *= 2)
+#pragma GCC unroll 8
+    for (int i = 0; i < Count; i += 2 * h)
+#pragma GCC unroll 8
+      for (int k = i; k < i + h; ++k) {
+        const __m256 a = v[k], b = v[k + h];
+        v[k] = _mm256_add_ps(a, b);
+        v[k + h] = _mm256_sub_ps(a, b);
+      }
+}
+
+// The stages h, 2h, ... (log2 Count of them) of x (h >= 8): each pass loads Count
+// registers at distance h, makes the stages in them and stores them.
+template <int Count>
+CGX_AVX2 void stages_across_memory(float* x, int64_t n, int64_t h) {
+  for (int64_t i = 0; i < n; i += Count * h)
+    for (int64_t k = i; k < i + h; k += 8) {
+      __m256 v[Count];
+      for (int j = 0; j < Count; ++j) v[j] = _mm256_loadu_ps(x + k + j * h);
+      stages_across<Count>(v);
+      for (int j = 0; j < Count; ++j) _mm256_storeu_ps(x + k + j * h, v[j]);
+    }
+}
+
+// The stages h, 2h, ... n/2 of x (h >= 8, a power of two), three a pass where they can.
+CGX_AVX2 void stages_from(float* x, int64_t n, int64_t h) {
+  for (; 8 * h <= n; h *= 8) stages_across_memory<8>(x, n, h);
+  if (4 * h <= n) stages_across_memory<4>(x, n, h);
+  else if (2 * h <= n) stages_across_memory<2>(x, n, h);
+}
+
+// The first stages (h = 1 .. 4 * Count) of each 8 * Count values of y, whose registers
+// `load(k)` gives in turn.
+template <int Count, typename Load>
+CGX_AVX2 inline void low_stages_of(Load& load, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; i += 8 * Count) {
+    __m256 v[Count];
+    for (int j = 0; j < Count; ++j) v[j] = low_stages_in_register(load(i + 8 * j));
+    stages_across<Count>(v);
+    for (int j = 0; j < Count; ++j) _mm256_storeu_ps(y + i + 8 * j, v[j]);
   }
+}
+
+// The n-point transform of the values `load` gives, into y: the first six stages (as far
+// as n reaches) of each 64 values in registers, then the rest.
+template <typename Load>
+CGX_AVX2 inline void walsh_hadamard_of(Load& load, int64_t n, float* y) {
+  switch (std::min<int64_t>(n / 8, 8)) {
+    case 1: low_stages_of<1>(load, n, y); return;
+    case 2: low_stages_of<2>(load, n, y); return;
+    case 4: low_stages_of<4>(load, n, y); return;
+    default: low_stages_of<8>(load, n, y);
+  }
+  stages_from(y, n, 64);
+}
+
+// A bucket's registers as rotate reads them: signed and scaled by 1/n, noting any value
+// out of range.
+struct SignedInput {
+  const float* src;
+  const float* signs;
+  __m256 inv_n, magnitude, limit;
+  __m256 outside;  // all ones in a lane that met a value >= limit, or NaN
+  CGX_AVX2 __m256 operator()(int64_t k) {
+    const __m256 x = _mm256_loadu_ps(src + k);
+    outside = _mm256_or_ps(outside, _mm256_cmp_ps(_mm256_and_ps(x, magnitude), limit, _CMP_NLT_UQ));
+    return _mm256_mul_ps(x, _mm256_mul_ps(_mm256_loadu_ps(signs + k), inv_n));
+  }
+};
+
+CGX_AVX2 bool rotate_avx2(const float* src, const float* signs, int64_t n, float* y) {
+  SignedInput input{src, signs, _mm256_set1_ps(1.0f / static_cast<float>(n)),
+                    _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)),
+                    _mm256_set1_ps(kMaxRotatedMagnitude), _mm256_setzero_ps()};
+  walsh_hadamard_of(input, n, y);
+  return _mm256_testz_ps(input.outside, input.outside);
+}
+
+// Four buckets' chains of additions interleaved (each in its own order), so that each
+// waits less on the latency of the last.
+CGX_AVX2 void sums_of_squares_avx2(const float* y, int64_t n, int count, double* sums) {
+  int b = 0;
+  for (; b + 4 <= count; b += 4) {
+    __m256d lanes[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    for (int64_t k = 0; k < n; k += 4)
+      for (int c = 0; c < 4; ++c) {
+        const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(y + (b + c) * n + k));
+        lanes[c] = _mm256_add_pd(lanes[c], _mm256_mul_pd(v, v));
+      }
+    for (int c = 0; c < 4; ++c) {
+      alignas(32) double l[4];
+      _mm256_store_pd(l, lanes[c]);
+      sums[b + c] = (l[0] + l[1]) + (l[2] + l[3]);
+    }
+  }
+  for (; b < count; ++b) sums[b] = sum_of_squares(y + b * n, n);
 }
 
 // Entry j of a 16-entry table held as its entries 0..7 and 8..15, for each lane's j < 16.
@@ -134,11 +249,22 @@ CGX_AVX2 void nearest_avx2(const float* y, int64_t n, float inv, const GaussianL
   }
 }
 
-CGX_AVX2 void lookup_avx2(const uint8_t* levels, int64_t n, const float* scaled, float* y) {
-  const __m256 low = _mm256_loadu_ps(scaled), high = _mm256_loadu_ps(scaled + 8);
+// A bucket's registers as unrotate reads them: each value its level's entry of the table.
+struct LevelEntries {
+  const uint8_t* levels;
+  __m256 low, high;
+  CGX_AVX2 __m256 operator()(int64_t k) const {
+    return entry_at(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(levels + k))), low, high);
+  }
+};
+
+CGX_AVX2 void unrotate_avx2(const uint8_t* levels, const float* scaled, const float* signs, int64_t n,
+                           float* scratch, bool add, float* out) {
+  LevelEntries entries{levels, _mm256_loadu_ps(scaled), _mm256_loadu_ps(scaled + 8)};
+  walsh_hadamard_of(entries, n, scratch);
   for (int64_t k = 0; k < n; k += 8) {
-    const __m256i j = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(levels + k)));
-    _mm256_storeu_ps(y + k, entry_at(j, low, high));
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(scratch + k), _mm256_loadu_ps(signs + k));
+    _mm256_storeu_ps(out + k, add ? _mm256_add_ps(_mm256_loadu_ps(out + k), v) : v);
   }
 }
 
@@ -151,13 +277,13 @@ bool cpu_has_avx2() {
 }  // namespace
 
 const RotatedLoops& portable_rotated_loops() {
-  static const RotatedLoops loops{low_stages_portable, nearest_portable, lookup_portable};
+  static const RotatedLoops loops{rotate_portable, sums_of_squares_portable, nearest_portable, unrotate_portable};
   return loops;
 }
 
 const RotatedLoops* avx2_rotated_loops() {
 #ifdef CGX_ROTATED_AVX2
-  static const RotatedLoops loops{low_stages_avx2, nearest_avx2, lookup_avx2};
+  static const RotatedLoops loops{rotate_avx2, sums_of_squares_avx2, nearest_avx2, unrotate_avx2};
   static const bool available = cpu_has_avx2();
   return available ? &loops : nullptr;
 #else

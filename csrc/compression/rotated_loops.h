@@ -1,9 +1,13 @@
-// The hadamard scheme's three hottest per-bucket loops on the CPU (quantizer.cpp), each in
-// a portable form and, on x86-64, an AVX2 form written with intrinsics, which the compiler
-// does not find on its own: the three lowest butterfly stages inside 8-wide registers,
-// round-to-nearest at 4 bits by a binary search over the midpoints (4 comparisons, not
-// 15), and decoding through the table of levels held in two registers. Both forms do the
-// same float operations on every value (sums and differences of the same pairs,
+// The hadamard scheme's per-bucket loops on the CPU (hadamard_codec.cpp), each in a
+// portable form, the reference, built from rotation.h's scalar stages, and on x86-64 an
+// AVX2 form written with intrinsics, which the compiler does not find on its own. The AVX2
+// rotation reads a bucket once: signs, the three butterfly stages inside an 8-wide register
+// and the next three across 8 registers in one pass over each 64 values, then three
+// stages a pass; its sums of squares run over several buckets at once, whose chains of
+// double additions (the order fixed by the wire format) are independent; 4-bit rounding is
+// a binary search over the midpoints (4 comparisons, not 15); decoding reads its levels
+// through the table of levels held in two registers. Both forms do the same float
+// operations on every value in the same order (sums and differences of the same pairs,
 // comparisons, one multiply), so they write the same bits; tests/cpp/test_quantizer.cpp
 // compares them.
 #pragma once
@@ -15,15 +19,21 @@
 namespace cgx::compression {
 
 struct RotatedLoops {
-  // The butterfly stages h = 1, 2 and 4 of rotation.h's walsh_hadamard, in order, on x[0, n)
-  // (n a multiple of 8).
-  void (*low_stages)(float* x, int64_t n);
+  // y <- H D src / n (rotation.h's rotate), n a power of two from 8 up; `signs` from
+  // rotation_signs(n). Returns whether every |src[k]| < kMaxRotatedMagnitude (false for NaN
+  // too); y is unspecified where it returns false.
+  bool (*rotate)(const float* src, const float* signs, int64_t n, float* y);
+  // sums[b] = the sum of the squares of bucket b of `count` consecutive buckets of n values
+  // at y, in double, as four lanes over k mod 4 in ascending k, then (l0 + l1) + (l2 + l3).
+  void (*sums_of_squares)(const float* y, int64_t n, int count, double* sums);
   // levels[k] = how many of t's midpoints y[k] * inv reaches (0 for NaN), for `bits` in
   // 1..4 and n a multiple of 8.
   void (*nearest)(const float* y, int64_t n, float inv, const GaussianLevels& t, int bits,
                   uint8_t* levels);
-  // y[k] = scaled[levels[k]] (levels below 16; n a multiple of 8).
-  void (*lookup)(const uint8_t* levels, int64_t n, const float* scaled, float* y);
+  // out <- D H y (or out + D H y where `add`; rotation.h's unrotate) with y[k] =
+  // scaled[levels[k]] (levels below 16), using `scratch` (n floats) for y.
+  void (*unrotate)(const uint8_t* levels, const float* scaled, const float* signs, int64_t n,
+                   float* scratch, bool add, float* out);
 };
 
 // The portable loops.

@@ -3,8 +3,8 @@
 // fixed pseudo-random half of the positions and H is the n-point Walsh-Hadamard transform
 // (n a power of two). Rotating spreads an outlier over the whole bucket, so the rotated
 // values are close to normal and a few levels cover them well. Header-only: the codec's
-// SSE2 and AVX2 clones each inline their own copy; the CUDA kernels make the same stages
-// across a warp.
+// portable loops (rotated_loops.h) are these; the AVX2 loops and the CUDA kernels make the
+// same stages in their own order of passes.
 //
 // The prescale by 1/n is exact (a power of two) and happens first, so no butterfly can
 // overflow: every partial sum is a mean of at most n values. The butterflies run in a fixed
@@ -69,22 +69,28 @@ inline void high_stages(float* __restrict x, int64_t n) {
   if (h < n) butterflies(x, n, h);
 }
 
-// x <- H D src / n; `signs` from rotation_signs(n). The stages h = 1, 2, 4 (the butterflies
-// inside 8 values) are `low_stages` (rotated_loops.h).
+// The n-point Walsh-Hadamard transform of x in place: the stages h = 1, 2, 4 (constant
+// strides, so that the compiler vectorizes each), then high_stages.
+inline void walsh_hadamard(float* __restrict x, int64_t n) {
+  butterflies(x, n, 1);
+  butterflies(x, n, 2);
+  butterflies(x, n, 4);
+  high_stages(x, n);
+}
+
+// x <- H D src / n; `signs` from rotation_signs(n). The reference for rotated_loops.h.
 inline void rotate(const float* __restrict src, float* __restrict x, int64_t n,
-                   const float* __restrict signs, void (*low_stages)(float*, int64_t)) {
+                   const float* __restrict signs) {
   const float inv_n = 1.0f / static_cast<float>(n);  // exact: n is a power of two
   for (int64_t j = 0; j < n; ++j) x[j] = src[j] * (signs[j] * inv_n);
-  low_stages(x, n);
-  high_stages(x, n);
+  walsh_hadamard(x, n);
 }
 
 // out <- D H y (or out + D H y where `add`), the inverse of rotate (H H = n I) up to float
 // rounding; y is left rotated back but unsigned.
-inline void unrotate(float* __restrict y, int64_t n, const float* __restrict signs,
-                     void (*low_stages)(float*, int64_t), bool add, float* __restrict out) {
-  low_stages(y, n);
-  high_stages(y, n);
+inline void unrotate(float* __restrict y, int64_t n, const float* __restrict signs, bool add,
+                     float* __restrict out) {
+  walsh_hadamard(y, n);
   if (add)
     for (int64_t j = 0; j < n; ++j) out[j] = out[j] + y[j] * signs[j];
   else

@@ -150,10 +150,9 @@ CGX_TEST(rotation_inverse_recovers_the_input) {
     const std::vector<float> x = random_values(n, static_cast<uint32_t>(n));
     std::vector<float> y(x.size()), back(x.size());
     const float* signs = compression::rotation_signs(n);
-    const auto low_stages = compression::rotated_loops().low_stages;
-    compression::rotate(x.data(), y.data(), n, signs, low_stages);
+    compression::rotate(x.data(), y.data(), n, signs);
     CHECK(y != x);
-    compression::unrotate(y.data(), n, signs, low_stages, false, back.data());
+    compression::unrotate(y.data(), n, signs, false, back.data());
     float worst = 0, largest = 0;
     for (int64_t i = 0; i < n; ++i) {
       worst = std::max(worst, std::fabs(back[i] - x[i]));
@@ -181,7 +180,9 @@ std::vector<float> loop_inputs(const compression::GaussianLevels& t, int bits, i
   return v;
 }
 
-// The AVX2 loops write the portable loops' bits, and nearest counts the midpoints reached.
+// The AVX2 loops write the portable loops' bits (rotation, its range check, sums of
+// squares over 1-5 buckets, rounding, the inverse rotation with and without the add), and
+// nearest counts the midpoints reached.
 CGX_TEST(hadamard_avx2_loops_write_the_portable_loops_bits) {
   const compression::RotatedLoops& portable = compression::portable_rotated_loops();
   const compression::RotatedLoops* avx2 = compression::avx2_rotated_loops();
@@ -191,12 +192,34 @@ CGX_TEST(hadamard_avx2_loops_write_the_portable_loops_bits) {
   const compression::RotatedLoops& fast = avx2 ? *avx2 : portable;
   for (int bits = 1; bits <= compression::kMaxHadamardBits; ++bits) {
     const compression::GaussianLevels t = compression::gaussian_levels_of(bits);
-    for (const int64_t n : {8, 16, 64, 512}) {
+    for (const int64_t n : {8, 16, 32, 64, 128, 512, 4096, 32768}) {
+      const float* signs = compression::rotation_signs(n);
       const std::vector<float> in = loop_inputs(t, bits, n, static_cast<uint32_t>(n * 7 + bits));
-      std::vector<float> a = in, b = in;
-      portable.low_stages(a.data(), n);
-      fast.low_stages(b.data(), n);
-      CHECK(same_bits(a, b));
+      // In range: ordinary values at many scales (loop_inputs without its specials).
+      std::vector<float> ordinary = random_values(n, static_cast<uint32_t>(n * 5 + bits));
+      for (int64_t k = 0; k < n; ++k) ordinary[static_cast<size_t>(k)] *= std::ldexp(1.0f, static_cast<int>(k % 13) - 6);
+      std::vector<float> ya(static_cast<size_t>(n)), yb(static_cast<size_t>(n));
+      CHECK(portable.rotate(ordinary.data(), signs, n, ya.data()));
+      CHECK(fast.rotate(ordinary.data(), signs, n, yb.data()));
+      CHECK(same_bits(ya, yb));
+      // Out of range (NaN, Inf, FLT_MAX, 1e30 among them) anywhere: both say so.
+      CHECK(!portable.rotate(in.data(), signs, n, ya.data()));
+      CHECK(!fast.rotate(in.data(), signs, n, yb.data()));
+      for (const float outside : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity(),
+                                  compression::kMaxRotatedMagnitude, -0x1p100f}) {
+        std::vector<float> one = ordinary;
+        one[static_cast<size_t>((n * 3) / 4 + 1) % static_cast<size_t>(n)] = outside;
+        CHECK(!portable.rotate(one.data(), signs, n, ya.data()));
+        CHECK(!fast.rotate(one.data(), signs, n, yb.data()));
+      }
+      for (int count = 1; count <= 5; ++count) {
+        std::vector<float> many(static_cast<size_t>(n * count));
+        for (size_t k = 0; k < many.size(); ++k) many[k] = in[k % in.size()] * static_cast<float>(1 + k / in.size());
+        std::vector<double> sa(static_cast<size_t>(count)), sb(static_cast<size_t>(count));
+        portable.sums_of_squares(many.data(), n, count, sa.data());
+        fast.sums_of_squares(many.data(), n, count, sb.data());
+        CHECK(std::memcmp(sa.data(), sb.data(), sa.size() * sizeof(double)) == 0);
+      }
       for (const float inv : {1.0f, 0.0f, 0.37f, 3.0f, 1e30f}) {
         std::vector<uint8_t> la(static_cast<size_t>(n)), lb(static_cast<size_t>(n));
         portable.nearest(in.data(), n, inv, t, bits, la.data());
@@ -211,11 +234,14 @@ CGX_TEST(hadamard_avx2_loops_write_the_portable_loops_bits) {
       std::vector<uint8_t> levels(static_cast<size_t>(n));
       for (int64_t k = 0; k < n; ++k) levels[static_cast<size_t>(k)] = static_cast<uint8_t>((k * 7 + k / 16) % (1 << bits));
       float scaled[16];
-      for (int j = 0; j < 16; ++j) scaled[j] = in[static_cast<size_t>(j % n)];
-      std::vector<float> ya(static_cast<size_t>(n)), yb(static_cast<size_t>(n));
-      portable.lookup(levels.data(), n, scaled, ya.data());
-      fast.lookup(levels.data(), n, scaled, yb.data());
-      CHECK(same_bits(ya, yb));
+      for (int j = 0; j < 16; ++j) scaled[j] = ordinary[static_cast<size_t>(j % n)];
+      for (const bool add : {false, true}) {
+        std::vector<float> oa = ordinary, ob = ordinary, scratch(static_cast<size_t>(n));
+        portable.unrotate(levels.data(), scaled, signs, n, scratch.data(), add, oa.data());
+        fast.unrotate(levels.data(), scaled, signs, n, scratch.data(), add, ob.data());
+        CHECK(same_bits(oa, ob));
+        CHECK(!same_bits(oa, ordinary));
+      }
     }
   }
 }
