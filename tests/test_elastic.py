@@ -2016,8 +2016,9 @@ def _dropped_by_torch_and_back(replica, replicas, port):
     """Replicas 0-2 run DiLoCo (replica 0 serves the store too). From inner step 6,
     replica 2's heartbeats stop while it trains on (a busy machine's starved thread, made
     sure): torch's rendezvous drops it after 3 missed beats (3 s), it learns so at its next
-    sync, leaves its round and asks to join again; its heartbeats go on once it is in a new
-    round. Every replica ends at one step with one global digest, and the two that stayed
+    sync, leaves its round and asks to join again; its heartbeats go on once it has left
+    that round (silent through its admission to the next, a joiner the members take in at
+    a sync of theirs, it was dropped again where that took 3 s: CI, loaded, once). Every replica ends at one step with one global digest, and the two that stayed
     count the drop alike: one replica lost, one joined (before: a drop seen by one rank
     and not another left them out of step at close())."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
@@ -2038,10 +2039,11 @@ def _dropped_by_torch_and_back(replica, replicas, port):
         def starved(handler):
             if diloco.step >= 6 and not silent_in:
                 silent_in.append(membership.rounds)
-            if silent_in and membership.rounds == silent_in[0]:
-                return  # no beat while in the round it was dropped from
-            if silent_in:
-                beats.set("dropped-back/back", "1")  # beating again, in a round after the drop
+            in_the_round_dropped_from = silent_in and membership.rounds == silent_in[0]
+            if in_the_round_dropped_from and membership.round is not None:
+                return  # no beat until it has left the round torch dropped it from
+            if silent_in and not in_the_round_dropped_from:
+                beats.set("dropped-back/back", "1")  # in a round after the drop
             keep_alive(handler)
         dynamic_rendezvous.DynamicRendezvousHandler._keep_alive = starved
     step, digest, stats = _train_to_an_agreed_end(
