@@ -64,20 +64,23 @@ void unrotate_portable(const uint8_t* levels, const float* scaled, const float* 
 // ---- AVX2
 
 #ifdef CGX_ROTATED_AVX2
-#define CGX_AVX2 __attribute__((target("avx2")))
+#define CGX_AVX2 __attribute__((target("avx2,fma")))
 
 // One stage inside each 8-value register: with b the register's values swapped in pairs at
-// distance h, lanes whose partner is above them keep a + b and the others take b - a, which
-// is the scalar stage's a - b for that pair (a + b is the same sum either way round).
-template <int Mask>
-CGX_AVX2 inline __m256 stage_in_register(__m256 a, __m256 b) {
-  return _mm256_blend_ps(_mm256_add_ps(a, b), _mm256_sub_ps(b, a), Mask);
+// distance h, lanes whose partner is above them take b + a and the others b - a, the
+// scalar stage's a + b and a - b for that pair: one fused multiply-add by +-1 (the product
+// exact, the sum rounded once, as the scalar addition or subtraction is).
+CGX_AVX2 inline __m256 stage_in_register(__m256 a, __m256 b, __m256 sign) {
+  return _mm256_fmadd_ps(a, sign, b);
 }
 
 CGX_AVX2 inline __m256 low_stages_in_register(__m256 v) {
-  v = stage_in_register<0b10101010>(v, _mm256_permute_ps(v, 0b10110001));
-  v = stage_in_register<0b11001100>(v, _mm256_permute_ps(v, 0b01001110));
-  return stage_in_register<0b11110000>(v, _mm256_permute2f128_ps(v, v, 1));
+  const __m256 pairs = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+  const __m256 quads = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+  const __m256 halves = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+  v = stage_in_register(v, _mm256_permute_ps(v, 0b10110001), pairs);
+  v = stage_in_register(v, _mm256_permute_ps(v, 0b01001110), quads);
+  return stage_in_register(v, _mm256_permute2f128_ps(v, v, 1), halves);
 }
 
 // The stages across Count registers (1, 2, 4 or 8) in order: pairs 1, then 2, then 4
@@ -97,48 +100,62 @@ CGX_AVX2 inline void stages_across(__m256* v) {
 }
 
 // The stages h, 2h, ... (log2 Count of them) of x (h >= 8): each pass loads Count
-// registers at distance h, makes the stages in them and stores them.
-template <int Count>
-CGX_AVX2 void stages_across_memory(float* x, int64_t n, int64_t h) {
+// registers at distance h, makes the stages in them and gives them to `store(k, v)`.
+template <int Count, typename Store>
+CGX_AVX2 inline void stages_across_memory(float* x, int64_t n, int64_t h, Store& store) {
   for (int64_t i = 0; i < n; i += Count * h)
     for (int64_t k = i; k < i + h; k += 8) {
       __m256 v[Count];
       for (int j = 0; j < Count; ++j) v[j] = _mm256_loadu_ps(x + k + j * h);
       stages_across<Count>(v);
-      for (int j = 0; j < Count; ++j) _mm256_storeu_ps(x + k + j * h, v[j]);
+      for (int j = 0; j < Count; ++j) store(k + j * h, v[j]);
     }
 }
 
-// The stages h, 2h, ... n/2 of x (h >= 8, a power of two), three a pass where they can.
-CGX_AVX2 void stages_from(float* x, int64_t n, int64_t h) {
-  for (; 8 * h <= n; h *= 8) stages_across_memory<8>(x, n, h);
-  if (4 * h <= n) stages_across_memory<4>(x, n, h);
-  else if (2 * h <= n) stages_across_memory<2>(x, n, h);
+// Registers stored back where they came from.
+struct InPlace {
+  float* x;
+  CGX_AVX2 void operator()(int64_t k, __m256 v) const { _mm256_storeu_ps(x + k, v); }
+};
+
+// The stages h, 2h, ... n/2 of x (h >= 8, a power of two below n), three a pass where
+// they can; the last pass gives its registers to `store`.
+template <typename Store>
+CGX_AVX2 inline void stages_from(float* x, int64_t n, int64_t h, Store& store) {
+  InPlace in_place{x};
+  for (; 8 * h < n; h *= 8) stages_across_memory<8>(x, n, h, in_place);
+  if (8 * h == n) stages_across_memory<8>(x, n, h, store);
+  else if (4 * h == n) stages_across_memory<4>(x, n, h, store);
+  else stages_across_memory<2>(x, n, h, store);
 }
 
-// The first stages (h = 1 .. 4 * Count) of each 8 * Count values of y, whose registers
-// `load(k)` gives in turn.
-template <int Count, typename Load>
-CGX_AVX2 inline void low_stages_of(Load& load, int64_t n, float* y) {
+// The first stages (h = 1 .. 4 * Count) of each 8 * Count values, whose registers
+// `load(k)` gives in turn, to `store(k, v)`.
+template <int Count, typename Load, typename Store>
+CGX_AVX2 inline void low_stages_of(Load& load, int64_t n, Store& store) {
   for (int64_t i = 0; i < n; i += 8 * Count) {
     __m256 v[Count];
     for (int j = 0; j < Count; ++j) v[j] = low_stages_in_register(load(i + 8 * j));
     stages_across<Count>(v);
-    for (int j = 0; j < Count; ++j) _mm256_storeu_ps(y + i + 8 * j, v[j]);
+    for (int j = 0; j < Count; ++j) store(i + 8 * j, v[j]);
   }
 }
 
-// The n-point transform of the values `load` gives, into y: the first six stages (as far
-// as n reaches) of each 64 values in registers, then the rest.
-template <typename Load>
-CGX_AVX2 inline void walsh_hadamard_of(Load& load, int64_t n, float* y) {
+// The n-point transform of the values `load` gives, its registers to `store` at the end:
+// the first six stages (as far as n reaches) of each 64 values in registers (into y where
+// stages remain), then the rest.
+template <typename Load, typename Store>
+CGX_AVX2 inline void walsh_hadamard_of(Load& load, int64_t n, float* y, Store& store) {
+  InPlace in_y{y};
   switch (std::min<int64_t>(n / 8, 8)) {
-    case 1: low_stages_of<1>(load, n, y); return;
-    case 2: low_stages_of<2>(load, n, y); return;
-    case 4: low_stages_of<4>(load, n, y); return;
-    default: low_stages_of<8>(load, n, y);
+    case 1: return low_stages_of<1>(load, n, store);
+    case 2: return low_stages_of<2>(load, n, store);
+    case 4: return low_stages_of<4>(load, n, store);
+    default:
+      if (n == 64) return low_stages_of<8>(load, n, store);
+      low_stages_of<8>(load, n, in_y);
   }
-  stages_from(y, n, 64);
+  stages_from(y, n, 64, store);
 }
 
 // A bucket's registers as rotate reads them: signed and scaled by 1/n, noting any value
@@ -159,7 +176,8 @@ CGX_AVX2 bool rotate_avx2(const float* src, const float* signs, int64_t n, float
   SignedInput input{src, signs, _mm256_set1_ps(1.0f / static_cast<float>(n)),
                     _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)),
                     _mm256_set1_ps(kMaxRotatedMagnitude), _mm256_setzero_ps()};
-  walsh_hadamard_of(input, n, y);
+  InPlace into_y{y};
+  walsh_hadamard_of(input, n, y, into_y);
   return _mm256_testz_ps(input.outside, input.outside);
 }
 
@@ -258,19 +276,27 @@ struct LevelEntries {
   }
 };
 
+// Registers signed into out (added to it where `add`).
+struct SignedOutput {
+  const float* signs;
+  float* out;
+  bool add;
+  CGX_AVX2 void operator()(int64_t k, __m256 v) const {
+    v = _mm256_mul_ps(v, _mm256_loadu_ps(signs + k));
+    _mm256_storeu_ps(out + k, add ? _mm256_add_ps(_mm256_loadu_ps(out + k), v) : v);
+  }
+};
+
 CGX_AVX2 void unrotate_avx2(const uint8_t* levels, const float* scaled, const float* signs, int64_t n,
                            float* scratch, bool add, float* out) {
   LevelEntries entries{levels, _mm256_loadu_ps(scaled), _mm256_loadu_ps(scaled + 8)};
-  walsh_hadamard_of(entries, n, scratch);
-  for (int64_t k = 0; k < n; k += 8) {
-    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(scratch + k), _mm256_loadu_ps(signs + k));
-    _mm256_storeu_ps(out + k, add ? _mm256_add_ps(_mm256_loadu_ps(out + k), v) : v);
-  }
+  SignedOutput into_out{signs, out, add};
+  walsh_hadamard_of(entries, n, scratch, into_out);
 }
 
 bool cpu_has_avx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 #endif
 
