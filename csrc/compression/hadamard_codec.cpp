@@ -31,9 +31,9 @@ const GaussianLevels& gaussian_levels(int bits) {
 // Buckets encoded together: their sums of squares interleave (rotated_loops.h).
 constexpr int kBucketsTogether = 4;
 
-// The working space on this thread of kBucketsTogether buckets: their rotated values and
-// levels, the rotation's signs, and the loops (rotated_loops.h) this CPU runs, looked up
-// once per buffer.
+// The working space on this thread: kBucketsTogether buckets' rotated values, one
+// bucket's levels (stochastic rounding's and decoding's), the rotation's signs, and the
+// loops (rotated_loops.h) this CPU runs, looked up once per buffer.
 struct Scratch {
   float* values;
   uint8_t* levels;
@@ -45,20 +45,22 @@ Scratch bucket_scratch(int64_t bucket) {
   thread_local std::vector<float> values;
   thread_local std::vector<uint8_t> levels;
   values.resize(static_cast<size_t>(bucket * kBucketsTogether));
-  levels.resize(static_cast<size_t>(bucket * kBucketsTogether));
+  levels.resize(static_cast<size_t>(bucket));
   return {values.data(), levels.data(), rotation_signs(bucket), &rotated_loops()};
 }
 
-// The levels of one rotated bucket `y` of rms `rms` (not NaN).
+// One rotated bucket `y` of rms `rms` (not NaN), its levels packed into `stream`
+// (`levels`: scratch for stochastic rounding).
 CGX_INLINE void quantize_rotated(const float* __restrict y, int64_t len, float rms, int bits,
                                  bool stochastic, uint32_t first_index, uint32_t key,
-                                 const RotatedLoops& loops, uint8_t* __restrict levels) {
+                                 const RotatedLoops& loops, uint8_t* __restrict levels,
+                                 uint8_t* __restrict stream) {
   float inv = rms > 0.0f ? 1.0f / rms : 0.0f;
   if (!std::isfinite(inv)) inv = 0.0f;
   const GaussianLevels& t = gaussian_levels(bits);
   const int top = (1 << bits) - 1;
   if (!stochastic) {
-    loops.nearest(y, len, inv, t, bits, levels);
+    loops.nearest(y, len, inv, t, bits, stream);
     return;
   }
   for (int64_t k = 0; k < len; ++k) {
@@ -70,6 +72,7 @@ CGX_INLINE void quantize_rotated(const float* __restrict y, int64_t len, float r
     const float u = static_cast<float>(static_cast<int32_t>(h >> 8)) * 0x1p-24f;
     levels[k] = static_cast<uint8_t>(below + (u < p));
   }
+  pack(bits, levels, len / 8, stream);
 }
 
 // A hadamard buffer's shorter last bucket: its (min, scale) after the whole buckets' rms.
@@ -100,16 +103,15 @@ CGX_AVX2_CLONE void encode_hadamard(const QuantizerParams& params, const Layout&
     for (int c = 0; c < count; ++c) {
       const int64_t start = (b + c) * bucket;
       float rms = std::numeric_limits<float>::quiet_NaN();
-      uint8_t* levels = scratch.levels + c * bucket;
+      uint8_t* packed = stream + start / 8 * params.bits;
       if (in_range[c]) {
         rms = static_cast<float>(std::sqrt(sums[c] / static_cast<double>(bucket)));
         quantize_rotated(scratch.values + c * bucket, bucket, rms, params.bits, params.stochastic,
-                         stream_offset + static_cast<uint32_t>(start), key, loops, levels);
+                         stream_offset + static_cast<uint32_t>(start), key, loops, scratch.levels, packed);
       } else {
-        std::memset(levels, 0, static_cast<size_t>(bucket));
+        std::memset(packed, 0, static_cast<size_t>(bucket / 8 * params.bits));  // every level 0
       }
       std::memcpy(dst + (b + c) * sizeof(float), &rms, sizeof(rms));
-      pack(params.bits, levels, bucket / 8, stream + start / 8 * params.bits);
     }
   }
 }

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
+#include "compression/level_stream.h"
 #include "compression/rotation.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -45,13 +47,19 @@ void nearest_of_width(const float* __restrict y, int64_t n, float inv, const Gau
   }
 }
 
+// Levels of 64 values at a time, then packed (level_stream.h).
 void nearest_portable(const float* y, int64_t n, float inv, const GaussianLevels& t, int bits,
-                      uint8_t* levels) {
-  switch (bits) {
-    case 1: return nearest_of_width<1>(y, n, inv, t, levels);
-    case 2: return nearest_of_width<2>(y, n, inv, t, levels);
-    case 3: return nearest_of_width<3>(y, n, inv, t, levels);
-    default: return nearest_of_width<4>(y, n, inv, t, levels);
+                      uint8_t* stream) {
+  uint8_t levels[64];
+  for (int64_t k = 0; k < n; k += 64) {
+    const int64_t len = std::min<int64_t>(64, n - k);
+    switch (bits) {
+      case 1: nearest_of_width<1>(y + k, len, inv, t, levels); break;
+      case 2: nearest_of_width<2>(y + k, len, inv, t, levels); break;
+      case 3: nearest_of_width<3>(y + k, len, inv, t, levels); break;
+      default: nearest_of_width<4>(y + k, len, inv, t, levels);
+    }
+    codec::pack(bits, levels, len / 8, stream + k / 8 * bits);
   }
 }
 
@@ -214,37 +222,82 @@ CGX_AVX2 inline __m256i reached(__m256 z, __m256 threshold) {
   return _mm256_castps_si256(_mm256_cmp_ps(z, threshold, _CMP_GE_OQ));
 }
 
-CGX_AVX2 inline void store_levels(__m256i level, uint8_t* out) {
-  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(level), _mm256_extracti128_si256(level, 1));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(words, words));
+// Byte shuffle indices taking, in each 128-bit half, the low B bytes of its two 64-bit
+// words to its first 2 B bytes.
+template <int B>
+struct LowBytes {
+  alignas(32) int8_t index[32] = {};
+  constexpr LowBytes() {
+    for (int i = 0; i < 32; ++i) {
+      const int j = i % 16;
+      index[i] = static_cast<int8_t>(j < B ? j : j < 2 * B ? 8 + j - B : -1);
+    }
+  }
+};
+template <int B>
+constexpr LowBytes<B> kLowBytes{};
+
+// The levels (each below 2^B) of 32 values, four registers of eight, packed as
+// level_stream.h's pack_groups packs them: narrowed to bytes in order, each group of 8
+// compacted in its 64-bit word (fields moving from a stride of 8 bits to 16, 32, then B),
+// the four words' low B bytes stored together (4 B bytes).
+// One step of pack_groups in each 64-bit word: the fields under `keep` stay, the others
+// move down by `shift`.
+CGX_AVX2 inline __m256i fields_closer(__m256i w, uint64_t keep, int shift) {
+  const __m256i kept = _mm256_set1_epi64x(static_cast<int64_t>(keep));
+  return _mm256_or_si256(_mm256_and_si256(w, kept), _mm256_srli_epi64(_mm256_andnot_si256(kept, w), shift));
 }
 
-// 1..3 bits: count the midpoints reached, one comparison each (a mask of all ones is -1).
-template <int Bits>
-CGX_AVX2 void nearest_by_count(const float* y, int64_t n, float inv, const GaussianLevels& t,
-                               uint8_t* levels) {
-  __m256 midpoint[(1 << Bits) - 1];
-  for (int j = 0; j < (1 << Bits) - 1; ++j) midpoint[j] = _mm256_set1_ps(t.midpoint[j]);
-  const __m256 scale = _mm256_set1_ps(inv);
-  for (int64_t k = 0; k < n; k += 8) {
-    const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(y + k), scale);
-    __m256i level = _mm256_setzero_si256();
-    for (int j = 0; j < (1 << Bits) - 1; ++j) level = _mm256_sub_epi32(level, reached(z, midpoint[j]));
-    store_levels(level, levels + k);
+template <int B>
+CGX_AVX2 inline void store_packed(const __m256i* level, uint8_t* out) {
+  const __m256i words = _mm256_packs_epi32(level[0], level[1]);  // 0-3 1-3 | 0-7 1-7 (16-bit)
+  const __m256i more = _mm256_packs_epi32(level[2], level[3]);
+  __m256i w = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(words, more), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  w = fields_closer(w, 0x00FF00FF00FF00FFull, 8 - B);
+  w = fields_closer(w, 0x0000FFFF0000FFFFull, 16 - 2 * B);
+  w = fields_closer(w, 0x00000000FFFFFFFFull, 32 - 4 * B);
+  // Each 128-bit half: its two words' low B bytes side by side, then the halves joined.
+  const __m256i picked = _mm256_shuffle_epi8(w, _mm256_load_si256(reinterpret_cast<const __m256i*>(kLowBytes<B>.index)));
+  if constexpr (B == 4) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(picked, _mm256_setr_epi32(0, 1, 4, 5, 0, 0, 0, 0))));
+  } else if constexpr (B == 2) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out),
+                     _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(picked, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0))));
+  } else {
+    alignas(32) uint8_t bytes[32];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), picked);
+    std::memcpy(out, bytes, 2 * B);
+    std::memcpy(out + 2 * B, bytes + 16, 2 * B);
   }
 }
 
+// 1..3 bits: a register's levels as the count of midpoints reached, one comparison each
+// (a mask of all ones is -1).
+template <int Bits>
+struct ByCount {
+  __m256 midpoint[(1 << Bits) - 1];
+  CGX_AVX2 explicit ByCount(const GaussianLevels& t) {
+    for (int j = 0; j < (1 << Bits) - 1; ++j) midpoint[j] = _mm256_set1_ps(t.midpoint[j]);
+  }
+  CGX_AVX2 __m256i operator()(__m256 z) const {
+    __m256i level = _mm256_setzero_si256();
+    for (int j = 0; j < (1 << Bits) - 1; ++j) level = _mm256_sub_epi32(level, reached(z, midpoint[j]));
+    return level;
+  }
+};
+
 // 4 bits: a binary search over the 15 sorted midpoints m, four comparisons instead of 15:
 // with m7, then m3 or m11, then m[level + 1] (of 4), then m[level] (of 8).
-CGX_AVX2 void nearest_by_search(const float* y, int64_t n, float inv, const GaussianLevels& t,
-                                uint8_t* levels) {
-  const float* m = t.midpoint;
-  const __m256 m7 = _mm256_set1_ps(m[7]), m3 = _mm256_set1_ps(m[3]), m11 = _mm256_set1_ps(m[11]);
-  const __m256 quarter = _mm256_setr_ps(m[1], m[5], m[9], m[13], 0, 0, 0, 0);
-  const __m256 even = _mm256_setr_ps(m[0], m[2], m[4], m[6], m[8], m[10], m[12], m[14]);
-  const __m256 scale = _mm256_set1_ps(inv);
-  for (int64_t k = 0; k < n; k += 8) {
-    const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(y + k), scale);
+struct BySearch {
+  __m256 m7, m3, m11, quarter, even;
+  CGX_AVX2 explicit BySearch(const GaussianLevels& t) {
+    const float* m = t.midpoint;
+    m7 = _mm256_set1_ps(m[7]), m3 = _mm256_set1_ps(m[3]), m11 = _mm256_set1_ps(m[11]);
+    quarter = _mm256_setr_ps(m[1], m[5], m[9], m[13], 0, 0, 0, 0);
+    even = _mm256_setr_ps(m[0], m[2], m[4], m[6], m[8], m[10], m[12], m[14]);
+  }
+  CGX_AVX2 __m256i operator()(__m256 z) const {
     const __m256i upper = reached(z, m7);
     __m256i level = _mm256_and_si256(upper, _mm256_set1_epi32(8));
     const __m256 second = _mm256_blendv_ps(m3, m11, _mm256_castsi256_ps(upper));
@@ -252,18 +305,29 @@ CGX_AVX2 void nearest_by_search(const float* y, int64_t n, float inv, const Gaus
     const __m256 third = _mm256_permutevar8x32_ps(quarter, _mm256_srli_epi32(level, 2));
     level = _mm256_add_epi32(level, _mm256_and_si256(reached(z, third), _mm256_set1_epi32(2)));
     const __m256 fourth = _mm256_permutevar8x32_ps(even, _mm256_srli_epi32(level, 1));
-    level = _mm256_sub_epi32(level, reached(z, fourth));
-    store_levels(level, levels + k);
+    return _mm256_sub_epi32(level, reached(z, fourth));
+  }
+};
+
+// The levels of n values (a multiple of 32), each register's from `level_of`, packed.
+template <int Bits, typename LevelOf>
+CGX_AVX2 void nearest_packed(const float* y, int64_t n, float inv, const LevelOf& level_of, uint8_t* stream) {
+  const __m256 scale = _mm256_set1_ps(inv);
+  for (int64_t k = 0; k < n; k += 32) {
+    __m256i level[4];
+    for (int j = 0; j < 4; ++j) level[j] = level_of(_mm256_mul_ps(_mm256_loadu_ps(y + k + 8 * j), scale));
+    store_packed<Bits>(level, stream + k / 8 * Bits);
   }
 }
 
 CGX_AVX2 void nearest_avx2(const float* y, int64_t n, float inv, const GaussianLevels& t, int bits,
-                           uint8_t* levels) {
+                           uint8_t* stream) {
+  if (n % 32 != 0) return nearest_portable(y, n, inv, t, bits, stream);  // buckets of 8 and 16
   switch (bits) {
-    case 1: return nearest_by_count<1>(y, n, inv, t, levels);
-    case 2: return nearest_by_count<2>(y, n, inv, t, levels);
-    case 3: return nearest_by_count<3>(y, n, inv, t, levels);
-    default: return nearest_by_search(y, n, inv, t, levels);
+    case 1: return nearest_packed<1>(y, n, inv, ByCount<1>(t), stream);
+    case 2: return nearest_packed<2>(y, n, inv, ByCount<2>(t), stream);
+    case 3: return nearest_packed<3>(y, n, inv, ByCount<3>(t), stream);
+    default: return nearest_packed<4>(y, n, inv, BySearch(t), stream);
   }
 }
 

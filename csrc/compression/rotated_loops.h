@@ -26,10 +26,11 @@ struct RotatedLoops {
   // sums[b] = the sum of the squares of bucket b of `count` consecutive buckets of n values
   // at y, in double, as four lanes over k mod 4 in ascending k, then (l0 + l1) + (l2 + l3).
   void (*sums_of_squares)(const float* y, int64_t n, int count, double* sums);
-  // levels[k] = how many of t's midpoints y[k] * inv reaches (0 for NaN), for `bits` in
-  // 1..4 and n a multiple of 8.
+  // The levels of y[k] * inv, each how many of t's midpoints it reaches (0 for NaN), for
+  // `bits` in 1..4 and n a multiple of 8, packed into n / 8 * bits bytes at `stream`
+  // (level_stream.h's pack).
   void (*nearest)(const float* y, int64_t n, float inv, const GaussianLevels& t, int bits,
-                  uint8_t* levels);
+                  uint8_t* stream);
   // out <- D H y (or out + D H y where `add`; rotation.h's unrotate) with y[k] =
   // scaled[levels[k]] (levels below 16), using `scratch` (n floats) for y.
   void (*unrotate)(const uint8_t* levels, const float* scaled, const float* signs, int64_t n,

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "check.h"
+#include "compression/level_stream.h"
 #include "compression/quantizer.h"
 #include "compression/rotated_loops.h"
 #include "compression/rotation.h"
@@ -221,10 +222,11 @@ CGX_TEST(hadamard_avx2_loops_write_the_portable_loops_bits) {
         CHECK(std::memcmp(sa.data(), sb.data(), sa.size() * sizeof(double)) == 0);
       }
       for (const float inv : {1.0f, 0.0f, 0.37f, 3.0f, 1e30f}) {
-        std::vector<uint8_t> la(static_cast<size_t>(n)), lb(static_cast<size_t>(n));
-        portable.nearest(in.data(), n, inv, t, bits, la.data());
-        fast.nearest(in.data(), n, inv, t, bits, lb.data());
-        CHECK(la == lb);
+        std::vector<uint8_t> sa(static_cast<size_t>(n / 8 * bits)), sb(sa.size()), lb(static_cast<size_t>(n));
+        portable.nearest(in.data(), n, inv, t, bits, sa.data());
+        fast.nearest(in.data(), n, inv, t, bits, sb.data());
+        CHECK(sa == sb);
+        compression::codec::unpack(bits, sb.data(), n / 8, lb.data());
         for (int64_t k = 0; k < n; ++k) {
           int reached = 0;
           for (int j = 0; j < (1 << bits) - 1; ++j) reached += in[static_cast<size_t>(k)] * inv >= t.midpoint[j];
