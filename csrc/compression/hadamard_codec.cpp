@@ -31,6 +31,19 @@ const GaussianLevels& gaussian_levels(int bits) {
 // Buckets encoded together: their sums of squares interleave (rotated_loops.h).
 constexpr int kBucketsTogether = 4;
 
+// Buckets between the one encoded or decoded and the one whose input is asked for ahead
+// (prefetch): 8 of 512 values, 16 KiB.
+constexpr int64_t kPrefetchBuckets = 2 * kBucketsTogether;
+
+// Asks for values [from, from + count) of x, as far as `end`, a cache line at a time, into
+// L2: the hardware's own prefetcher, stalled by each bucket's work, keeps too few lines in
+// flight (64 MiB on one thread: 4-bit compress 3.0 -> 3.7 GB/s, decompress-add 4.1 -> 6.2).
+// Not maxmin's: its passes are short enough for the hardware's (16 MiB: compress 11.5 ->
+// 9.7 GB/s with it).
+CGX_INLINE void prefetch(const float* x, int64_t from, int64_t count, int64_t end) {
+  for (int64_t k = from; k < std::min(from + count, end); k += 64 / sizeof(float)) __builtin_prefetch(x + k, 0, 2);
+}
+
 // The working space on this thread: kBucketsTogether buckets' rotated values, one
 // bucket's levels (stochastic rounding's and decoding's), the rotation's signs, and the
 // loops (rotated_loops.h) this CPU runs, looked up once per buffer.
@@ -95,6 +108,7 @@ CGX_AVX2_CLONE void encode_hadamard(const QuantizerParams& params, const Layout&
   const RotatedLoops& loops = *scratch.loops;
   for (int64_t b = first; b < last; b += kBucketsTogether) {
     const int count = static_cast<int>(std::min<int64_t>(kBucketsTogether, last - b));
+    prefetch(src, (b + kPrefetchBuckets) * bucket, kBucketsTogether * bucket, last * bucket);
     bool in_range[kBucketsTogether];
     for (int c = 0; c < count; ++c)
       in_range[c] = loops.rotate(src + (b + c) * bucket, scratch.signs, bucket, scratch.values + c * bucket);
@@ -125,6 +139,7 @@ CGX_AVX2_CLONE void decode_hadamard(const QuantizerParams& params, const Layout&
   const GaussianLevels& t = gaussian_levels(params.bits);
   for (int64_t b = first; b < last; ++b) {
     const int64_t start = b * bucket;
+    if (add) prefetch(dst, start + kPrefetchBuckets * bucket, bucket, last * bucket);
     float rms;
     std::memcpy(&rms, src + b * sizeof(float), sizeof(rms));
     float scaled[16] = {};  // each level times rms: the product every value of it decodes to
