@@ -72,8 +72,9 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per method")
     parser.add_argument("--warmup", type=int, default=12,
                         help="untimed calls per size and method first (default 12: CGX_COMPRESSION_AUTO "
-                             "times 5 calls each way, then settles from the 11th, so the timed calls "
-                             "measure its steady state; 1 measures its trials)")
+                             "times 3 calls each way, then settles from the 7th, and re-tries the "
+                             "slower way 64 calls later, so the timed calls measure its steady state; "
+                             "1 measures its trials)")
     parser.add_argument("--bucket-size", type=int, default=512)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the tensors are (default cpu)")

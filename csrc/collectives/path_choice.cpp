@@ -14,8 +14,8 @@ int size_class(int64_t numel) {
   return std::min(63 - __builtin_clzll(bytes), kSizeClasses - 1);
 }
 
-float PathChooser::Estimate::low_quantile() const {
-  if (count < kMinSamples) return 0;  // not an estimate yet
+float PathChooser::Estimate::low_quantile(int min_samples) const {
+  if (count < min_samples) return 0;  // not an estimate yet
   // The sample with count / 4 below it (ties counted with it).
   const int rank = count / 4;
   for (int i = 0; i < count; ++i) {
@@ -58,7 +58,7 @@ Path PathChooser::next_path(Class& c) {
     return c.retried;
   }
   // The first calls: compressed (what the user asked for) until every rank has timed
-  // kMinSamples of them, then exact until the same: a run of each.
+  // kFirstSamples of them, then exact until the same: a run of each.
   if (!(c.slowest[kC] > 0)) return Path::kCompressed;
   if (!(c.slowest[kE] > 0)) return Path::kExact;
   const Path faster = c.slowest[kE] < c.slowest[kC] ? Path::kExact : Path::kCompressed;
@@ -71,8 +71,8 @@ Path PathChooser::next_path(Class& c) {
   }
   const double ratio = static_cast<double>(c.slowest[static_cast<int>(slower)]) /
                        c.slowest[static_cast<int>(faster)];
-  const double every = c.retried_once ? std::clamp(kRetryEvery * ratio, double{kRetryEvery}, double{kRetryEveryMax})
-                                      : double{kRetryEvery};
+  const double every = c.retried_once ? std::min(kTrialCalls * ratio / kRetryShare, double{kRetryEveryMax})
+                                      : double{kFirstRetry};
   const bool drifted = c.slowest[static_cast<int>(faster)] > kDrift * c.chosen_us;
   if (static_cast<double>(c.since_retry) < every && !drifted) {
     ++c.since_retry;
@@ -89,8 +89,10 @@ Path PathChooser::next_path(Class& c) {
 void PathChooser::sign(int size_class, CallSignature& signature) const {
   std::lock_guard<std::mutex> lock(mutex_);
   const Class& c = classes_[size_class];
-  signature.compressed_us = c.local[kC].low_quantile();
-  signature.exact_us = c.local[kE].low_quantile();
+  // The same count on every rank: the agreed state says whether the first comparison is made.
+  const int min_samples = c.slowest[kC] > 0 && c.slowest[kE] > 0 ? kMinSamples : kFirstSamples;
+  signature.compressed_us = c.local[kC].low_quantile(min_samples);
+  signature.exact_us = c.local[kE].low_quantile(min_samples);
 }
 
 void PathChooser::record(int size_class, Path path, double microseconds) {

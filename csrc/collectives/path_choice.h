@@ -40,23 +40,29 @@ class PathChooser {
  public:
   // A rank's estimate of a path: the (n/4)-th smallest of its last n durations, n at most
   // kSamples, once it has kMinSamples (the second smallest of 4 to 7, the third of 8), so
-  // that up to a quarter of them can be stalled without moving it.
+  // that up to a quarter of them can be stalled without moving it (the class's first
+  // estimates: kFirstSamples).
   static constexpr int kSamples = 8;
   static constexpr int kMinSamples = 4;
-  // A path is tried in runs of this many calls: the class's first calls (compressed, then
-  // exact) and every re-try of the slower path. A re-try first drops the rank's samples
-  // of that path, so that the run's own timings replace those it had. One more call than
-  // an estimate needs: a call's own timing reaches the other ranks with the class's next
-  // call's signature.
+  // A re-try of the slower path is a run of this many calls. It first drops the rank's
+  // samples of that path, so that the run's own timings replace those it had. One more
+  // call than an estimate needs: a call's own timing reaches the other ranks with the
+  // class's next call's signature.
   static constexpr int kTrialCalls = kMinSamples + 1;
-  // The slower path is re-tried after kRetryEvery x (its estimate / the faster one's)
-  // calls on the faster one, at most kRetryEveryMax: a re-try's cost is at most about
-  // kTrialCalls / kRetryEvery of the class's time. The first re-try comes after
-  // kRetryEvery calls whatever the ratio: the first trials are the likeliest to have met
-  // a stall (a class's first calls, connections still cold), and a ratio a stall
-  // inflated would delay its own correction.
-  static constexpr int kRetryEvery = 64;
-  static constexpr int kRetryEveryMax = 16384;
+  // The class's first calls are shorter runs (compressed, then exact), estimated from
+  // kFirstSamples each, so that its fourth call's agreement starts the exact run and its
+  // seventh call goes the faster way. A stall in them is what the first re-try is for.
+  static constexpr int kFirstSamples = 2;
+  static constexpr int kFirstTrialCalls = kFirstSamples + 1;
+  // The slower path is re-tried once a run of it takes at most kRetryShare of the time
+  // since the last: after kTrialCalls x (its estimate / the faster one's) / kRetryShare
+  // calls on the faster one, at most kRetryEveryMax. The first re-try comes after
+  // kFirstRetry calls whatever the ratio: the first trials are the likeliest to have met
+  // a stall (a class's first calls, connections still cold, estimates of two calls), and
+  // a ratio a stall inflated would delay its own correction.
+  static constexpr double kRetryShare = 0.01;
+  static constexpr int kFirstRetry = 64;
+  static constexpr int kRetryEveryMax = 1 << 16;
   // ... and at once when the chosen path's estimate has grown past kDrift x what it was
   // when it was chosen (or confirmed by the last re-try).
   static constexpr float kDrift = 1.5f;
@@ -89,7 +95,7 @@ class PathChooser {
     std::array<float, kSamples> samples{};
     int count = 0;  // samples recorded, up to kSamples
     int next = 0;
-    float low_quantile() const;
+    float low_quantile(int min_samples) const;
   };
   struct Class {
     Estimate local[2];              // this rank's, per Path

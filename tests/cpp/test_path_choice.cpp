@@ -74,12 +74,12 @@ CGX_TEST(auto_choices_are_the_same_on_every_rank_and_follow_the_slowest_rank) {
     const auto every = from_every_rank(transport, rank, size, mine);
     for (int r = 0; r < size; ++r) CHECK(every[r] == every[0]);
 
-    // Measured first compressed, then exact, a run of each.
-    const int run = PathChooser::kTrialCalls;
-    CHECK_EQ(count(paths, Path::kExact, 0, run), 0);
-    CHECK_EQ(count(paths, Path::kExact, run, 2 * run), run);
-    // Settled on exact, compressed re-tried once after 64 calls (calls 74-78), then after
-    // 64 x (50000 / 3000).
+    // Measured first compressed, then exact, a short run of each.
+    const int first = PathChooser::kFirstTrialCalls;
+    CHECK_EQ(count(paths, Path::kExact, 0, first), 0);
+    CHECK_EQ(count(paths, Path::kExact, first, 2 * first), first);
+    // Settled on exact, compressed re-tried once after 64 calls (calls 70-74), then after
+    // 5 x (50000 / 3000) / 1% calls.
     CHECK_EQ(count(paths, Path::kCompressed, 100, 300), 0);
     CHECK(count(paths, Path::kExact, 100, 300) == 200);
     // After the change, the next exact probe brings the slower exact timings: compression
@@ -128,26 +128,46 @@ std::pair<std::vector<int>, std::vector<int>> runs_of(const std::vector<Path>& p
 }
 
 CGX_TEST(auto_retries_the_losing_path_more_rarely_the_more_it_loses) {
-  const int run = PathChooser::kTrialCalls;
+  const int run = PathChooser::kTrialCalls, first = PathChooser::kFirstTrialCalls;
   // Exact 2x slower: a run of it after the first 64 compressed calls, then after every
-  // 2 x 64 (calls 74, 207, 340, ..., 1936).
+  // 5 x 2 / 1% = 1000: 10 of every 1010 calls' time on the slower way.
   PathChooser close;
-  const std::vector<Path> a = alone(close, 2000, 1000, 2000);
-  const auto [a_runs, a_gaps] = runs_of(a, Path::kExact, 2 * run);
-  CHECK_EQ(a_runs.size(), size_t{15});
+  const std::vector<Path> a = alone(close, 2 * first + 64 + 3 * (run + 1000) + 10, 1000, 2000);
+  const auto [a_runs, a_gaps] = runs_of(a, Path::kExact, 2 * first);
+  CHECK_EQ(a_runs.size(), size_t{4});
   for (int r : a_runs) CHECK_EQ(r, run);
   CHECK_EQ(a_gaps[0], 64);
-  for (size_t i = 1; i < a_gaps.size(); ++i) CHECK_EQ(a_gaps[i], 128);
+  for (size_t i = 1; i < a_gaps.size(); ++i) CHECK_EQ(a_gaps[i], 1000);
+  // 7.76x slower (4-bit's bytes at a slow link): 1% of the time on it, 5 calls of 3,880.
+  PathChooser wide;
+  const std::vector<Path> w = alone(wide, 2 * first + 64 + 2 * (run + 3880) + 10, 1000, 7760);
+  const auto [w_runs, w_gaps] = runs_of(w, Path::kExact, 2 * first);
+  CHECK_EQ(w_runs.size(), size_t{3});
+  for (size_t i = 1; i < w_gaps.size(); ++i) CHECK_EQ(w_gaps[i], 3880);
   // 1000x slower: after the first 64 calls, then after every kRetryEveryMax.
   PathChooser far;
   const std::vector<Path> b = alone(far, 2 * PathChooser::kRetryEveryMax + 100, 1000, 1e6);
-  CHECK_EQ(count(b, Path::kExact, 2 * run), 3 * run);
-  // Equal: compression, which the user asked for, exact re-tried after every 64 calls.
+  CHECK_EQ(count(b, Path::kExact, 2 * first), 3 * run);
+  // Equal: compression, which the user asked for, exact re-tried after 64 calls, then
+  // after every 500.
   PathChooser equal;
-  const std::vector<Path> c = alone(equal, 2 * run + 3 * (64 + run), 1000, 1000);
-  const auto [c_runs, c_gaps] = runs_of(c, Path::kExact, 2 * run);
+  const std::vector<Path> c = alone(equal, 2 * first + 64 + 2 * (run + 500) + 10, 1000, 1000);
+  const auto [c_runs, c_gaps] = runs_of(c, Path::kExact, 2 * first);
   CHECK_EQ(c_runs.size(), size_t{3});
-  for (int g : c_gaps) CHECK_EQ(g, 64);
+  CHECK_EQ(c_gaps[0], 64);
+  for (size_t i = 1; i < c_gaps.size(); ++i) CHECK_EQ(c_gaps[i], 500);
+}
+
+CGX_TEST(auto_sends_a_class_s_seventh_call_the_faster_way) {
+  // Three compressed calls, three exact, then the faster way, whichever it is.
+  for (const double exact_us : {100.0, 10000.0}) {
+    PathChooser chooser;
+    const std::vector<Path> paths = alone(chooser, 12, 1000, exact_us);
+    const Path faster = exact_us < 1000 ? Path::kExact : Path::kCompressed;
+    CHECK_EQ(count(paths, Path::kExact, 0, 3), 0);
+    CHECK_EQ(count(paths, Path::kExact, 3, 6), 3);
+    CHECK_EQ(count(paths, faster, 6, 12), 6);
+  }
 }
 
 // Two ranks; exact calls take 500 us and compressed ones 2000 us, except that rank 1's take
@@ -175,18 +195,18 @@ void with_stalls(int calls, Stalled stalled, Check check) {
 CGX_TEST(auto_is_not_fooled_by_the_first_call_after_a_switch_stalling) {
   // Each path's first call after the other (an idle connection waking, say) stalls, on
   // one rank: a median of alternating trials would see only stalls of the exact path.
-  const int run = PathChooser::kTrialCalls;
+  const int run = PathChooser::kTrialCalls, first = PathChooser::kFirstTrialCalls;
   auto after_a_switch = [](const std::vector<Path>& before, Path path) {
     return !before.empty() && before.back() != path ? 20000.0 : 0.0;
   };
-  with_stalls(2 * run + 64 + 2 * 256 + 3 * run, after_a_switch, [&](const std::vector<Path>& paths) {
-    // Exact from the first comparison on; compressed only in its re-try runs, after the
-    // first 64 calls, then after every 64 x 2000 / 500.
-    const auto [runs, gaps] = runs_of(paths, Path::kCompressed, 2 * run);
+  with_stalls(2 * first + 64 + 2 * 2000 + 3 * run, after_a_switch, [&](const std::vector<Path>& paths) {
+    // Exact from the first comparison on (the smaller of its first two calls); compressed
+    // only in its re-try runs, after the first 64 calls, then after every 5 x 4 / 1%.
+    const auto [runs, gaps] = runs_of(paths, Path::kCompressed, 2 * first);
     CHECK_EQ(runs.size(), size_t{3});
     for (int r : runs) CHECK_EQ(r, run);
     CHECK_EQ(gaps[0], 64);
-    for (size_t i = 1; i < gaps.size(); ++i) CHECK_EQ(gaps[i], 256);
+    for (size_t i = 1; i < gaps.size(); ++i) CHECK_EQ(gaps[i], 2000);
   });
 }
 
@@ -194,34 +214,35 @@ CGX_TEST(auto_takes_a_second_look_when_its_trials_met_a_stall) {
   // Every exact call of the first trial run stalls, on one rank: compression wins the first
   // comparison (2000 us against 20000), and the first re-try, 64 calls later (not the
   // 64 x 10 the stalled ratio gives), finds exact 4x faster.
-  const int run = PathChooser::kTrialCalls;
+  const int run = PathChooser::kTrialCalls, first = PathChooser::kFirstTrialCalls;
   auto in_the_first_trials = [&](const std::vector<Path>& before, Path path) {
-    return path == Path::kExact && before.size() < size_t{2 * run} ? 19500.0 : 0.0;
+    return path == Path::kExact && before.size() < size_t{2 * first} ? 19500.0 : 0.0;
   };
-  with_stalls(1000, in_the_first_trials, [&](const std::vector<Path>& paths) {
-    CHECK_EQ(count(paths, Path::kExact, 2 * run, 2 * run + 64), 0);
-    CHECK_EQ(count(paths, Path::kExact, 2 * run + 64, 2 * run + 64 + run), run);
-    // Exact from then on; compressed re-tried after every 64 x 2000 / 500 calls.
-    const auto [runs, gaps] = runs_of(paths, Path::kCompressed, 2 * run + 64 + run);
-    CHECK_EQ(runs.size(), size_t{3});
-    for (int g : gaps) CHECK_EQ(g, 256);
+  const int settled = 2 * first + 64 + run;
+  with_stalls(settled + 2 * (2000 + run) + 10, in_the_first_trials, [&](const std::vector<Path>& paths) {
+    CHECK_EQ(count(paths, Path::kExact, 2 * first, 2 * first + 64), 0);
+    CHECK_EQ(count(paths, Path::kExact, 2 * first + 64, settled), run);
+    // Exact from then on; compressed re-tried after every 5 x 2000 / 500 / 1% calls.
+    const auto [runs, gaps] = runs_of(paths, Path::kCompressed, settled);
+    CHECK_EQ(runs.size(), size_t{2});
+    for (int g : gaps) CHECK_EQ(g, 2000);
   });
 }
 
 CGX_TEST(auto_takes_a_second_look_when_the_chosen_path_gets_slower) {
   // As above, compression wins the first comparison from stalled exact trials, and the
-  // first re-try (calls 74-78) is stalled too; then compression gets 2x slower (still 5x
+  // first re-try (calls 70-74) is stalled too; then compression gets 2x slower (still 5x
   // faster than the stalled estimate): exact is re-tried at once and wins, long before
-  // the 640 calls the ratio alone would wait.
-  const int run = PathChooser::kTrialCalls;
+  // the 5,000 calls the ratio alone would wait.
+  const int run = PathChooser::kTrialCalls, first = PathChooser::kFirstTrialCalls;
   auto stalls_then_slower = [&](const std::vector<Path>& before, Path path) {
     if (path == Path::kExact) return before.size() < 80 ? 19500.0 : 0.0;
     return before.size() >= 100 ? 2000.0 : 0.0;
   };
   with_stalls(200, stalls_then_slower, [&](const std::vector<Path>& paths) {
-    CHECK_EQ(count(paths, Path::kExact, 2 * run, 74), 0);
-    CHECK_EQ(count(paths, Path::kExact, 74, 79), run);
-    CHECK_EQ(count(paths, Path::kExact, 79, 100), 0);
+    CHECK_EQ(count(paths, Path::kExact, 2 * first, 70), 0);
+    CHECK_EQ(count(paths, Path::kExact, 70, 75), run);
+    CHECK_EQ(count(paths, Path::kExact, 75, 100), 0);
     // Rank 1's estimate (the 3rd smallest of its last 8) has grown once 6 slower calls are
     // in: call 106's signature carries it, and the re-try begins with the next call.
     CHECK_EQ(count(paths, Path::kExact, 100, 107), 0);
