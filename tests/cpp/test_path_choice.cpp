@@ -250,5 +250,34 @@ CGX_TEST(auto_takes_a_second_look_when_the_chosen_path_gets_slower) {
   });
 }
 
+CGX_TEST(auto_keeps_to_its_share_and_its_ranks_agree_under_random_stalls) {
+  // Three ranks, exact 7.76x slower (4 bits' payload at a slow link); on each rank a call
+  // in 20 stalls (a seeded draw per rank: the ranks stall at different calls) by up to 10x.
+  // Every rank sends every call the same way, and from call 200 on the slower way takes at
+  // most 1.5% of the calls' time (the share is 1%; 64 x ratio spacing took 7%): stalls
+  // neither lock the class on it nor start re-tries beyond the share.
+  const int size = 3, calls = 20000;
+  run_ranks(size, [&](int rank, KeyValueStore& store, const std::string& prefix) {
+    transport::ShmTransport transport(rank, ranks_below(size), prefix, kRingBytes, store);
+    collectives::Scratch scratch;
+    PathChooser chooser;
+    uint32_t state = 12345u + 977u * static_cast<uint32_t>(rank);
+    auto draw = [&] {  // xorshift32
+      state ^= state << 13, state ^= state >> 17, state ^= state << 5;
+      return state;
+    };
+    const std::vector<Path> paths = run_calls(chooser, transport, rank, size, 0, calls, scratch, [&](int, Path path) {
+      const double stall = draw() % 20 == 0 ? (draw() % 10 + 1) * 1000.0 : 0.0;
+      return (path == Path::kExact ? 7760.0 : 1000.0) + stall;
+    });
+    std::vector<float> mine;
+    for (Path p : paths) mine.push_back(static_cast<float>(p));
+    const auto every = from_every_rank(transport, rank, size, mine);
+    for (int r = 0; r < size; ++r) CHECK(every[r] == every[0]);
+    const double exact_time = 7760.0 * count(paths, Path::kExact, 200);
+    CHECK(exact_time <= 0.015 * (exact_time + 1000.0 * count(paths, Path::kCompressed, 200)));
+  });
+}
+
 }  // namespace
 }  // namespace cgx::test
