@@ -9,6 +9,7 @@ add_library(cgx_core STATIC
   ${CGX_CSRC}/compression/quantizer.cpp
   ${CGX_CSRC}/compression/hadamard_codec.cpp
   ${CGX_CSRC}/compression/rotated_loops.cpp
+  ${CGX_CSRC}/compression/maxmin_loops.cpp
   ${CGX_CSRC}/compression/layout_codec.cpp
   ${CGX_CSRC}/compression/chunk_places.cpp
   ${CGX_CSRC}/compression/executor.cpp

@@ -13,6 +13,7 @@
 #include "codec_threads.h"
 #include "hadamard_codec.h"
 #include "level_stream.h"
+#include "maxmin_loops.h"
 #include "stream_hash.h"
 #include "common/mix.h"
 
@@ -50,6 +51,8 @@ struct BucketCode {
   float inv_scale;  // 0 when every value maps to level 0
   bool finite;
 };
+
+CGX_INLINE BucketCode code_of(float mn, float mx, float probe_sum, int bits);
 
 // GCC/Clang vector extension: four floats, compiled to SSE2 / NEON / whatever the target has.
 typedef float f32x4 __attribute__((vector_size(16)));
@@ -92,8 +95,14 @@ CGX_INLINE BucketCode encode_bucket(const float* x, int64_t len, int bits) {
     mx = v > mx ? v : mx;
     probe_sum += v - v;
   }
+  return code_of(mn, mx, probe_sum, bits);
+}
+
+// A bucket's code from its range and probe (maxmin_loops.h's, or encode_bucket's).
+CGX_INLINE BucketCode code_of(float mn, float mx, float probe_sum, int bits) {
   // Which zero a min/max of {-0, +0} returns depends on the scan order; +0 for both makes
-  // the stored bytes independent of it (the CUDA codec scans in another order).
+  // the stored bytes independent of it (the CUDA codec and the AVX2 loops scan in other
+  // orders).
   mn += 0.0f;
   mx += 0.0f;
 
@@ -177,10 +186,41 @@ struct FedBack {
   float* residual = nullptr;
 };
 
+// Whole buckets [0, count) of a run, `count` > 0 and the bucket a multiple of 32 values,
+// rounded to nearest, by the AVX2 loops (maxmin_loops.h): each bucket's range, code and
+// packed levels in two passes over its values, in L1.
+void encode_whole_buckets(const QuantizerParams& params, const Layout& layout, const MaxminLoops& loops,
+                          const float* src, int64_t count, uint8_t* dst) {
+  const int64_t bucket = params.bucket_size;
+  uint8_t* stream = dst + layout.levels_offset;
+  for (int64_t b = 0; b < count; ++b) {
+    const float* x = src + b * bucket;
+    float mn, mx, probe;
+    loops.range(x, bucket, &mn, &mx, &probe);
+    const BucketCode code = code_of(mn, mx, probe, params.bits);
+    const float pair[2] = {code.min, code.scale};
+    std::memcpy(dst + b * sizeof(pair), pair, sizeof(pair));
+    uint8_t* levels = stream + b * bucket / 8 * params.bits;
+    if (code.finite) loops.nearest(x, bucket, code.min, code.inv_scale, params.bits, levels);
+    else std::memset(levels, 0, static_cast<size_t>(bucket / 8 * params.bits));
+  }
+}
+
 CGX_AVX2_CLONE void encode_levels(const QuantizerParams& params, const Layout& layout,
                                   const float* src, uint64_t seed, uint32_t stream_offset,
                                   uint8_t* dst, FedBack fed_back = {}) {
   const int64_t bucket = params.bucket_size;
+  const MaxminLoops* loops = avx2_maxmin_loops();
+  if (loops && !params.stochastic && !fed_back.decoded && !fed_back.residual && bucket % 32 == 0 &&
+      layout.quantized >= bucket) {
+    // Whole buckets the fast way; a shorter last one (if any) as a run of its own.
+    const int64_t whole = layout.quantized / bucket;
+    encode_whole_buckets(params, layout, *loops, src, whole, dst);
+    if (whole * bucket == layout.quantized) return;
+    const MaxminRun tail = maxmin_run(params, layout, whole * bucket, layout.quantized, whole * 2 * sizeof(float));
+    return encode_levels(params, tail.layout, src + tail.first, seed, stream_offset + static_cast<uint32_t>(tail.first),
+                         dst + tail.meta_offset);
+  }
   const float max_level = static_cast<float>((1 << params.bits) - 1);
   const uint32_t key = stream_key(seed);
   uint8_t* meta = dst;

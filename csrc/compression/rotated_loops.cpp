@@ -5,12 +5,8 @@
 #include <cstring>
 
 #include "compression/level_stream.h"
+#include "compression/packed_levels_avx2.h"
 #include "compression/rotation.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define CGX_ROTATED_AVX2 1
-#include <immintrin.h>
-#endif
 
 namespace cgx::compression {
 namespace {
@@ -71,8 +67,8 @@ void unrotate_portable(const uint8_t* levels, const float* scaled, const float* 
 
 // ---- AVX2
 
-#ifdef CGX_ROTATED_AVX2
-#define CGX_AVX2 __attribute__((target("avx2,fma")))
+#ifdef CGX_HAS_AVX2_LOOPS
+using avx2::store_packed;
 
 // One stage inside each 8-value register: with b the register's values swapped in pairs at
 // distance h, lanes whose partner is above them take b + a and the others b - a, the
@@ -222,56 +218,6 @@ CGX_AVX2 inline __m256i reached(__m256 z, __m256 threshold) {
   return _mm256_castps_si256(_mm256_cmp_ps(z, threshold, _CMP_GE_OQ));
 }
 
-// Byte shuffle indices taking, in each 128-bit half, the low B bytes of its two 64-bit
-// words to its first 2 B bytes.
-template <int B>
-struct LowBytes {
-  alignas(32) int8_t index[32] = {};
-  constexpr LowBytes() {
-    for (int i = 0; i < 32; ++i) {
-      const int j = i % 16;
-      index[i] = static_cast<int8_t>(j < B ? j : j < 2 * B ? 8 + j - B : -1);
-    }
-  }
-};
-template <int B>
-constexpr LowBytes<B> kLowBytes{};
-
-// The levels (each below 2^B) of 32 values, four registers of eight, packed as
-// level_stream.h's pack_groups packs them: narrowed to bytes in order, each group of 8
-// compacted in its 64-bit word (fields moving from a stride of 8 bits to 16, 32, then B),
-// the four words' low B bytes stored together (4 B bytes).
-// One step of pack_groups in each 64-bit word: the fields under `keep` stay, the others
-// move down by `shift`.
-CGX_AVX2 inline __m256i fields_closer(__m256i w, uint64_t keep, int shift) {
-  const __m256i kept = _mm256_set1_epi64x(static_cast<int64_t>(keep));
-  return _mm256_or_si256(_mm256_and_si256(w, kept), _mm256_srli_epi64(_mm256_andnot_si256(kept, w), shift));
-}
-
-template <int B>
-CGX_AVX2 inline void store_packed(const __m256i* level, uint8_t* out) {
-  const __m256i words = _mm256_packs_epi32(level[0], level[1]);  // 0-3 1-3 | 0-7 1-7 (16-bit)
-  const __m256i more = _mm256_packs_epi32(level[2], level[3]);
-  __m256i w = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(words, more), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  w = fields_closer(w, 0x00FF00FF00FF00FFull, 8 - B);
-  w = fields_closer(w, 0x0000FFFF0000FFFFull, 16 - 2 * B);
-  w = fields_closer(w, 0x00000000FFFFFFFFull, 32 - 4 * B);
-  // Each 128-bit half: its two words' low B bytes side by side, then the halves joined.
-  const __m256i picked = _mm256_shuffle_epi8(w, _mm256_load_si256(reinterpret_cast<const __m256i*>(kLowBytes<B>.index)));
-  if constexpr (B == 4) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
-                     _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(picked, _mm256_setr_epi32(0, 1, 4, 5, 0, 0, 0, 0))));
-  } else if constexpr (B == 2) {
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out),
-                     _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(picked, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0))));
-  } else {
-    alignas(32) uint8_t bytes[32];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), picked);
-    std::memcpy(out, bytes, 2 * B);
-    std::memcpy(out + 2 * B, bytes + 16, 2 * B);
-  }
-}
-
 // 1..3 bits: a register's levels as the count of midpoints reached, one comparison each
 // (a mask of all ones is -1).
 template <int Bits>
@@ -358,10 +304,6 @@ CGX_AVX2 void unrotate_avx2(const uint8_t* levels, const float* scaled, const fl
   walsh_hadamard_of(entries, n, scratch, into_out);
 }
 
-bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
 #endif
 
 }  // namespace
@@ -372,9 +314,9 @@ const RotatedLoops& portable_rotated_loops() {
 }
 
 const RotatedLoops* avx2_rotated_loops() {
-#ifdef CGX_ROTATED_AVX2
+#ifdef CGX_HAS_AVX2_LOOPS
   static const RotatedLoops loops{rotate_avx2, sums_of_squares_avx2, nearest_avx2, unrotate_avx2};
-  static const bool available = cpu_has_avx2();
+  static const bool available = avx2::cpu_has_avx2();
   return available ? &loops : nullptr;
 #else
   return nullptr;

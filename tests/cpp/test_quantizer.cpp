@@ -9,6 +9,7 @@
 
 #include "check.h"
 #include "compression/level_stream.h"
+#include "compression/maxmin_loops.h"
 #include "compression/quantizer.h"
 #include "compression/rotated_loops.h"
 #include "compression/rotation.h"
@@ -244,6 +245,51 @@ CGX_TEST(hadamard_avx2_loops_write_the_portable_loops_bits) {
         CHECK(same_bits(oa, ob));
         CHECK(!same_bits(oa, ordinary));
       }
+    }
+  }
+}
+
+// The maxmin AVX2 loops give the scalar definitions' bits: range (min, max, probe) over
+// ordinary values, zeros of both signs, NaN and Inf, and rounding at every width.
+CGX_TEST(maxmin_avx2_loops_write_the_scalar_bits) {
+  const compression::MaxminLoops* loops = compression::avx2_maxmin_loops();
+#if defined(__x86_64__)
+  CHECK(loops != nullptr);
+#endif
+  if (loops == nullptr) return;
+  for (const int64_t n : {32, 64, 96, 512, 4096}) {
+    std::vector<float> x = random_values(n, static_cast<uint32_t>(n * 3));
+    for (int64_t k = 0; k < n; ++k) x[static_cast<size_t>(k)] *= std::ldexp(1.0f, static_cast<int>(k % 9) - 4);
+    for (const float special : {0.0f, -0.0f, std::numeric_limits<float>::quiet_NaN(),
+                                std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
+      std::vector<float> v = x;
+      v[static_cast<size_t>(n / 3)] = special;
+      float mn = v[0], mx = v[0], probe = 0;
+      for (const float value : v) {
+        mn = value < mn ? value : mn;
+        mx = value > mx ? value : mx;
+        probe += value - value;
+      }
+      float lo, hi, p;
+      loops->range(v.data(), n, &lo, &hi, &p);
+      CHECK(std::isnan(probe) == std::isnan(p));
+      if (!std::isnan(probe)) CHECK(lo + 0.0f == mn + 0.0f && hi + 0.0f == mx + 0.0f && p == probe);
+    }
+    float mn = x[0], mx = x[0];
+    for (const float value : x) mn = std::min(mn, value), mx = std::max(mx, value);
+    for (int bits = 1; bits <= 8; ++bits) {
+      const float top = static_cast<float>((1 << bits) - 1);
+      const float inv = top / (mx - mn);
+      std::vector<uint8_t> levels(static_cast<size_t>(n)), expected(static_cast<size_t>(n / 8 * bits));
+      for (int64_t k = 0; k < n; ++k) {
+        float y = (x[static_cast<size_t>(k)] - mn) * inv + 0.5f;
+        y = y < top ? y : top;
+        levels[static_cast<size_t>(k)] = static_cast<uint8_t>(static_cast<int32_t>(y));
+      }
+      compression::codec::pack(bits, levels.data(), n / 8, expected.data());
+      std::vector<uint8_t> got(expected.size());
+      loops->nearest(x.data(), n, mn, inv, bits, got.data());
+      CHECK(got == expected);
     }
   }
 }
