@@ -45,7 +45,7 @@ CGX_INLINE void prefetch(const float* x, int64_t from, int64_t count, int64_t en
 }
 
 // The working space on this thread: kBucketsTogether buckets' rotated values, one
-// bucket's levels (stochastic rounding's and decoding's), the rotation's signs, and the
+// bucket's levels (stochastic rounding's), the rotation's signs, and the
 // loops (rotated_loops.h) this CPU runs, looked up once per buffer.
 struct Scratch {
   float* values;
@@ -144,8 +144,8 @@ CGX_AVX2_CLONE void decode_hadamard(const QuantizerParams& params, const Layout&
     std::memcpy(&rms, src + b * sizeof(float), sizeof(rms));
     float scaled[16] = {};  // each level times rms: the product every value of it decodes to
     for (int j = 0; j < (1 << params.bits); ++j) scaled[j] = t.level[j] * rms;
-    unpack(params.bits, stream + start / 8 * params.bits, bucket / 8, scratch.levels);
-    scratch.loops->unrotate(scratch.levels, scaled, scratch.signs, bucket, scratch.values, add, dst + start);
+    scratch.loops->unrotate(stream + start / 8 * params.bits, params.bits, scaled, scratch.signs, bucket,
+                            scratch.values, add, dst + start);
   }
 }
 

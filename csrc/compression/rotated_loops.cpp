@@ -59,9 +59,13 @@ void nearest_portable(const float* y, int64_t n, float inv, const GaussianLevels
   }
 }
 
-void unrotate_portable(const uint8_t* levels, const float* scaled, const float* signs, int64_t n,
+void unrotate_portable(const uint8_t* stream, int bits, const float* scaled, const float* signs, int64_t n,
                        float* scratch, bool add, float* out) {
-  for (int64_t k = 0; k < n; ++k) scratch[k] = scaled[levels[k]];
+  for (int64_t k = 0; k < n; k += 8) {
+    uint8_t levels[8];
+    codec::unpack(bits, stream + k / 8 * bits, 1, levels);
+    for (int j = 0; j < 8; ++j) scratch[k + j] = scaled[levels[j]];
+  }
   unrotate(scratch, n, signs, add, out);
 }
 
@@ -277,12 +281,19 @@ CGX_AVX2 void nearest_avx2(const float* y, int64_t n, float inv, const GaussianL
   }
 }
 
-// A bucket's registers as unrotate reads them: each value its level's entry of the table.
+// A bucket's registers as unrotate reads them from its packed levels (B bits each, B in
+// 1..4: 8 levels in B bytes, level j at bit B j): each value its level's entry of the table.
+template <int B>
 struct LevelEntries {
-  const uint8_t* levels;
+  const uint8_t* stream;
   __m256 low, high;
   CGX_AVX2 __m256 operator()(int64_t k) const {
-    return entry_at(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(levels + k))), low, high);
+    uint32_t word = 0;
+    std::memcpy(&word, stream + k / 8 * B, B);
+    const __m256i shifts = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
+    const __m256i level = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts),
+                                           _mm256_set1_epi32((1 << B) - 1));
+    return entry_at(level, low, high);
   }
 };
 
@@ -297,11 +308,22 @@ struct SignedOutput {
   }
 };
 
-CGX_AVX2 void unrotate_avx2(const uint8_t* levels, const float* scaled, const float* signs, int64_t n,
-                           float* scratch, bool add, float* out) {
-  LevelEntries entries{levels, _mm256_loadu_ps(scaled), _mm256_loadu_ps(scaled + 8)};
+template <int B>
+CGX_AVX2 void unrotate_of_width(const uint8_t* stream, const float* scaled, const float* signs, int64_t n,
+                                float* scratch, bool add, float* out) {
+  LevelEntries<B> entries{stream, _mm256_loadu_ps(scaled), _mm256_loadu_ps(scaled + 8)};
   SignedOutput into_out{signs, out, add};
   walsh_hadamard_of(entries, n, scratch, into_out);
+}
+
+CGX_AVX2 void unrotate_avx2(const uint8_t* stream, int bits, const float* scaled, const float* signs, int64_t n,
+                           float* scratch, bool add, float* out) {
+  switch (bits) {
+    case 1: return unrotate_of_width<1>(stream, scaled, signs, n, scratch, add, out);
+    case 2: return unrotate_of_width<2>(stream, scaled, signs, n, scratch, add, out);
+    case 3: return unrotate_of_width<3>(stream, scaled, signs, n, scratch, add, out);
+    default: return unrotate_of_width<4>(stream, scaled, signs, n, scratch, add, out);
+  }
 }
 
 #endif

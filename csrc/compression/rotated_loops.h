@@ -32,8 +32,9 @@ struct RotatedLoops {
   void (*nearest)(const float* y, int64_t n, float inv, const GaussianLevels& t, int bits,
                   uint8_t* stream);
   // out <- D H y (or out + D H y where `add`; rotation.h's unrotate) with y[k] =
-  // scaled[levels[k]] (levels below 16), using `scratch` (n floats) for y.
-  void (*unrotate)(const uint8_t* levels, const float* scaled, const float* signs, int64_t n,
+  // scaled[level k], the levels packed `bits` (1..4) wide at `stream` (level_stream.h's
+  // pack), using `scratch` (n floats) for y.
+  void (*unrotate)(const uint8_t* stream, int bits, const float* scaled, const float* signs, int64_t n,
                    float* scratch, bool add, float* out);
 };
 

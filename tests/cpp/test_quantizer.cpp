@@ -238,10 +238,17 @@ CGX_TEST(hadamard_avx2_loops_write_the_portable_loops_bits) {
       for (int64_t k = 0; k < n; ++k) levels[static_cast<size_t>(k)] = static_cast<uint8_t>((k * 7 + k / 16) % (1 << bits));
       float scaled[16];
       for (int j = 0; j < 16; ++j) scaled[j] = ordinary[static_cast<size_t>(j % n)];
+      std::vector<uint8_t> packed(static_cast<size_t>(n / 8 * bits));
+      std::vector<uint8_t> scratch_levels = levels;  // pack uses its input as scratch
+      compression::codec::pack(bits, scratch_levels.data(), n / 8, packed.data());
       for (const bool add : {false, true}) {
-        std::vector<float> oa = ordinary, ob = ordinary, scratch(static_cast<size_t>(n));
-        portable.unrotate(levels.data(), scaled, signs, n, scratch.data(), add, oa.data());
-        fast.unrotate(levels.data(), scaled, signs, n, scratch.data(), add, ob.data());
+        std::vector<float> oa = ordinary, ob = ordinary, oc = ordinary, scratch(static_cast<size_t>(n));
+        portable.unrotate(packed.data(), bits, scaled, signs, n, scratch.data(), add, oa.data());
+        fast.unrotate(packed.data(), bits, scaled, signs, n, scratch.data(), add, ob.data());
+        // The reference: each level's entry, then rotation.h's unrotate.
+        for (int64_t k = 0; k < n; ++k) scratch[static_cast<size_t>(k)] = scaled[levels[static_cast<size_t>(k)]];
+        compression::unrotate(scratch.data(), n, signs, add, oc.data());
+        CHECK(same_bits(oa, oc));
         CHECK(same_bits(oa, ob));
         CHECK(!same_bits(oa, ordinary));
       }
