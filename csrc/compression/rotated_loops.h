@@ -2,14 +2,15 @@
 // portable form, the reference, built from rotation.h's scalar stages, and on x86-64 an
 // AVX2 form written with intrinsics, which the compiler does not find on its own. The AVX2
 // rotation reads a bucket once: signs, the three butterfly stages inside an 8-wide register
-// and the next three across 8 registers in one pass over each 64 values, then three
-// stages a pass; its sums of squares run over several buckets at once, whose chains of
-// double additions (the order fixed by the wire format) are independent; 4-bit rounding is
-// a binary search over the midpoints (4 comparisons, not 15); decoding reads its levels
-// through the table of levels held in two registers. Both forms do the same float
-// operations on every value in the same order (sums and differences of the same pairs,
-// comparisons, one multiply), so they write the same bits; tests/cpp/test_quantizer.cpp
-// compares them.
+// (each one multiply-add by +-1: the product is exact, so the sum is rounded once, as the
+// scalar addition or subtraction is) and the next three across 8 registers in one pass
+// over each 64 values, then three stages a pass, the last one writing the output; its
+// sums of squares run over several buckets at once, whose chains of double additions (the
+// order fixed by the wire format) are independent; 4-bit rounding is a binary search over
+// the midpoints (4 comparisons, not 15) and writes the packed stream; decoding reads the
+// packed levels and looks them up in the table of levels held in two registers. Both
+// forms round every value's operations alike, so they write the same bits;
+// tests/cpp/test_quantizer.cpp compares them.
 #pragma once
 
 #include <cstdint>
