@@ -64,6 +64,8 @@ Path PathChooser::next_path(Class& c) {
   const Path faster = c.slowest[kE] < c.slowest[kC] ? Path::kExact : Path::kCompressed;
   const Path slower = faster == Path::kExact ? Path::kCompressed : Path::kExact;
   if (c.confirm || faster != c.chosen) {
+    if (c.confirm && c.retried_once)
+      c.second_look = c.slowest[static_cast<int>(c.retried)] > kDrift * c.retried_before_us;
     c.chosen = faster;
     c.chosen_us = c.slowest[static_cast<int>(faster)];
     c.confirm = false;
@@ -71,8 +73,9 @@ Path PathChooser::next_path(Class& c) {
   }
   const double ratio = static_cast<double>(c.slowest[static_cast<int>(slower)]) /
                        c.slowest[static_cast<int>(faster)];
-  const double every = c.retried_once ? std::min(kTrialCalls * ratio / kRetryShare, double{kRetryEveryMax})
-                                      : double{kFirstRetry};
+  const double every = c.retried_once && !c.second_look
+                           ? std::min(kTrialCalls * ratio / kRetryShare, double{kRetryEveryMax})
+                           : double{kFirstRetry};
   const bool drifted = c.slowest[static_cast<int>(faster)] > kDrift * c.chosen_us;
   if (static_cast<double>(c.since_retry) < every && !drifted) {
     ++c.since_retry;
@@ -80,6 +83,7 @@ Path PathChooser::next_path(Class& c) {
   }
   // A run of the slower path, timed afresh on every rank (the same call everywhere).
   c.local[static_cast<int>(slower)] = Estimate{};
+  c.retried_before_us = c.slowest[static_cast<int>(slower)];
   c.retried = slower;
   c.retried_once = true;
   c.retry_left = kTrialCalls - 1;

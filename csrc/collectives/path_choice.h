@@ -64,7 +64,10 @@ class PathChooser {
   static constexpr int kFirstRetry = 64;
   static constexpr int kRetryEveryMax = 1 << 16;
   // ... and at once when the chosen path's estimate has grown past kDrift x what it was
-  // when it was chosen (or confirmed by the last re-try).
+  // when it was chosen (or confirmed by the last re-try). A re-try that finds its path
+  // over kDrift x slower than its run before did (a stall in the run, or a real change)
+  // is followed by another kFirstRetry calls later, not after the spacing its own ratio
+  // gives: one stalled run cannot keep the class from a way that became faster.
   static constexpr float kDrift = 1.5f;
 
   // The path of the class's next call.
@@ -105,6 +108,8 @@ class PathChooser {
     Path next = Path::kCompressed;  // the next call's
     Path chosen = Path::kCompressed;
     float chosen_us = 0;            // slowest[chosen] when it was chosen or confirmed
+    float retried_before_us = 0;    // slowest[retried] when its last run began
+    bool second_look = false;       // that run found it over kDrift x slower
     bool confirm = true;            // a comparison is due (first, or after a re-try)
     int64_t since_retry = 0;        // calls on the chosen path since it was confirmed
     bool retried_once = false;      // the first re-try has begun

@@ -170,19 +170,19 @@ CGX_TEST(auto_sends_a_class_s_seventh_call_the_faster_way) {
   }
 }
 
-// Two ranks; exact calls take 500 us and compressed ones 2000 us, except that rank 1's take
-// `stalled(its paths so far, path)` us more. Each rank checks its paths with `check`.
-template <typename Stalled, typename Check>
-void with_stalls(int calls, Stalled stalled, Check check) {
+// Two ranks; a call takes `took(rank, its paths so far, path)` us. Each rank checks its
+// paths with `check`, and every rank's are the same.
+template <typename Took, typename Check>
+void with_times(int calls, Took took, Check check) {
   run_ranks(2, [&](int rank, KeyValueStore& store, const std::string& prefix) {
     transport::ShmTransport transport(rank, ranks_below(2), prefix, kRingBytes, store);
     collectives::Scratch scratch;
     PathChooser chooser;
     std::vector<Path> before;  // this rank's paths so far, to tell where a call stands
     const auto paths = run_calls(chooser, transport, rank, 2, 0, calls, scratch, [&](int, Path path) {
-      const double stall = rank == 1 ? stalled(before, path) : 0.0;
+      const double us = took(rank, before, path);
       before.push_back(path);
-      return (path == Path::kExact ? 500.0 : 2000.0) + stall;
+      return us;
     });
     std::vector<float> mine;
     for (Path p : paths) mine.push_back(static_cast<float>(p));
@@ -190,6 +190,15 @@ void with_stalls(int calls, Stalled stalled, Check check) {
     CHECK(every[1] == every[0]);
     check(paths);
   });
+}
+
+// Exact calls take 500 us and compressed ones 2000 us, except that rank 1's take
+// `stalled(its paths so far, path)` us more.
+template <typename Stalled, typename Check>
+void with_stalls(int calls, Stalled stalled, Check check) {
+  with_times(calls, [&](int rank, const std::vector<Path>& before, Path path) {
+    return (path == Path::kExact ? 500.0 : 2000.0) + (rank == 1 ? stalled(before, path) : 0.0);
+  }, check);
 }
 
 CGX_TEST(auto_is_not_fooled_by_the_first_call_after_a_switch_stalling) {
@@ -247,6 +256,28 @@ CGX_TEST(auto_takes_a_second_look_when_the_chosen_path_gets_slower) {
     // in: call 106's signature carries it, and the re-try begins with the next call.
     CHECK_EQ(count(paths, Path::kExact, 100, 107), 0);
     CHECK_EQ(count(paths, Path::kExact, 107, 200), 200 - 107);
+  });
+}
+
+CGX_TEST(auto_takes_a_second_look_when_a_re_try_met_a_stall) {
+  // Exact (500 us) wins; compressed (2000 us) is re-tried at calls 70-74, then 2,000 calls
+  // later, at 2075-2079. From call 2075 compression is faster (200 us), but rank 1 stalls
+  // through that whole run (+20,000 us): the run finds compression 10x slower than before.
+  // It is tried again 64 calls later, not after the 20,000 its stalled ratio gives, and
+  // wins from then on.
+  const int run = PathChooser::kTrialCalls;
+  auto took = [&](int rank, const std::vector<Path>& before, Path path) {
+    if (path == Path::kExact) return 500.0;
+    if (before.size() < 2075) return 2000.0;
+    return 200.0 + (rank == 1 && before.size() < 2075 + size_t{run} ? 20000.0 : 0.0);
+  };
+  with_times(2600, took, [&](const std::vector<Path>& paths) {
+    CHECK_EQ(count(paths, Path::kCompressed, 6, 70), 0);
+    CHECK_EQ(count(paths, Path::kCompressed, 2075, 2080), run);
+    CHECK_EQ(count(paths, Path::kCompressed, 2080, 2144), 0);
+    CHECK_EQ(count(paths, Path::kCompressed, 2144, 2149), run);
+    // Rank 1's estimate from the second look reaches the others with the call after it.
+    CHECK(count(paths, Path::kCompressed, 2160, 2600) >= 2600 - 2160 - 2 * run);
   });
 }
 
