@@ -28,7 +28,7 @@ struct LowBytes {
   }
 };
 template <int B>
-constexpr LowBytes<B> kLowBytes{};
+inline constexpr LowBytes<B> kLowBytes{};  // one object in every file that includes this
 
 // One step of pack_groups in each 64-bit word: the fields under `keep` stay, the others
 // move down by `shift`.

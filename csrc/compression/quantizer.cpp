@@ -52,7 +52,25 @@ struct BucketCode {
   bool finite;
 };
 
-CGX_INLINE BucketCode code_of(float mn, float mx, float probe_sum, int bits);
+// A bucket's code from its range and probe (maxmin_loops.h's, or encode_bucket's).
+CGX_INLINE BucketCode code_of(float mn, float mx, float probe_sum, int bits) {
+  // Which zero a min/max of {-0, +0} returns depends on the scan order; +0 for both makes
+  // the stored bytes independent of it (the CUDA codec and the AVX2 loops scan in other
+  // orders).
+  mn += 0.0f;
+  mx += 0.0f;
+
+  const float scale = (mx - mn) / static_cast<float>((1 << bits) - 1);
+  if (!(probe_sum == 0.0f && std::isfinite(mn) && std::isfinite(mx) && std::isfinite(scale))) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    return {nan, nan, 0.0f, false};
+  }
+  float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  // A subnormal scale below 2^-128 has no finite inverse; the bucket then decodes to its min
+  // (an error below 2^-120, instead of the NaN that inf * 0 would produce).
+  if (!std::isfinite(inv)) inv = 0.0f;
+  return {mn, scale, inv, true};
+}
 
 // GCC/Clang vector extension: four floats, compiled to SSE2 / NEON / whatever the target has.
 typedef float f32x4 __attribute__((vector_size(16)));
@@ -96,26 +114,6 @@ CGX_INLINE BucketCode encode_bucket(const float* x, int64_t len, int bits) {
     probe_sum += v - v;
   }
   return code_of(mn, mx, probe_sum, bits);
-}
-
-// A bucket's code from its range and probe (maxmin_loops.h's, or encode_bucket's).
-CGX_INLINE BucketCode code_of(float mn, float mx, float probe_sum, int bits) {
-  // Which zero a min/max of {-0, +0} returns depends on the scan order; +0 for both makes
-  // the stored bytes independent of it (the CUDA codec and the AVX2 loops scan in other
-  // orders).
-  mn += 0.0f;
-  mx += 0.0f;
-
-  const float scale = (mx - mn) / static_cast<float>((1 << bits) - 1);
-  if (!(probe_sum == 0.0f && std::isfinite(mn) && std::isfinite(mx) && std::isfinite(scale))) {
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    return {nan, nan, 0.0f, false};
-  }
-  float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-  // A subnormal scale below 2^-128 has no finite inverse; the bucket then decodes to its min
-  // (an error below 2^-120, instead of the NaN that inf * 0 would produce).
-  if (!std::isfinite(inv)) inv = 0.0f;
-  return {mn, scale, inv, true};
 }
 
 // level = min(L, floor(y)) with y >= 0, computed as trunc(min(y, L)): the same integer,
