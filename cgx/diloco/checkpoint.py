@@ -50,7 +50,7 @@ def _in_flight_state(in_flight: list[Sync]) -> list[dict[str, Any]]:
     """The syncs in flight (completed: their averaged outer gradient is kept), as saved."""
     return [{"fragment": s.fragment.index, "due": s.due, "outer_gradient": _clone(s.outer_gradient),
              "residual": _clone(s.residual), "drift": _clone(s.drift), "step": s.agreement.step,
-             "trained": s.agreement.trained, "agreement": s.agreement.rows.clone()}
+             "trained": s.agreement.trained, "agreement": s.agreement.rows.clone(), "weight": s.weight}
             for s in in_flight]
 
 
@@ -58,7 +58,8 @@ def _in_flight_of(state: dict[str, Any], fragments: Fragments) -> list[Sync]:
     """A checked state's syncs in flight, completed, to be applied at their step."""
     return [Sync(fragments.all[s["fragment"]], s["due"],
                  Agreement(SYNC, s["step"], s["trained"], current_rows(s["agreement"]), None),
-                 _clone(s["outer_gradient"]), _clone(s["residual"]), None, drift=_clone(s.get("drift")))
+                 _clone(s["outer_gradient"]), _clone(s["residual"]), None, drift=_clone(s.get("drift")),
+                 weight=s.get("weight"))
             for s in state["in_flight"]]
 
 

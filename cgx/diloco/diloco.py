@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import logging
 import warnings
 import weakref
@@ -40,9 +41,10 @@ import torch
 import torch.distributed as dist
 
 from cgx.backend import resolve_group
-from cgx.config import check_int
+from cgx.config import check_int, is_int
 from cgx.counters import Stats
 from cgx.diloco.checkpoint import check_state, loaded, saved
+from cgx.diloco.clock import SyncClock
 from cgx.diloco.fragments import PATTERNS, Fragments, synced_parameters
 from cgx.diloco.recovery import Recoverable, Recovery
 from cgx.diloco.replica_host import CHANGED, CLOSED, FAILED, LEFT, UNCHANGED, ReplicaHost
@@ -62,7 +64,7 @@ class _Schedule:
     """The hyper-parameters every replica must share (compared over the group at
     construction, in this order), checked."""
 
-    sync_every: int
+    sync_every: int | datetime.timedelta  # inner steps, or a time (the time schedule)
     fragments: int
     fragment_pattern: str
     outer_lr: float
@@ -77,15 +79,21 @@ class _Schedule:
         what = "cgx.DiLoCo"
         if self.top_k is not None and not isinstance(self.top_k, TopK):
             raise TypeError(f"{what}: top_k must be a cgx.diloco.TopK or None, got {type(self.top_k).__name__}")
-        check_int(self.sync_every, "sync_every", what, low=1)
         check_int(self.fragments, "fragments", what, low=1)
         check_int(self.overlap, "overlap", what)
-        if self.fragments > self.sync_every:
-            raise ValueError(f"{what}: fragments={self.fragments} is more than sync_every={self.sync_every} "
-                             f"(fragments sync at distinct steps within sync_every)")
-        if self.overlap >= self.sync_every:
-            raise ValueError(f"{what}: overlap={self.overlap} must be less than sync_every={self.sync_every} "
-                             f"(a fragment's sync must be applied before its next one starts)")
+        if self.by_time:
+            if not self.sync_every > datetime.timedelta(0):
+                raise ValueError(f"{what}: sync_every={self.sync_every!r} must be a time above zero")
+        else:
+            if not (is_int(self.sync_every) and self.sync_every >= 1):
+                raise ValueError(f"{what}: sync_every must be an integer >= 1 (inner steps) or a "
+                                 f"datetime.timedelta (a time), got {self.sync_every!r}")
+            if self.fragments > self.sync_every:
+                raise ValueError(f"{what}: fragments={self.fragments} is more than sync_every={self.sync_every} "
+                                 f"(fragments sync at distinct steps within sync_every)")
+            if self.overlap >= self.sync_every:
+                raise ValueError(f"{what}: overlap={self.overlap} must be less than sync_every={self.sync_every} "
+                                 f"(a fragment's sync must be applied before its next one starts)")
         if not isinstance(self.outer_lr, (int, float)) or not self.outer_lr > 0:
             raise ValueError(f"{what}: outer_lr must be > 0, got {self.outer_lr!r}")
         if not isinstance(self.outer_momentum, (int, float)) or not 0 <= self.outer_momentum < 1:
@@ -102,6 +110,11 @@ class _Schedule:
             object.__setattr__(self, name, kind(getattr(self, name)))
 
     @property
+    def by_time(self) -> bool:
+        """Whether syncs fall due by time (sync_every a timedelta), not by inner steps."""
+        return isinstance(self.sync_every, datetime.timedelta)
+
+    @property
     def outer_options(self) -> dict[str, Any]:
         """The outer SGD's arguments."""
         return {"lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": self.nesterov}
@@ -111,9 +124,14 @@ def _schedule_field(name: str) -> property:
     """DiLoCo's attribute for the hyper-parameter `name` of its _Schedule."""
     def set_field(self, value: Any) -> None:
         schedule = dataclasses.replace(self._schedule, **{name: value})
+        if schedule.by_time != self._schedule.by_time:
+            raise ValueError(f"cgx.DiLoCo: sync_every={value!r}: a run keeps the kind of schedule it was built "
+                             f"with ({'a time' if self._schedule.by_time else 'inner steps'})")
+        if schedule.by_time:  # the syncs keep their numbers; the next falls due from the last one's deadline
+            self._clock.retime(schedule.sync_every, self.syncs_started)
         # The fragments keep their offsets (a sync in flight is never moved): one at or
         # above sync_every would never sync again.
-        stranded = [f for f in self._fragments.all if f.offset >= schedule.sync_every]
+        stranded = [] if schedule.by_time else [f for f in self._fragments.all if f.offset >= schedule.sync_every]
         if stranded:
             raise ValueError(f"cgx.DiLoCo: sync_every={schedule.sync_every} leaves fragment(s) "
                              f"{[f.index for f in stranded]} (offsets {[f.offset for f in stranded]}, fixed at "
@@ -132,9 +150,19 @@ class DiLoCo:
             That set follows the optimizer: parameters that start or stop being trained
             (param groups added, layers (un)frozen) join or leave it at the next sync.
         inner_optimizer: the optimizer the training loop steps; DiLoCo hooks its steps.
-        sync_every: inner steps between two syncs of a parameter (H).
+        sync_every: inner steps between two syncs of a parameter (H); or a
+            ``datetime.timedelta``: the time schedule, for replicas of unequal speed. Each
+            replica then trains for that time between two syncs of a fragment, whatever
+            its inner steps, and every sync weighs each replica's outer gradient by the
+            inner steps behind it (the agreement's rows carry them), so a slow replica
+            costs the run only its own share and no replica waits for it. The syncs are
+            numbered alike on every replica; sync k (fragment k mod P) falls due
+            ``k * sync_every / fragments`` after the run's start, by each replica's
+            monotonic clock (clock.py). End every replica's loop at the same
+            :attr:`syncs_started` before close(). Not with `membership` yet.
         fragments: groups of whole layers that sync at staggered steps (P); fragment p
-            syncs at the steps t > 0 with ``t % sync_every == p * sync_every // fragments``.
+            syncs at the steps t > 0 with ``t % sync_every == p * sync_every // fragments``
+            (by time: at the sync numbers k with ``k % fragments == p``).
         fragment_pattern: "strided" (layers in model order each go to the fragment with
             the fewest elements so far, ties to the next in turn: layer i to fragment
             i mod P where layers are alike) or "sequential" (runs of consecutive layers
@@ -144,7 +172,9 @@ class DiLoCo:
             stay exact, as in :class:`cgx.CompressionPolicy`.
         policy: per-layer settings instead of bits / bucket_size.
         outer_lr, outer_momentum, nesterov: the outer SGD on the global copy.
-        overlap: 0 waits for each sync at once; k >= 1 applies it k inner steps later.
+        overlap: 0 waits for each sync at once; k >= 1 applies it k inner steps later
+            (by time: at the first inner step from the k-th on at which it has completed,
+            waiting only where the fragment's next sync is due first).
         mix: with overlap, the fragment's local weights become
             ``mix * local + (1 - mix) * new_global`` (without overlap: the new global).
         error_feedback: keep what quantization dropped per parameter and add it to the
@@ -206,6 +236,7 @@ class DiLoCo:
         self._recovery: Recovery | None = None  # an elastic run's (it holds the membership)
         self._weights_changed = False  # this step (the lead tells its host)
         self.step = 0
+        self.syncs_started = 0  # fragment syncs started (by time: the last one's number)
         if self._host is not None:
             self._host.agree(problem, built)
             if not self._host.is_lead:
@@ -237,10 +268,13 @@ class DiLoCo:
                                                                  bucket_size=bucket_size)
         schedule = self._schedule
         self._fragments = Fragments(model, inner_optimizer, self._policy, schedule.fragments,
-                                    schedule.fragment_pattern, schedule.sync_every, schedule.top_k,
+                                    schedule.fragment_pattern,
+                                    schedule.fragments if schedule.by_time else schedule.sync_every, schedule.top_k,
                                     schedule.outer_options)
         self._in_flight: list[Sync] = []
         self._closed = False
+        self._clock = SyncClock(schedule.sync_every, schedule.fragments) if schedule.by_time else None
+        self._replicas.by_time = schedule.by_time
         if membership is None:
             self._start_together()
             self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
@@ -286,8 +320,13 @@ class DiLoCo:
 
     def _start_together(self) -> None:
         """The run's start: every replica starts from group rank 0's weights (ValueError
-        on every rank where they built DiLoCo otherwise)."""
+        on every rank where they built DiLoCo otherwise). A time schedule's clock starts
+        as an all-gather completes: on every replica within a latency of the others."""
         self._fragments.start_together(self._replicas, _compared(self._schedule))
+        if self._clock is not None:
+            self._replicas.all_gather(torch.zeros(1))
+            self._clock.anchor(self.syncs_started)
+            self._fragments.start_intervals(self.step)
 
     # The hyper-parameters, as attributes (a value set is checked as the constructor's).
     sync_every = _schedule_field("sync_every")
@@ -334,6 +373,8 @@ class DiLoCo:
         again after the replicas re-formed (Recovery.run), it does what is left: an
         applied sync has left the in-flight list, and a fragment's sync starts once.
         Returns what the checked syncs' rows say of joiners (Recovery.admit)."""
+        if self._clock is not None:
+            return self._syncs_by_time()
         joining = []
         for sync in [s for s in self._in_flight if s.due == self.step]:
             joining.append(self._finish(sync))
@@ -349,8 +390,34 @@ class DiLoCo:
                                   trained, strangers, joiners, keep=elastic, state=state, scale=scale)
                 self._in_flight.append(sync)
                 fragment.last_start = self.step
+                self.syncs_started += 1
                 if self.overlap == 0:
                     joining.append(self._finish(sync))
+        return joining
+
+    def _syncs_by_time(self) -> list[list[int]]:
+        """The time schedule's turn after an inner step: applies the syncs in flight that
+        have completed (from `overlap` steps after their start), then starts each sync
+        whose deadline has passed, in number order, at most one per fragment a step (a
+        replica that was stopped catches up over its next steps); a fragment's sync still
+        in flight is applied first (waited for: the only wait with overlap)."""
+        joining = []
+        for sync in [s for s in self._in_flight if self.step >= s.due and (self.overlap == 0 or s.ready())]:
+            joining.append(self._finish(sync))
+        due, fragments = self._clock.due(), self._fragments
+        for number in range(self.syncs_started + 1, min(due, self.syncs_started + len(fragments)) + 1):
+            fragment = fragments[number % len(fragments)]
+            for earlier in [s for s in self._in_flight if s.fragment is fragment]:
+                joining.append(self._finish(earlier))
+            changed, trained, strangers, _ = fragments.at_sync_start(fragment, self._replicas.residuals, state=False)
+            self._weights_changed |= changed
+            sync = start_sync(fragment, self._replicas, number, self.step + self.overlap, self.error_feedback,
+                              trained, strangers, weight=self.step - fragment.interval_start)
+            fragment.interval_start = self.step
+            self._in_flight.append(sync)
+            self.syncs_started = number
+            if self.overlap == 0:
+                joining.append(self._finish(sync))
         return joining
 
     def _finish(self, sync: Sync, follow: bool = True) -> list[int]:
@@ -379,8 +446,8 @@ class DiLoCo:
             replicas=lambda: me._replicas, use_replicas=lambda replicas: me._use_replicas(replicas),
             in_flight=lambda: me._in_flight,
             construction=lambda: me._fragments.construction(dataclasses.asdict(me._schedule)),
-            layout=lambda: {**me._fragments.layout(), "in_flight": [(s.key, s.agreement.trained)
-                                                                    for s in me._in_flight]},
+            layout=lambda: {**me._fragments.layout(), "syncs_started": me.syncs_started,
+                            "in_flight": [(s.key, s.agreement.trained) for s in me._in_flight]},
             state_tensors=lambda frozen: me._fragments.state_tensors(frozen),
             take_layout=lambda layout, step: me._take_layout(layout, step),
             restart_local_weights=lambda: me._fragments.restart_local_weights(),
@@ -404,7 +471,7 @@ class DiLoCo:
         follow). A sync in flight here that it also has keeps what this replica sent into
         it, so that it can be done again with it."""
         self._fragments.take_layout(layout)
-        self.step = step
+        self.step, self.syncs_started = step, layout["syncs_started"]
         self._in_flight = arrived(self._fragments.all, layout["in_flight"], self._in_flight)
 
     # ---- lifetime
@@ -427,7 +494,7 @@ class DiLoCo:
             self._recovery.end_run()
 
     def _close_together(self) -> None:
-        agreement = self._replicas.agree_to_close(self.step)
+        agreement = self._replicas.agree_to_close(self.syncs_started if self._clock is not None else self.step)
         for sync in list(self._in_flight):
             self._finish(sync, follow=False)
         self._replicas.check(agreement)
@@ -497,7 +564,8 @@ class DiLoCo:
             for sync in self._in_flight:
                 sync.complete(self._replicas)
         self._recovery.run(complete) if self._recovery is not None else complete()
-        return saved(self._replicas, self._fragments, self.step, self._in_flight)
+        return {**saved(self._replicas, self._fragments, self.step, self._in_flight),
+                "syncs_started": self.syncs_started}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads this rank's state_dict() into a DiLoCo with the same number of fragments,
@@ -515,6 +583,9 @@ class DiLoCo:
                                "elastic run when it joined; loading a checkpoint would set it apart from the others "
                                "(load checkpoints when every replica of the run starts again)")
         self.step, self._in_flight = loaded(state, self._replicas, self._fragments, self._in_flight)
+        self.syncs_started = int(state.get("syncs_started", 0))  # (a state of before it: the step schedule's)
+        if self._clock is not None:  # the next sync falls due one spacing from now
+            self._clock.anchor(self.syncs_started)
 
 
 def _compared(schedule: _Schedule) -> dict[str, Any]:
@@ -545,6 +616,9 @@ def _checked_arguments(model, optimizer, bits, bucket_size, policy, schedule: _S
     """Checks the constructor's arguments (TypeError, ValueError; warns where top_k meets
     outer momentum). Returns what a host's ranks must agree on (with replica_group)."""
     _check_model_and_policy(model, optimizer, bits, bucket_size, policy)
+    if schedule.by_time and (membership is not None or host is not None):
+        raise ValueError("cgx.DiLoCo: sync_every as a time is not supported in an elastic run (membership=, "
+                         "replica_group=) yet; give sync_every in inner steps there")
     if schedule.top_k is not None and bits == RAW_BITS and policy is None:
         raise ValueError("cgx.DiLoCo: top_k with bits=32 (exact DiLoCo): sparse outer gradients are "
                          "quantized; give bits of 1..8")

@@ -49,6 +49,7 @@ class Fragment:
     sparse: SparsePlan | None = None  # how its outer gradient travels with top_k (None: in an allreduce)
     syncs: int = 0  # syncs applied
     last_start: int = -1  # the inner step its last sync started at
+    interval_start: int = 0  # time schedule: the inner step its last sync started at, or the run's first
 
     @property
     def names(self) -> list[str]:
@@ -289,6 +290,12 @@ class Fragments:
             self.joining = {name: (index, self.member(name, params[name])) for name, index in layout["joining"]}
         self.leaving = set(layout["leaving"])
 
+    def start_intervals(self, step: int) -> None:
+        """Under a time schedule: every fragment's next outer gradient holds the inner
+        steps from `step` on (the run's start)."""
+        for fragment in self.all:
+            fragment.interval_start = step
+
     def restart_local_weights(self) -> None:
         with torch.no_grad():
             for m in self.members():
@@ -305,6 +312,7 @@ class Fragments:
             "global_weights": {m.name: m.global_weight.clone() for m in self.members()},
             "outer_momentum": {name: buffer for f in self.all for name, buffer in f.outer_momentum().items()},
             "syncs": [f.syncs for f in self.all],
+            "interval_starts": [f.interval_start for f in self.all],
         }
 
     def load(self, state: dict[str, Any]) -> None:
@@ -324,6 +332,9 @@ class Fragments:
         self.leaving = set(state["leaving"])
         for fragment, syncs in zip(self.all, state.get("syncs", [0] * len(self.all))):
             fragment.syncs = syncs
+        # (a state of before them: the step schedule's, which does not read them)
+        for fragment, start in zip(self.all, state.get("interval_starts", [int(state["step"])] * len(self.all))):
+            fragment.interval_start = start
 
 
 def new_member(name: str, param: torch.Tensor, setting: LayerSetting) -> Member:

@@ -33,16 +33,22 @@ from cgx.residuals import Residuals, place
 # members admit them together, and move to that round together) and LEFT_OUT where torch
 # formed it without this replica (the members form it again), and carries a digest of
 # the fragment's global weights and outer momentum after its last applied sync: a replica
-# whose state differs is healed (ReplicasDiverged).
+# whose state differs is healed (ReplicasDiverged). Under a time schedule the step column
+# holds the sync's number (the replicas' inner steps differ), and a row ends with the inner
+# steps behind this replica's outer gradient: the sync's weights (syncs.py).
 SYNC, CLOSE = 0, 1
 _STEP_PIECES, _DIGEST_PIECES = 3, 4
 _HEAD = 3  # kind, strangers, joiners (or READY, LEFT_OUT)
 READY, LEFT_OUT = 0xFFFF, 0xFFFE
 _TRAINED = _HEAD + _STEP_PIECES  # where the trained parameters' digest starts
 _STATE = _TRAINED + _DIGEST_PIECES  # where the fragment's global weights' digest starts (0: not given)
-ROW = _STATE + _DIGEST_PIECES
+_WORK = _STATE + _DIGEST_PIECES  # the inner steps behind the outer gradient (time schedule; else 0)
+_WORK_PIECES = 2
+ROW = _WORK + _WORK_PIECES
 _OUT_OF_STEP = ("every replica must call the inner optimizer's step() alike: DiLoCo counts those calls, and "
                 "GradScaler skips step() on a replica whose gradients have Inf/NaN (make the replicas skip together)")
+_OUT_OF_STEP_BY_TIME = ("with sync_every a time, the replicas' inner steps differ and they must end together at a "
+                        "sync: stop each replica's loop at the same DiLoCo.syncs_started, then call close()")
 
 
 @dataclass(eq=False)
@@ -70,6 +76,7 @@ class Replicas:
         self.skip_incomplete = self.backend.settings.skip_incomplete_buckets
         self.residuals = Residuals()
         self.stats = fresh_stats()
+        self.by_time = False  # a time schedule's: rows carry sync numbers, not inner steps
 
     @classmethod
     def of_group(cls, group: dist.ProcessGroup) -> Replicas:
@@ -133,12 +140,13 @@ class Replicas:
     # ---- agreement: the replicas' inner step and trained parameters
 
     def rows(self, kind: int, step: int, trained: list[tuple[str, tuple[int, ...]]], strangers: int,
-             device: torch.device, joiners: int = 0, state: int = 0) -> torch.Tensor:
+             device: torch.device, joiners: int = 0, state: int = 0, work: int = 0) -> torch.Tensor:
         rows = torch.zeros(self.size, ROW, device=device)
         digest = int.from_bytes(hashlib.blake2b(repr(trained).encode(), digest_size=8).digest(), "little")
         rows[self.rank] = torch.tensor(
             [kind, min(strangers, 0xFFFF), min(joiners, READY), *_pieces(step, _STEP_PIECES),
-             *_pieces(digest, _DIGEST_PIECES), *_pieces(state, _DIGEST_PIECES)], dtype=torch.float32)
+             *_pieces(digest, _DIGEST_PIECES), *_pieces(state, _DIGEST_PIECES),
+             *_pieces(min(work, 0xFFFFFFFF), _WORK_PIECES)], dtype=torch.float32)
         return rows
 
     def agree(self, kind: int, step: int, trained: list[tuple[str, tuple[int, ...]]],
@@ -159,15 +167,15 @@ class Replicas:
         """Waits for the call carrying the rows and decodes them."""
         if agreement.work is None:
             return
-        at = _describe(agreement.kind, agreement.step)
+        at = self._describe(agreement.kind, agreement.step)
         try:
             agreement.work.wait()
         except CallMismatchError as e:  # a call of another kind, or at another call of the group
             raise RuntimeError(f"cgx.DiLoCo: the replicas are out of step at {at} here: the group's ranks made "
-                               f"different calls ({e}); {_OUT_OF_STEP}") from e
+                               f"different calls ({e}); {self._advice}") from e
         except (CollectiveTimeoutError, PeerError) as e:  # the same kind of error, saying where it happened
             raise type(e)(f"cgx.DiLoCo: {at} failed: {e}; a replica died, or waits in another collective of the "
-                          f"group because it is out of step: {_OUT_OF_STEP}") from e
+                          f"group because it is out of step: {self._advice}") from e
         agreement.rows.mul_(self.size).round_()
         agreement.work = None
 
@@ -179,25 +187,35 @@ class Replicas:
         mine = rows[self.rank]
         for peer, row in enumerate(rows):
             if row[0] != mine[0] or _step(row) != _step(mine):
-                raise RuntimeError(f"cgx.DiLoCo: the replicas are out of step: {_describe(mine[0], _step(mine))} "
-                                   f"here, {_describe(row[0], _step(row))} on group rank {peer}; {_OUT_OF_STEP}")
+                raise RuntimeError(f"cgx.DiLoCo: the replicas are out of step: "
+                                   f"{self._describe(mine[0], _step(mine))} here, {self._describe(row[0], _step(row))} "
+                                   f"on group rank {peer}; {self._advice}")
         for peer, row in enumerate(rows):
             if row[1]:
-                raise ValueError(f"cgx.DiLoCo: at the sync of inner step {agreement.step}, inner_optimizer on group "
+                raise ValueError(f"cgx.DiLoCo: at {self._describe(SYNC, agreement.step)}, inner_optimizer on group "
                                  f"rank {peer} updates {row[1]} tensor(s) that are not parameters of the model: "
                                  f"add param groups of this model's parameters only")
         if any(row[_TRAINED:_STATE] != mine[_TRAINED:_STATE] for row in rows):
             self._name_difference(agreement)
-        states = [tuple(row[_STATE:]) for row in rows]
+        states = [tuple(row[_STATE:_WORK]) for row in rows]
         if len(set(states)) > 1:
             ranks = {}
             for rank, state in enumerate(states):
                 ranks.setdefault(state, []).append(rank)
-            raise ReplicasDiverged(f"cgx.DiLoCo: at the sync of inner step {agreement.step}, the replicas' global "
+            raise ReplicasDiverged(f"cgx.DiLoCo: at {self._describe(SYNC, agreement.step)}, the replicas' global "
                                    f"weights or outer momentum of the fragment differ after its last applied sync: "
                                    f"group ranks "
                                    f"{' | '.join(map(str, ranks.values()))} each hold other weights (a bit flip, a "
                                    f"non-deterministic op, a bug)")
+
+    def _describe(self, kind: int, step: int) -> str:
+        """A sync or close() by what its row's step column holds."""
+        at = f"sync number {step}" if self.by_time else f"inner step {step}"
+        return (f"the sync of {at}" if not self.by_time else at) if kind == SYNC else f"close() after {at}"
+
+    @property
+    def _advice(self) -> str:
+        return _OUT_OF_STEP_BY_TIME if self.by_time else _OUT_OF_STEP
 
     def _name_difference(self, agreement: Agreement) -> None:
         """Raises ValueError naming a parameter trained on one replica and not on another
@@ -210,23 +228,30 @@ class Replicas:
             else f"{name!r} has shape {list(mine[name])} here, {list(theirs[name])} on group rank {peer}"
             for peer, theirs in enumerate(map(dict, everyone))
             for name in [*mine, *theirs] if mine.get(name) != theirs.get(name))
-        raise ValueError(f"cgx.DiLoCo: the replicas' inner optimizers train different parameters at the sync of "
-                         f"inner step {agreement.step}: {next(differences)}; every replica must add the same "
+        raise ValueError(f"cgx.DiLoCo: the replicas' inner optimizers train different parameters at "
+                         f"{self._describe(SYNC, agreement.step)}: {next(differences)}; every replica must add the same "
                          f"param groups and (un)freeze the same parameters before the same inner step")
 
 
 def current_rows(rows: torch.Tensor) -> torch.Tensor:
     """A checkpoint's agreement rows in this version's layout (before the joiners
     column, a row was kind, strangers, step, digest; before the state's digest, it ended
-    with the trained parameters' digest)."""
+    with the trained parameters' digest; before the work column, with the state's)."""
     if rows.shape[-1] == _STATE - 1:
         rows = torch.cat([rows[:, :2], torch.zeros_like(rows[:, :1]), rows[:, 2:]], dim=1)
-    if rows.shape[-1] == _STATE:
-        return torch.cat([rows, torch.zeros(rows.shape[0], _DIGEST_PIECES, dtype=rows.dtype)], dim=1)
+    for end, pieces in ((_STATE, _DIGEST_PIECES), (_WORK, _WORK_PIECES)):
+        if rows.shape[-1] == end:
+            rows = torch.cat([rows, torch.zeros(rows.shape[0], pieces, dtype=rows.dtype)], dim=1)
     if rows.shape[-1] != ROW:
         raise ValueError(f"cgx.DiLoCo: a checkpoint's agreement rows have {rows.shape[-1]} columns, a layout of no "
-                         f"cgx version ({_STATE - 1}, {_STATE} or {ROW})")
+                         f"cgx version ({_STATE - 1}, {_STATE}, {_WORK} or {ROW})")
     return rows.clone()
+
+
+def work_of(rows: torch.Tensor) -> list[int]:
+    """Each rank's work column of checked rows: the inner steps behind its outer gradient."""
+    return [sum(int(piece) << (16 * i) for i, piece in enumerate(row[_WORK:_WORK + _WORK_PIECES]))
+            for row in rows.long().tolist()]
 
 
 def fresh_stats() -> dict[str, Any]:
@@ -248,6 +273,3 @@ def _pieces(value: int, count: int) -> list[int]:
 def _step(row: list[int]) -> int:
     return sum(piece << (16 * i) for i, piece in enumerate(row[_HEAD:_HEAD + _STEP_PIECES]))
 
-
-def _describe(kind: int, step: int) -> str:
-    return f"the sync of inner step {step}" if kind == SYNC else f"close() after inner step {step}"

@@ -26,7 +26,7 @@ import torch
 from cgx import _C
 from cgx.counters import count_exact
 from cgx.diloco.fragments import Fragment
-from cgx.diloco.replicas import ROW, SYNC, Agreement, Replicas
+from cgx.diloco.replicas import ROW, SYNC, Agreement, Replicas, work_of
 from cgx.diloco.tensors import local
 from cgx.layers import RAW, all_raw, append_segment, layout_bytes
 
@@ -46,6 +46,10 @@ class Sync:
     sent: torch.Tensor | None = None  # elastic runs: a copy of what this rank put in, to do the sync again
     checked: bool = False  # the agreement was checked (a sync completed before its replicas re-formed)
     drift: torch.Tensor | None = None  # a sparse sync's outer gradient as measured (with error feedback)
+    # Under a time schedule: the inner steps behind this rank's outer gradient, which it sent
+    # times that; the average is over every rank's steps (their rows say them). None: the
+    # replicas' outer gradients weigh alike (or as an elastic run's contribution scaled them).
+    weight: int | None = None
 
     @property
     def completed(self) -> bool:
@@ -101,7 +105,20 @@ class Sync:
             return
         self.work.wait()
         self._average(replicas)
+        if self.weight is not None and self.outer_gradient is not None:
+            self._weigh(replicas)
         self.work = None
+
+    def ready(self) -> bool:
+        """Whether its collective and rows have completed (without waiting for them)."""
+        return all(w is None or w.is_completed() for w in (self.work, self.agreement.work))
+
+    def _weigh(self, replicas: Replicas) -> None:
+        """The average of what the ranks sent (each its outer gradient times its inner
+        steps) over their inner steps in all: an average weighed by the work behind each.
+        Where no rank stepped, nothing moves."""
+        total = sum(work_of(self.agreement.rows))
+        self.outer_gradient.mul_(replicas.size / total if total else 0.0)
 
     def _average(self, replicas: Replicas) -> None:
         """The kind's average, once its collective completed (none without members)."""
@@ -125,7 +142,7 @@ class Sync:
             fragment.outer.step()
             if retains:
                 stepped = before.sub_(torch.cat([m.global_weight.reshape(-1) for m in fragment.members]))
-                self.residual.sub_((self.drift - stepped).mul_(mix))
+                self.residual.sub_((self.drift - stepped).mul_(mix * (self.weight or 1)))
             if self.residual is not None:
                 replicas.residuals.keep(self.residual, fragment.compressed)
             for m in fragment.members:
@@ -264,16 +281,17 @@ class SharedPlacesSync(Sync):
 
 def start_sync(fragment: Fragment, replicas: Replicas, step: int, due: int, error_feedback: bool, trained: Trained,
                strangers: int, joiners: int = 0, keep: bool = False, state: int = 0,
-               delta: torch.Tensor | None = None, scale: float | None = None) -> Sync:
-    """Starts the fragment's sync of inner step `step`, of the kind its fragment takes:
-    the outer gradient (global - local, times `scale` where given: this replica's weight
-    in the average; `delta` instead, for a sync done again) with the agreement's rows
-    (`state`: a digest of the fragment's state, or 0). With `keep` (an elastic run), the
-    sync keeps a copy of the outer gradient it sent (before `scale`)."""
+               delta: torch.Tensor | None = None, scale: float | None = None, weight: int | None = None) -> Sync:
+    """Starts the fragment's sync of inner step `step` (under a time schedule: of number
+    `step`), of the kind its fragment takes: the outer gradient (global - local, times
+    `scale` where given: this replica's weight in the average; `delta` instead, for a sync
+    done again; times `weight`, the inner steps behind it, under a time schedule) with the
+    agreement's rows (`state`: a digest of the fragment's state, or 0). With `keep` (an
+    elastic run), the sync keeps a copy of the outer gradient it sent (before `scale`)."""
     # The rows travel with the outer gradient, so they live on its device.
     members = fragment.members
     device = members[0].global_weight.device if members else torch.device("cpu")
-    rows = replicas.rows(SYNC, step, trained, strangers, device, joiners, state)
+    rows = replicas.rows(SYNC, step, trained, strangers, device, joiners, state, weight or 0)
     if not members:  # the replicas still agree, on their step above all
         return Sync(fragment, due, replicas.agree(SYNC, step, trained, rows), None, None, None)
     with torch.no_grad():
@@ -285,9 +303,11 @@ def start_sync(fragment: Fragment, replicas: Replicas, step: int, due: int, erro
             drift = sent if sent is not None else delta.clone()
         if scale is not None:
             delta.mul_(scale)
+        if weight is not None:
+            delta.mul_(float(weight))
         kind = DenseSync if fragment.sparse is None else SharedPlacesSync if fragment.top_k.shared else OwnPlacesSync
         sync = kind.start(fragment, replicas, step, due, trained, rows, delta, error_feedback, sent)
-    sync.drift = drift
+    sync.drift, sync.weight = drift, weight
     return sync
 
 
