@@ -397,27 +397,30 @@ class DiLoCo:
 
     def _syncs_by_time(self) -> list[list[int]]:
         """The time schedule's turn after an inner step: applies the syncs in flight that
-        have completed (from `overlap` steps after their start), then starts each sync
-        whose deadline has passed, in number order, at most one per fragment a step (a
-        replica that was stopped catches up over its next steps); a fragment's sync still
-        in flight is applied first (waited for: the only wait with overlap)."""
+        have completed (from `overlap` steps after their start), then starts the next sync
+        if its deadline has passed: one a step at most, so that syncs_started counts up
+        by one and a loop that stops at a number stops there on every replica (a replica
+        that was stopped catches up over its next steps). A fragment's sync still in
+        flight is applied first (waited for: the only wait with overlap)."""
         joining = []
         for sync in [s for s in self._in_flight if self.step >= s.due and (self.overlap == 0 or s.ready())]:
             joining.append(self._finish(sync))
-        due, fragments = self._clock.due(), self._fragments
-        for number in range(self.syncs_started + 1, min(due, self.syncs_started + len(fragments)) + 1):
-            fragment = fragments[number % len(fragments)]
-            for earlier in [s for s in self._in_flight if s.fragment is fragment]:
-                joining.append(self._finish(earlier))
-            changed, trained, strangers, _ = fragments.at_sync_start(fragment, self._replicas.residuals, state=False)
-            self._weights_changed |= changed
-            sync = start_sync(fragment, self._replicas, number, self.step + self.overlap, self.error_feedback,
-                              trained, strangers, weight=self.step - fragment.interval_start)
-            fragment.interval_start = self.step
-            self._in_flight.append(sync)
-            self.syncs_started = number
-            if self.overlap == 0:
-                joining.append(self._finish(sync))
+        if self._clock.due() <= self.syncs_started:
+            return joining
+        number = self.syncs_started + 1
+        fragment = self._fragments[number % len(self._fragments)]
+        for earlier in [s for s in self._in_flight if s.fragment is fragment]:
+            joining.append(self._finish(earlier))
+        changed, trained, strangers, _ = self._fragments.at_sync_start(fragment, self._replicas.residuals,
+                                                                       state=False)
+        self._weights_changed |= changed
+        sync = start_sync(fragment, self._replicas, number, self.step + self.overlap, self.error_feedback, trained,
+                          strangers, weight=self.step - fragment.interval_start)
+        fragment.interval_start = self.step
+        self._in_flight.append(sync)
+        self.syncs_started = number
+        if self.overlap == 0:
+            joining.append(self._finish(sync))
         return joining
 
     def _finish(self, sync: Sync, follow: bool = True) -> list[int]:
