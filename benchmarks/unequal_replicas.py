@@ -9,11 +9,12 @@ the same number of syncs: the step schedule's run first (``--sync-every`` steps,
 ``--fragments`` fragments, 4-bit outer gradients, overlap 1), then the time schedule's
 with the interval the step run took per sync_every steps, so both sync at the same rate
 in wall-clock time and end after about as long. Reported per run: rank 0's validation
-loss at the end (equal wall clock) and where the time schedule's replicas had taken as
-many inner steps in all as the step schedule's did in its whole run (equal tokens: every
-replica's batch is the same size; loss interpolated between rank 0's snapshots, one per
-interval, evaluated after the run), the inner steps of each replica, and each replica's
-idle share: the time it waited for a sync (``stats()['wait_seconds']``) over the run's.
+loss at the end (equal wall clock) and where both runs' replicas had taken as many inner
+steps in all (the fewer of the two runs' totals: equal tokens, every replica's batch
+being the same size; loss interpolated between rank 0's snapshots, one per interval,
+evaluated after the run, and the end), the inner steps of each replica, and each
+replica's idle share: the time it waited for a sync (``stats()['wait_seconds']``) over
+the run's.
 
     python -P benchmarks/unequal_replicas.py --task gpt --speeds 1 2 --seeds 0 1 2
     python -P benchmarks/unequal_replicas.py --task shapes --speeds 1 1 2 4 --syncs 48
@@ -86,6 +87,7 @@ def run_replica(rank, world, task_name, seed, speeds, schedule, sync_every, frag
             total = sum(next((s for n, s in r["at_sync"] if n >= number), r["steps"]) for r in everyone)
             model.load_state_dict(state)
             curve.append((total, task.evaluate(model)["val_loss"]))
+        curve.append((sum(r["steps"] for r in everyone), final))
         with open(out_path, "w") as f:
             json.dump({"schedule": schedule, "seconds": seconds, "val_loss": final, "curve": curve,
                        "steps": [r["steps"] for r in everyone], "idle": [r["idle"] for r in everyone]}, f)
@@ -101,11 +103,11 @@ def run(call, world, tmp, name):
 
 def loss_at(curve, total):
     """The validation loss where the replicas had taken `total` inner steps in all
-    (linear between snapshots; None past the last)."""
+    (linear between the snapshots and the end; `total` is at most the run's)."""
     for (t0, l0), (t1, l1) in zip(curve, curve[1:]):
         if t0 <= total <= t1:
             return l0 + (l1 - l0) * (total - t0) / max(t1 - t0, 1)
-    return None
+    return curve[-1][1]
 
 
 def main():
@@ -130,23 +132,35 @@ def main():
             call[3], call[7] = "time", by_step["seconds"] / (args.syncs / args.fragments)
             print(f"[{args.task} seed {seed}] time schedule, interval {call[7]:.2f} s ...", flush=True)
             by_time = run(call, world, tmp, f"time-{seed}")
-            by_time["val_loss_at_step_tokens"] = loss_at(by_time["curve"], sum(by_step["steps"]))
+            tokens = min(sum(by_step["steps"]), sum(by_time["steps"]))  # both runs got that far
+            for x in (by_step, by_time):
+                x["val_loss_at_equal_tokens"] = loss_at(x["curve"], tokens)
             runs.append({"seed": seed, "interval_s": call[7], "step": by_step, "time": by_time})
     speeds = "-".join(f"{s:g}" for s in args.speeds)
     print(f"\n{args.task}, replicas at speeds 1/{' 1/'.join(f'{s:g}' for s in args.speeds)}, "
           f"{args.syncs} syncs of {args.fragments} fragments, step schedule H={args.sync_every}, "
           f"torch {torch.__version__}")
-    print("| seed | schedule | s | inner steps per replica | idle per replica | val loss (end) | "
-          "val loss at the step run's tokens | vs step |")
-    print("|---:|---|---:|---|---|---:|---:|---:|")
+    print("| seed | schedule | s | inner steps per replica | idle per replica | val loss (end) | vs step | "
+          "val loss at equal tokens | vs step |")
+    print("|---:|---|---:|---|---|---:|---:|---:|---:|")
     for r in runs:
         for name in ("step", "time"):
             x = r[name]
-            at = x.get("val_loss_at_step_tokens")
-            at_text = "" if name == "step" else ("n/a" if at is None else f"{at:.4f}")
-            vs = "" if name == "step" else f"{x['val_loss'] / r['step']['val_loss'] - 1:+.2%}"
+            at = x["val_loss_at_equal_tokens"]
+            vs = vs_tokens = ""
+            if name == "time":
+                vs = f"{x['val_loss'] / r['step']['val_loss'] - 1:+.2%}"
+                vs_tokens = f"{at / r['step']['val_loss_at_equal_tokens'] - 1:+.2%}"
             print(f"| {r['seed']} | {name} | {x['seconds']:.1f} | {' / '.join(map(str, x['steps']))} | "
-                  f"{' / '.join(f'{i:.1%}' for i in x['idle'])} | {x['val_loss']:.4f} | {at_text} | {vs} |")
+                  f"{' / '.join(f'{i:.1%}' for i in x['idle'])} | {x['val_loss']:.4f} | {vs} | {at:.4f} | "
+                  f"{vs_tokens} |")
+    def mean(values):
+        return sum(values) / len(values)
+    print(f"mean of {len(runs)} seeds: val loss step {mean([r['step']['val_loss'] for r in runs]):.4f}, "
+          f"time {mean([r['time']['val_loss'] for r in runs]):.4f} (equal wall clock); at equal tokens step "
+          f"{mean([r['step']['val_loss_at_equal_tokens'] for r in runs]):.4f}, time "
+          f"{mean([r['time']['val_loss_at_equal_tokens'] for r in runs]):.4f}; most idle replica: step "
+          f"{max(max(r['step']['idle']) for r in runs):.1%}, time {max(max(r['time']['idle']) for r in runs):.1%}")
     path = os.path.join(args.out, f"{args.task}-{speeds}.json")
     with open(path, "w") as f:
         json.dump({"task": args.task, "speeds": args.speeds, "sync_every": args.sync_every,

@@ -256,15 +256,6 @@ def test_bad_input_raises_value_error_naming_the_argument():
             assert want in got, (want, got)
 
 
-def test_an_elastic_run_refuses_the_time_schedule_before_it_joins():
-    import cgx
-
-    model = _model()
-    inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="not supported in an elastic run"):
-        cgx.DiLoCo(model, inner, sync_every=SECONDS, membership=object())  # checked before the membership is used
-
-
 # ---- the clock
 
 

@@ -812,6 +812,68 @@ def test_diloco_goes_on_without_a_killed_replica_and_takes_it_back_restarted(kil
     assert stats3["rounds"] == 1 and stats3["replicas"] == 3, stats3
 
 
+def _elastic_replica_by_time(replica, replicas, port, run_id, sparse):
+    """The run above under the time schedule, the replicas of unequal speed (replica 1
+    five times slower than replica 0): replica 2 kills itself once it has started sync 4,
+    replica 3 joins once it is dead. Each records the digest of its global weights by the
+    syncs its fragments applied in all (alike on every replica holding the run's state).
+    The run ends at the first sync from 12 on where the joiner is in it."""
+    import signal
+
+    import cgx
+    from test_diloco import _model, _train_step
+
+    if replica == 3:
+        _rendezvous_store(port).wait(["killed"])
+    model = _model(replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    membership = _membership(replica, port, run_id, starting=3, min_replicas=2)
+    compression = dict(bits=2, top_k=cgx.diloco.TopK(k=4, chunk=64, shared=sparse == "shared")) if sparse else dict(
+        bits=4)
+    diloco = cgx.DiLoCo(model, inner, sync_every=datetime.timedelta(seconds=0.4), fragments=2, overlap=1,
+                        membership=membership, **compression)
+    if replica == 2:
+        def die(*_):
+            if diloco.syncs_started >= 4:
+                _rendezvous_store(port).set("killed", "1")
+                os.kill(os.getpid(), signal.SIGKILL)
+        inner.register_step_pre_hook(die)
+    digests = {}
+
+    def joiner_is_in() -> bool:
+        stats = diloco.stats()
+        return stats["replicas"] == 3 and (replica == 3 or stats["replicas_joined"] >= 1)
+
+    while diloco.syncs_started < 12 or not joiner_is_in():
+        _train_step(model, inner, replica, diloco.step)
+        time.sleep([0.004, 0.02, 0.008, 0.01][replica])
+        digests.setdefault(sum(f.syncs for f in diloco._fragments), _global_digest(diloco))
+    diloco.close()
+    digests["end"] = _global_digest(diloco)
+    stats = {**diloco.stats(), "started": diloco.syncs_started}
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1, 3], port, run_id)
+    return digests, stats
+
+
+@pytest.mark.parametrize("sparse", [False, "shared"], ids=["dense", "shared-places"])
+def test_diloco_by_time_goes_on_without_a_killed_replica_and_takes_a_joiner(sparse):
+    port = _free_port()
+    results = run_ranks(_elastic_replica_by_time, 4, args=(port, f"time-kill-{sparse}", sparse), expect_exit={2},
+                        timeout_s=240)
+    assert results[2] is None
+    (d0, stats0), (d1, stats1), _, (d3, stats3) = results
+    both = d0.keys() & d1.keys()
+    assert len(both) >= 8 and all(d0[k] == d1[k] for k in both)  # the survivors bit-identical, sync by sync
+    assert d3.keys() & d0.keys() and all(d3[k] == d0[k] for k in d3.keys() & d0.keys()), "the joiner differs"
+    assert d3["end"] == d0["end"] == d1["end"]
+    assert stats0["started"] == stats1["started"] == stats3["started"] >= 12
+    for stats in (stats0, stats1):
+        assert stats["replicas_lost"] == 1 and stats["replicas_joined"] == 1 and stats["replicas"] == 3, stats
+    assert stats0["step"] > stats1["step"]  # the fast replica trained on: it did not wait for the slow one
+    assert stats3["rounds"] == 1 and stats3["replicas"] == 3, stats3
+
+
 def _grow_and_shrink(replica, replicas, port):
     """Replicas 0-2 start; replica 3 joins a running run (no failure: the members admit
     it at a sync); replica 4, built with another sync_every, is refused; replica 2 leaves
@@ -1560,7 +1622,7 @@ def _take_a_position(rank, world):
             inner.add_param_group({"params": list(model[2].parameters())})
         _train_step(model, inner, 0, step)
     run.sync_every = 8
-    taker._recoverable().take_layout(run._recoverable().layout(), run.step)  # as recovery has it do
+    taker._recoverable().take_layout(run._recoverable().layout(), run.step, None)  # as recovery has it do
     return ([list(d._fragments.joining) for d in (run, taker)], [[f.offset for f in d._fragments] for d in (run, taker)])
 
 

@@ -11,7 +11,7 @@ import torch
 from cgx.counters import RENAMED
 from cgx.diloco.fragments import Fragments
 from cgx.diloco.replicas import SYNC, Agreement, Replicas, current_rows, fresh_stats
-from cgx.diloco.syncs import Sync
+from cgx.diloco.syncs import Sync, Weight
 from cgx.diloco.tensors import local
 from cgx.residuals import Residuals, check_same_place
 
@@ -50,7 +50,8 @@ def _in_flight_state(in_flight: list[Sync]) -> list[dict[str, Any]]:
     """The syncs in flight (completed: their averaged outer gradient is kept), as saved."""
     return [{"fragment": s.fragment.index, "due": s.due, "outer_gradient": _clone(s.outer_gradient),
              "residual": _clone(s.residual), "drift": _clone(s.drift), "step": s.agreement.step,
-             "trained": s.agreement.trained, "agreement": s.agreement.rows.clone(), "weight": s.weight}
+             "trained": s.agreement.trained, "agreement": s.agreement.rows.clone(),
+             "weight": None if s.weight is None else [s.weight.steps, s.weight.unit]}
             for s in in_flight]
 
 
@@ -59,7 +60,7 @@ def _in_flight_of(state: dict[str, Any], fragments: Fragments) -> list[Sync]:
     return [Sync(fragments.all[s["fragment"]], s["due"],
                  Agreement(SYNC, s["step"], s["trained"], current_rows(s["agreement"]), None),
                  _clone(s["outer_gradient"]), _clone(s["residual"]), None, drift=_clone(s.get("drift")),
-                 weight=s.get("weight"))
+                 weight=None if s.get("weight") is None else Weight(*s["weight"]))
             for s in state["in_flight"]]
 
 

@@ -40,6 +40,16 @@ class SyncClock:
         self._spacing = interval.total_seconds() / self._fragments
         self._anchor, self._first = deadline, started
 
+    @property
+    def anchored(self) -> bool:
+        """Whether the run's start (or a state taken) has set the deadlines yet."""
+        return self._anchor is not None
+
+    @property
+    def spacing(self) -> float:
+        """Seconds between two syncs' deadlines (interval / fragments)."""
+        return self._spacing
+
     def deadline(self, sync: int) -> float:
         """When sync number `sync` falls due, on this replica's monotonic clock."""
         return self._anchor + (sync - self._first) * self._spacing

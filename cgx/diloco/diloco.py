@@ -33,6 +33,7 @@ import copy
 import dataclasses
 import datetime
 import logging
+import time
 import warnings
 import weakref
 from typing import Any, Callable
@@ -50,7 +51,7 @@ from cgx.diloco.recovery import Recoverable, Recovery
 from cgx.diloco.replica_host import CHANGED, CLOSED, FAILED, LEFT, UNCHANGED, ReplicaHost
 from cgx.diloco.replicas import Replicas
 from cgx.diloco.sparse import TopK
-from cgx.diloco.syncs import Sync, arrived, start_sync
+from cgx.diloco.syncs import Sync, Weight, arrived, start_sync
 from cgx.elastic import Membership
 from cgx.layers import RAW_BITS, CompressionPolicy, check_bits, check_bucket_size
 from cgx.residuals import Residuals
@@ -159,7 +160,7 @@ class DiLoCo:
             numbered alike on every replica; sync k (fragment k mod P) falls due
             ``k * sync_every / fragments`` after the run's start, by each replica's
             monotonic clock (clock.py). End every replica's loop at the same
-            :attr:`syncs_started` before close(). Not with `membership` yet.
+            :attr:`syncs_started` before close().
         fragments: groups of whole layers that sync at staggered steps (P); fragment p
             syncs at the steps t > 0 with ``t % sync_every == p * sync_every // fragments``
             (by time: at the sync numbers k with ``k % fragments == p``).
@@ -198,6 +199,12 @@ class DiLoCo:
         replica_group: in an elastic run, where a replica is a host's DDP group: that
             group. Its rank 0 (the lead) gives `membership` and syncs; the others give
             neither and take the lead's step and weights after every inner step.
+
+    Attributes:
+        step: the inner steps this replica took (the inner optimizer's step() calls).
+        syncs_started: the fragment syncs started, alike on every replica at the same
+            point of the schedule; by time it grows by one a sync, and the replicas' loops
+            end at the same value of it.
     """
 
     def __init__(
@@ -274,6 +281,10 @@ class DiLoCo:
         self._in_flight: list[Sync] = []
         self._closed = False
         self._clock = SyncClock(schedule.sync_every, schedule.fragments) if schedule.by_time else None
+        # By time, in an elastic run: the joiners each finished sync's rows say, by the sync's
+        # number, kept until the fragment's next sync starts (below, _syncs_by_time).
+        self._rows_seen: dict[int, list[int]] = {}
+        self._started_at = -1  # by time: the inner step the last sync started at
         self._replicas.by_time = schedule.by_time
         if membership is None:
             self._start_together()
@@ -323,10 +334,10 @@ class DiLoCo:
         on every rank where they built DiLoCo otherwise). A time schedule's clock starts
         as an all-gather completes: on every replica within a latency of the others."""
         self._fragments.start_together(self._replicas, _compared(self._schedule))
+        self._fragments.start_intervals(self.step)
         if self._clock is not None:
             self._replicas.all_gather(torch.zeros(1))
             self._clock.anchor(self.syncs_started)
-            self._fragments.start_intervals(self.step)
 
     # The hyper-parameters, as attributes (a value set is checked as the constructor's).
     sync_every = _schedule_field("sync_every")
@@ -384,12 +395,13 @@ class DiLoCo:
                 changed, trained, strangers, state = self._fragments.at_sync_start(fragment, self._replicas.residuals,
                                                                                    state=elastic)
                 self._weights_changed |= changed  # leaving members take their global weights
-                joiners, scale = self._recovery.at_sync_start(self.step, self._replicas.rank, self._replicas.size,
-                                                              self.sync_every) if elastic else (0, None)
+                joiners = self._recovery.joining(self._replicas.size) if elastic else 0
+                # A whole interval: the steps since the fragment's last sync started (alike on every replica).
+                weight = Weight(self.step - fragment.interval_start, self.step - max(fragment.last_start, 0))
                 sync = start_sync(fragment, self._replicas, self.step, self.step + self.overlap, self.error_feedback,
-                                  trained, strangers, joiners, keep=elastic, state=state, scale=scale)
+                                  trained, strangers, joiners, keep=elastic, state=state, weight=weight)
                 self._in_flight.append(sync)
-                fragment.last_start = self.step
+                fragment.last_start = fragment.interval_start = self.step
                 self.syncs_started += 1
                 if self.overlap == 0:
                     joining.append(self._finish(sync))
@@ -401,27 +413,42 @@ class DiLoCo:
         if its deadline has passed: one a step at most, so that syncs_started counts up
         by one and a loop that stops at a number stops there on every replica (a replica
         that was stopped catches up over its next steps). A fragment's sync still in
-        flight is applied first (waited for: the only wait with overlap)."""
-        joining = []
+        flight is applied first (waited for: the only wait with overlap).
+
+        In an elastic run, returns what the rows of sync n - P (the fragment's previous
+        one) said of joiners as sync n starts: the replicas apply syncs at different
+        steps, but every one has applied that one by then and starts n in the same place
+        among its collectives, so all act on the rows there alike (Recovery.admit)."""
         for sync in [s for s in self._in_flight if self.step >= s.due and (self.overlap == 0 or s.ready())]:
-            joining.append(self._finish(sync))
-        if self._clock.due() <= self.syncs_started:
-            return joining
+            self._finish_by_time(sync)
+        if self._clock.due() <= self.syncs_started or self._started_at == self.step:  # (a step run again)
+            return []
+        self._started_at = self.step
         number = self.syncs_started + 1
         fragment = self._fragments[number % len(self._fragments)]
         for earlier in [s for s in self._in_flight if s.fragment is fragment]:
-            joining.append(self._finish(earlier))
-        changed, trained, strangers, _ = self._fragments.at_sync_start(fragment, self._replicas.residuals,
-                                                                       state=False)
+            self._finish_by_time(earlier)
+        elastic = self._recovery is not None
+        changed, trained, strangers, state = self._fragments.at_sync_start(fragment, self._replicas.residuals,
+                                                                           state=elastic)
         self._weights_changed |= changed
+        joiners = self._recovery.joining(self._replicas.size) if elastic else 0
+        weight = Weight(self.step - fragment.interval_start)  # (by time, a whole interval is not a step count)
         sync = start_sync(fragment, self._replicas, number, self.step + self.overlap, self.error_feedback, trained,
-                          strangers, weight=self.step - fragment.interval_start)
+                          strangers, joiners, keep=elastic, state=state, weight=weight)
         fragment.interval_start = self.step
         self._in_flight.append(sync)
         self.syncs_started = number
         if self.overlap == 0:
-            joining.append(self._finish(sync))
-        return joining
+            self._finish_by_time(sync)
+        rows = self._rows_seen.pop(number - len(self._fragments), None)
+        self._rows_seen = {n: r for n, r in self._rows_seen.items() if n > number - len(self._fragments)}
+        return [] if rows is None else [rows]
+
+    def _finish_by_time(self, sync: Sync) -> None:
+        rows = self._finish(sync)
+        if rows:
+            self._rows_seen[sync.agreement.step] = rows
 
     def _finish(self, sync: Sync, follow: bool = True) -> list[int]:
         """Finishes the sync (Sync.finish: its agreement checked, its collective waited
@@ -445,14 +472,15 @@ class DiLoCo:
     def _recoverable(self) -> Recoverable:
         me = weakref.proxy(self)  # a DiLoCo dropped without close() frees at once (see Recoverable)
         return Recoverable(
-            step=lambda: me.step, sync_every=lambda: me.sync_every, error_feedback=lambda: me.error_feedback,
+            step=lambda: me.step, position=lambda: me._position, next_sync_in=lambda: me._next_sync_in(),
+            error_feedback=lambda: me.error_feedback,
             replicas=lambda: me._replicas, use_replicas=lambda replicas: me._use_replicas(replicas),
             in_flight=lambda: me._in_flight,
             construction=lambda: me._fragments.construction(dataclasses.asdict(me._schedule)),
             layout=lambda: {**me._fragments.layout(), "syncs_started": me.syncs_started,
-                            "in_flight": [(s.key, s.agreement.trained) for s in me._in_flight]},
+                            "in_flight": [(s.key, s.due, s.agreement.trained, s.weight) for s in me._in_flight]},
             state_tensors=lambda frozen: me._fragments.state_tensors(frozen),
-            take_layout=lambda layout, step: me._take_layout(layout, step),
+            take_layout=lambda layout, position, next_sync_in: me._take_layout(layout, position, next_sync_in),
             restart_local_weights=lambda: me._fragments.restart_local_weights(),
             start_together=lambda: me._start_together(), syncs_of_this_step=lambda: me._syncs_of_this_step(),
             stop=lambda: me._stop())
@@ -460,8 +488,9 @@ class DiLoCo:
     def _use_replicas(self, replicas: Replicas) -> None:
         """Syncs from now on go to `replicas` (a new round's). Residuals start over: they
         belong to a rank of a round; the traffic counts go on."""
-        replicas.stats = self._replicas.stats
+        replicas.stats, replicas.by_time = self._replicas.stats, self._replicas.by_time
         self._replicas = replicas
+        self._rows_seen.clear()  # what the old round's rows said of its ranks
         self._weights_changed = True
 
     def _stop(self) -> None:
@@ -469,13 +498,35 @@ class DiLoCo:
         self._closed = True
         self._hook.remove()
 
-    def _take_layout(self, layout: dict[str, Any], step: int) -> None:
-        """Takes another replica's layout, step, schedule and syncs in flight (the tensors
-        follow). A sync in flight here that it also has keeps what this replica sent into
-        it, so that it can be done again with it."""
+    def _take_layout(self, layout: dict[str, Any], position: int, next_sync_in: float | None) -> None:
+        """Takes another replica's layout, position, schedule and syncs in flight (the
+        tensors follow). A sync in flight here that it also has keeps what this replica
+        sent into it, so that it can be done again with it. Under a time schedule the
+        replica keeps its own inner step count: its syncs in flight are due at once, its
+        next outer gradients hold its steps from here (its local weights restart from the
+        global ones), and its clock takes the other's next deadline."""
         self._fragments.take_layout(layout)
-        self.step, self.syncs_started = step, layout["syncs_started"]
-        self._in_flight = arrived(self._fragments.all, layout["in_flight"], self._in_flight)
+        self.syncs_started = layout["syncs_started"]
+        if self._clock is None:
+            self.step = position
+        due = None if self._clock is None else self.step
+        self._in_flight = arrived(self._fragments.all, layout["in_flight"], self._in_flight, due=due)
+        self._fragments.start_intervals(self.step)  # its local weights restart from the global ones
+        if self._clock is not None:
+            self._clock.anchor(self.syncs_started, now=time.monotonic() + next_sync_in - self._clock.spacing)
+
+    @property
+    def _position(self) -> int:
+        """Where this replica is in the schedule, alike on every replica: the inner step,
+        or by time the number of the last sync started."""
+        return self.step if self._clock is None else self.syncs_started
+
+    def _next_sync_in(self) -> float | None:
+        """By time: the seconds from now to the next sync's deadline (None by steps, or
+        before the run's start)."""
+        if self._clock is None or not self._clock.anchored:
+            return None
+        return self._clock.deadline(self.syncs_started + 1) - time.monotonic()
 
     # ---- lifetime
 
@@ -619,9 +670,6 @@ def _checked_arguments(model, optimizer, bits, bucket_size, policy, schedule: _S
     """Checks the constructor's arguments (TypeError, ValueError; warns where top_k meets
     outer momentum). Returns what a host's ranks must agree on (with replica_group)."""
     _check_model_and_policy(model, optimizer, bits, bucket_size, policy)
-    if schedule.by_time and (membership is not None or host is not None):
-        raise ValueError("cgx.DiLoCo: sync_every as a time is not supported in an elastic run (membership=, "
-                         "replica_group=) yet; give sync_every in inner steps there")
     if schedule.top_k is not None and bits == RAW_BITS and policy is None:
         raise ValueError("cgx.DiLoCo: top_k with bits=32 (exact DiLoCo): sparse outer gradients are "
                          "quantized; give bits of 1..8")

@@ -49,7 +49,9 @@ class Fragment:
     sparse: SparsePlan | None = None  # how its outer gradient travels with top_k (None: in an allreduce)
     syncs: int = 0  # syncs applied
     last_start: int = -1  # the inner step its last sync started at
-    interval_start: int = 0  # time schedule: the inner step its last sync started at, or the run's first
+    # The inner step this replica's next outer gradient of the fragment counts from: its last
+    # sync's start here, or where its local weights restarted from the global ones (syncs.Weight).
+    interval_start: int = 0
 
     @property
     def names(self) -> list[str]:
@@ -291,8 +293,8 @@ class Fragments:
         self.leaving = set(layout["leaving"])
 
     def start_intervals(self, step: int) -> None:
-        """Under a time schedule: every fragment's next outer gradient holds the inner
-        steps from `step` on (the run's start)."""
+        """Every fragment's next outer gradient holds the inner steps from `step` on (the
+        run's start; the local weights restarted from the global ones)."""
         for fragment in self.all:
             fragment.interval_start = step
 
@@ -313,6 +315,7 @@ class Fragments:
             "outer_momentum": {name: buffer for f in self.all for name, buffer in f.outer_momentum().items()},
             "syncs": [f.syncs for f in self.all],
             "interval_starts": [f.interval_start for f in self.all],
+            "last_starts": [f.last_start for f in self.all],
         }
 
     def load(self, state: dict[str, Any]) -> None:
@@ -332,9 +335,11 @@ class Fragments:
         self.leaving = set(state["leaving"])
         for fragment, syncs in zip(self.all, state.get("syncs", [0] * len(self.all))):
             fragment.syncs = syncs
-        # (a state of before them: the step schedule's, which does not read them)
-        for fragment, start in zip(self.all, state.get("interval_starts", [int(state["step"])] * len(self.all))):
-            fragment.interval_start = start
+        # A state of before them weighs its next syncs as whole intervals (0 and -1: the steps
+        # since the run's start, on every replica alike).
+        for fragment, start, last in zip(self.all, state.get("interval_starts", [0] * len(self.all)),
+                                         state.get("last_starts", [-1] * len(self.all))):
+            fragment.interval_start, fragment.last_start = start, last
 
 
 def new_member(name: str, param: torch.Tensor, setting: LayerSetting) -> Member:

@@ -35,7 +35,10 @@ class Recoverable:
     without close() is freed at once, and its membership's heartbeats stop with it)."""
 
     step: Callable[[], int]  # the inner step
-    sync_every: Callable[[], int]
+    # Where the replica is in the run's schedule, alike on its members: the inner step, or
+    # under a time schedule the number of the last sync started (inner steps differ there).
+    position: Callable[[], int]
+    next_sync_in: Callable[[], float | None]  # time schedule: seconds to the next sync's deadline
     error_feedback: Callable[[], bool]
     replicas: Callable[[], Replicas]  # the current round's
     use_replicas: Callable[[Replicas], None]  # syncs go to these from now on (residuals start over)
@@ -43,7 +46,8 @@ class Recoverable:
     construction: Callable[[], dict[str, Any]]  # what every replica must build alike
     layout: Callable[[], dict[str, Any]]  # the run's state but its tensors (its syncs in flight too)
     state_tensors: Callable[[list[str]], list[torch.Tensor]]  # the state's tensors, the given frozen ones last
-    take_layout: Callable[[dict[str, Any], int], None]  # another's layout and step (tensors follow)
+    # another's layout, position and next_sync_in (the tensors follow)
+    take_layout: Callable[[dict[str, Any], int, float | None], None]
     restart_local_weights: Callable[[], None]  # from the global weights
     start_together: Callable[[], None]  # the run's start, on every replica of the round
     syncs_of_this_step: Callable[[], list[list[int]]]  # what is left of this step's syncs; their rows' joiners
@@ -60,9 +64,6 @@ class Recovery:
         self.established = False  # holds the run's state (the run started with it, or it took it)
         self.took_state = False  # took it from a live member: a checkpoint would set it apart
         self._ids: list[str] = []  # the replicas of the current round, by Membership.replica_id
-        # replica id -> the inner step its local weights restarted from the global ones (it
-        # took the run's state): its outer gradients hold fewer steps until sync_every later.
-        self._restarted: dict[str, int] = {}
         self.stats = {"rounds": 0, "replicas_lost": 0, "replicas_joined": 0, "syncs_redone": 0,
                       "reform_seconds": 0.0, "bytes_to_joiners": 0}
 
@@ -126,12 +127,6 @@ class Recovery:
                     raise
                 cause = e
 
-    def at_sync_start(self, step: int, rank: int, size: int, sync_every: int) -> tuple[int, float | None]:
-        """What a sync started at inner step `step` carries of the run (this replica is
-        `rank` of `size`): its joiners value (joining()) and its outer gradient's scale
-        (contribution())."""
-        return self.joining(size), self.contribution(step, rank, sync_every)
-
     def _syncs_of_this_step(self) -> None:
         self.admit(self._diloco.syncs_of_this_step())
 
@@ -177,29 +172,6 @@ class Recovery:
         except (MembershipError, RendezvousError) as e:
             _log.info("cgx.DiLoCo: run %r: could not end the run on the rendezvous (%s: %s); a replica that comes "
                       "back waits for a round until its join_timeout", self.membership.run_id, type(e).__name__, e)
-
-    def contribution(self, step: int, rank: int, sync_every: int, senders: list[bool] | None = None) -> float | None:
-        """The factor this replica scales its outer gradient by in a sync started at inner
-        step `step`, so that the sync's average weighs each replica by the inner steps its
-        outer gradient holds (of sync_every): fewer for one whose local weights restarted
-        from the global ones since (a joiner's first syncs, whose few steps would else
-        count as much as a whole interval), none for one that did not send into a sync
-        done again (`senders`, by rank). None where every weight is the same."""
-        every = sync_every  # (the name the weights below are written with)
-
-        def weight(rank: int, replica: str) -> float:
-            if senders is None:
-                return min(max(step - self._restarted.get(replica, step - every), 0), every) / every
-            if not senders[rank]:
-                return 0.0
-            # A sender that restarted since it sent: what it sent predates that restart.
-            restarted = self._restarted.get(replica, step - every)
-            return 1.0 if restarted >= step else min(step - restarted, every) / every
-        weights = [weight(r, i) for r, i in enumerate(self._ids)]
-        total = sum(weights)
-        if total == 0 or all(w == weights[0] for w in weights):
-            return None
-        return len(weights) * weights[rank] / total
 
     # ---- the replicas re-form
 
@@ -275,7 +247,7 @@ class Recovery:
             round_ = self.membership.next_round()
         self._count_members([p["id"] for p in positions], cause)
         if not any(p["established"] for p in positions):
-            if any(p["step"] > 0 for p in positions):
+            if any(p["position"] > 0 for p in positions):
                 raise MembershipError(
                     f"cgx.DiLoCo: run {self.membership.run_id!r}: every replica holding the run's state is gone "
                     f"(the others had not finished taking it); restart the run from a checkpoint")
@@ -285,10 +257,6 @@ class Recovery:
             self.established = True
             return False
         reference = _reference(positions)
-        # Who restarted where, as the reference has it: a replica that missed rounds (a
-        # joiner, one dropped and back) holds an older record, and every replica must
-        # weigh a sync's outer gradients alike (see contribution()).
-        self._restarted = dict(positions[reference]["restarted"])
         takers = [r for r, p in enumerate(positions) if p["state"] != positions[reference]["state"]]
         me = replicas.rank
         # A member as far as the reference with other weights diverged: what it sent into
@@ -306,16 +274,14 @@ class Recovery:
                         sync.sent = None
         if me in takers:
             self.established = False  # until the state has arrived: never a reference half-taken
-            diloco.take_layout(positions[reference]["layout"], positions[reference]["step"])
+            diloco.take_layout(positions[reference]["layout"], positions[reference]["position"],
+                               positions[reference]["next_sync_in"])
         if takers:
             frozen = positions[reference]["layout"]["frozen"]
             self.stats["bytes_to_joiners"] += replicas.send(diloco.state_tensors(frozen), reference, takers)
             if me in takers:
                 diloco.restart_local_weights()
         self._settle_in_flight(positions, reference, takers)
-        for r in takers:  # after the syncs done again: what the takers sent there came from their own weights
-            self._restarted[positions[r]["id"]] = positions[reference]["step"]
-        self._restarted = {i: s for i, s in self._restarted.items() if i in self._ids}
         self.established = True
         self.took_state |= me in takers
         return me in takers
@@ -324,21 +290,21 @@ class Recovery:
         """What this replica shows the others when a round forms."""
         diloco = self._diloco
         layout = diloco.layout()
-        step = diloco.step()
-        digest = hashlib.blake2b(repr((step, layout)).encode(), digest_size=16)
+        position = diloco.position()
+        digest = hashlib.blake2b(repr((position, layout)).encode(), digest_size=16)
         for t in diloco.state_tensors(layout["frozen"]) if self.established else ():
             digest.update(local(t).detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
         return {
             "id": self.membership.replica_id,
             "established": self.established,
             "construction": diloco.construction(),
-            "step": step,
+            "position": position,
+            "next_sync_in": diloco.next_sync_in(),  # read after the digest: it differs between replicas
             "syncs": layout["syncs"],
             "state": digest.hexdigest() if self.established else None,
             "layout": layout,
             "in_flight": [{"key": s.key, "completed": s.completed, "sent": s.sent is not None}
                           for s in diloco.in_flight()],
-            "restarted": self._restarted,
             "run_started": self.membership.run_started,  # read before any member of this round marks it
         }
 
@@ -365,8 +331,8 @@ class Recovery:
     def _settle_in_flight(self, positions: list[dict[str, Any]], reference: int, takers: list[int]) -> None:
         """The syncs in flight, as the reference has them: the averages it completed are
         sent to every member that lacks them; the syncs it did not complete are done again in
-        this round, each member sending what it sent before (scaled, so that the average
-        is over those that sent, weighed as :meth:`contribution` says) or zeros. Residuals
+        this round, each member sending what it sent before, weighing what it weighed then
+        (syncs.Weight), or zeros, weighing nothing: the average is over those that sent. Residuals
         from the old round are dropped, but those of syncs with own sparse places: what
         this rank did not send, its own, set as the sync started (dropped, the residual
         from before it would send again what it sent)."""
@@ -385,11 +351,9 @@ class Recovery:
                     replicas.send([sync.outer_gradient], reference, lacking)
                 sync.work, sync.agreement.work, sync.checked = None, None, True
             else:
-                again.append((i, [key in theirs[r] and theirs[r][key]["sent"] for r in range(size)]))
-        for i, senders in again:
-            old = in_flight[i]
-            scale = self.contribution(old.agreement.step, replicas.rank, diloco.sync_every(), senders)
-            in_flight[i] = old.redo(replicas, diloco.error_feedback(), scale)
+                again.append(i)
+        for i in again:  # (what each sent, or not, it knows: Sync.sent)
+            in_flight[i] = in_flight[i].redo(replicas, diloco.error_feedback())
             self.stats["syncs_redone"] += 1
 
     def _count_members(self, ids: list[str], cause: Exception | None) -> None:
@@ -412,7 +376,7 @@ def _holders_elsewhere(positions: list[dict[str, Any]]) -> bool:
     """Whether the run started but no replica of this round holds its state (and none
     is past step 0 without it: that is the error of a state lost while it was taken)."""
     return (any(p["run_started"] for p in positions) and not any(p["established"] for p in positions)
-            and not any(p["step"] > 0 for p in positions))
+            and not any(p["position"] > 0 for p in positions))
 
 
 def _reference(positions: list[dict[str, Any]]) -> int:
@@ -427,7 +391,7 @@ def _reference(positions: list[dict[str, Any]]) -> int:
 
 
 def _progress(position: dict[str, Any]) -> tuple[int, int]:
-    return sum(position["syncs"]), position["step"]
+    return sum(position["syncs"]), position["position"]
 
 
 class TookState(Exception):

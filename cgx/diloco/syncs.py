@@ -33,6 +33,25 @@ from cgx.layers import RAW, all_raw, append_segment, layout_bytes
 Trained = list[tuple[str, tuple[int, ...]]]
 
 
+@dataclass(frozen=True)
+class Weight:
+    """What a replica's outer gradient weighs in a sync: the inner steps behind it (since
+    the fragment's last sync started here, or since this replica's local weights restarted
+    from the global ones: a joiner's first syncs), of `unit`, the steps a whole interval
+    holds (by steps: since the fragment's last sync started, alike on every replica; by
+    time: 1). The replica sends its outer gradient times steps / unit and its steps in its
+    row; the sync's average is then divided by the steps of all over their units, so each
+    replica counts by its steps, and where every replica holds a whole interval nothing is
+    multiplied (the plain average, bit for bit)."""
+
+    steps: int
+    unit: int = 1
+
+    @property
+    def share(self) -> float:
+        return self.steps / self.unit
+
+
 @dataclass(eq=False)
 class Sync:
     """A fragment's sync, from its start to the step its result is applied."""
@@ -46,19 +65,16 @@ class Sync:
     sent: torch.Tensor | None = None  # elastic runs: a copy of what this rank put in, to do the sync again
     checked: bool = False  # the agreement was checked (a sync completed before its replicas re-formed)
     drift: torch.Tensor | None = None  # a sparse sync's outer gradient as measured (with error feedback)
-    # Under a time schedule: the inner steps behind this rank's outer gradient, which it sent
-    # times that; the average is over every rank's steps (their rows say them). None: the
-    # replicas' outer gradients weigh alike (or as an elastic run's contribution scaled them).
-    weight: int | None = None
+    weight: Weight | None = None  # what this rank's outer gradient weighs (None: no members)
 
     @property
     def completed(self) -> bool:
         return self.work is None and self.agreement.work is None
 
     @property
-    def key(self) -> tuple[int, int, int]:
-        """(fragment, start step, due step): the sync, alike on every replica."""
-        return self.fragment.index, self.agreement.step, self.due
+    def key(self) -> tuple[int, int]:
+        """(fragment, start step; by time: its number): the sync, alike on every replica."""
+        return self.fragment.index, self.agreement.step
 
     @classmethod
     def arrived(cls, fragment: Fragment, step: int, due: int, trained: Trained, sent: torch.Tensor | None) -> Sync:
@@ -105,7 +121,7 @@ class Sync:
             return
         self.work.wait()
         self._average(replicas)
-        if self.weight is not None and self.outer_gradient is not None:
+        if self.weight is not None:
             self._weigh(replicas)
         self.work = None
 
@@ -114,11 +130,12 @@ class Sync:
         return all(w is None or w.is_completed() for w in (self.work, self.agreement.work))
 
     def _weigh(self, replicas: Replicas) -> None:
-        """The average of what the ranks sent (each its outer gradient times its inner
-        steps) over their inner steps in all: an average weighed by the work behind each.
-        Where no rank stepped, nothing moves."""
-        total = sum(work_of(self.agreement.rows))
-        self.outer_gradient.mul_(replicas.size / total if total else 0.0)
+        """The average of what the ranks sent (each its outer gradient times its share of
+        an interval, Weight) over their shares in all. Where no rank stepped (a sync done
+        again that nobody sent into), nothing moves."""
+        total, whole = sum(work_of(self.agreement.rows)), replicas.size * self.weight.unit
+        if total != whole:
+            self.outer_gradient.mul_(whole / total if total else 0.0)
 
     def _average(self, replicas: Replicas) -> None:
         """The kind's average, once its collective completed (none without members)."""
@@ -142,7 +159,8 @@ class Sync:
             fragment.outer.step()
             if retains:
                 stepped = before.sub_(torch.cat([m.global_weight.reshape(-1) for m in fragment.members]))
-                self.residual.sub_((self.drift - stepped).mul_(mix * (self.weight or 1)))
+                share = 1.0 if self.weight is None else self.weight.share
+                self.residual.sub_((self.drift - stepped).mul_(mix * share))
             if self.residual is not None:
                 replicas.residuals.keep(self.residual, fragment.compressed)
             for m in fragment.members:
@@ -158,19 +176,22 @@ class Sync:
         what this rank alone did not send."""
         self.residual = None
 
-    def redo(self, replicas: Replicas, error_feedback: bool, scale: float | None) -> Sync:
+    def redo(self, replicas: Replicas, error_feedback: bool) -> Sync:
         """This sync done again among `replicas` (a new round): this rank sends what it
-        sent before (times `scale`: its weight among those that sent), or zeros where it
-        did not send into it; the sync's kind follows its fragment."""
+        sent before, weighing what it weighed then, or zeros where it did not send into it,
+        weighing nothing (the average is over those that sent); the sync's kind follows its
+        fragment."""
         fragment = self.fragment
-        delta = None
+        delta, weight = None, None
         if fragment.members:
-            delta = (self.sent * (1.0 if scale is None else scale) if self.sent is not None
+            delta = (self.sent.clone() if self.sent is not None
                      else torch.zeros(fragment.numel, device=fragment.members[0].global_weight.device))
+            unit = 1 if self.weight is None else self.weight.unit
+            weight = self.weight if self.sent is not None and self.weight is not None else Weight(0, unit)
         again = start_sync(fragment, replicas, self.agreement.step, self.due, error_feedback,
-                           self.agreement.trained, 0, delta=delta)
+                           self.agreement.trained, 0, delta=delta, weight=weight)
         if again.drift is not None and self.sent is not None:
-            again.drift = self.sent  # what the local weights drifted, not the scaled contribution
+            again.drift = self.sent  # what the local weights drifted, not the weighed contribution
         again.sent = self.sent
         return again
 
@@ -281,17 +302,16 @@ class SharedPlacesSync(Sync):
 
 def start_sync(fragment: Fragment, replicas: Replicas, step: int, due: int, error_feedback: bool, trained: Trained,
                strangers: int, joiners: int = 0, keep: bool = False, state: int = 0,
-               delta: torch.Tensor | None = None, scale: float | None = None, weight: int | None = None) -> Sync:
+               delta: torch.Tensor | None = None, weight: Weight | None = None) -> Sync:
     """Starts the fragment's sync of inner step `step` (under a time schedule: of number
-    `step`), of the kind its fragment takes: the outer gradient (global - local, times
-    `scale` where given: this replica's weight in the average; `delta` instead, for a sync
-    done again; times `weight`, the inner steps behind it, under a time schedule) with the
-    agreement's rows (`state`: a digest of the fragment's state, or 0). With `keep` (an
-    elastic run), the sync keeps a copy of the outer gradient it sent (before `scale`)."""
+    `step`), of the kind its fragment takes: the outer gradient (global - local; `delta`
+    instead, for a sync done again) times `weight`'s share, with the agreement's rows
+    (`state`: a digest of the fragment's state, or 0; the weight's steps). With `keep` (an
+    elastic run), the sync keeps a copy of the outer gradient as measured."""
     # The rows travel with the outer gradient, so they live on its device.
     members = fragment.members
     device = members[0].global_weight.device if members else torch.device("cpu")
-    rows = replicas.rows(SYNC, step, trained, strangers, device, joiners, state, weight or 0)
+    rows = replicas.rows(SYNC, step, trained, strangers, device, joiners, state, 0 if weight is None else weight.steps)
     if not members:  # the replicas still agree, on their step above all
         return Sync(fragment, due, replicas.agree(SYNC, step, trained, rows), None, None, None)
     with torch.no_grad():
@@ -301,26 +321,30 @@ def start_sync(fragment: Fragment, replicas: Replicas, step: int, due: int, erro
         drift = None  # (unscaled; one copy with `sent`: neither is written after)
         if fragment.sparse is not None and error_feedback and fragment.compressed:
             drift = sent if sent is not None else delta.clone()
-        if scale is not None:
-            delta.mul_(scale)
-        if weight is not None:
-            delta.mul_(float(weight))
+        if weight is not None and weight.steps != weight.unit:
+            delta.mul_(weight.share)
         kind = DenseSync if fragment.sparse is None else SharedPlacesSync if fragment.top_k.shared else OwnPlacesSync
         sync = kind.start(fragment, replicas, step, due, trained, rows, delta, error_feedback, sent)
     sync.drift, sync.weight = drift, weight
     return sync
 
 
-def arrived(fragments: list[Fragment], in_flight: list[tuple[tuple[int, int, int], Trained]],
-            mine: list[Sync]) -> list[Sync]:
-    """The syncs in flight of another replica's layout (`in_flight`: each key and trained
-    set), arrived completed (Sync.arrived); one this replica also has (`mine`) keeps what
-    it sent into it, so that it can be done again with it."""
-    sent = {s.key: s.sent for s in mine}
+def arrived(fragments: list[Fragment], in_flight: list[tuple[tuple[int, int], int, Trained, Weight | None]],
+            mine: list[Sync], due: int | None = None) -> list[Sync]:
+    """The syncs in flight of another replica's layout (`in_flight`: each key, due step,
+    trained set and weight), arrived completed (Sync.arrived), due where they were
+    there (or at `due`: under a time schedule, where this replica's own step count goes
+    on); one this replica also has (`mine`) keeps what it sent into it and the weight it
+    sent with, so that it can be done again with them."""
+    own = {s.key: s for s in mine}
     syncs = []
-    for key, trained in in_flight:
-        index, start, due = key
-        syncs.append(Sync.arrived(fragments[index], start, due, trained, sent.get(tuple(key))))
+    for key, their_due, trained, weight in in_flight:
+        index, start = key
+        had = own.get(tuple(key))
+        sync = Sync.arrived(fragments[index], start, their_due if due is None else due, trained,
+                            None if had is None else had.sent)
+        sync.weight = weight if had is None else had.weight
+        syncs.append(sync)
     return syncs
 
 
