@@ -11,10 +11,12 @@ with the interval the step run took per sync_every steps, so both sync at the sa
 in wall-clock time and end after about as long. Reported per run: rank 0's validation
 loss at the end (equal wall clock) and where both runs' replicas had taken as many inner
 steps in all (the fewer of the two runs' totals: equal tokens, every replica's batch
-being the same size; loss interpolated between rank 0's snapshots, one per interval,
-evaluated after the run, and the end), the inner steps of each replica, and each
+being the same size; loss interpolated between rank 0's snapshots, one as each sync
+started, evaluated after the run, and the end), the inner steps of each replica, and each
 replica's idle share: the time it waited for a sync (``stats()['wait_seconds']``) over
-the run's.
+the run's, and the syncs rank 0 sent the exact way (none unless ``--auto``: with
+``CGX_COMPRESSION_AUTO`` on, its timings choose exact or compressed per run and move the
+loss by about 1% between runs of one seed).
 
     python -P benchmarks/unequal_replicas.py --task gpt --speeds 1 2 --seeds 0 1 2
     python -P benchmarks/unequal_replicas.py --task shapes --speeds 1 1 2 4 --syncs 48
@@ -59,7 +61,7 @@ def run_replica(rank, world, task_name, seed, speeds, schedule, sync_every, frag
     every = sync_every if schedule == "step" else datetime.timedelta(seconds=interval_s)
     diloco = cgx.DiLoCo(model, inner, sync_every=every, fragments=fragments, bits=4, overlap=1)
     steps_by_step = syncs * sync_every // fragments  # the step schedule's length: `syncs` syncs
-    snapshots, at_sync = [], []  # rank 0's weights after each interval; (syncs, inner step) after each sync
+    snapshots, at_sync = [], []  # rank 0's weights as each sync started; (syncs, inner step) then
     start = time.perf_counter()
     step = 0
     while (step < steps_by_step) if schedule == "step" else (diloco.syncs_started < syncs):
@@ -73,13 +75,14 @@ def run_replica(rank, world, task_name, seed, speeds, schedule, sync_every, frag
         step += 1
         if not at_sync or at_sync[-1][0] != diloco.syncs_started:
             at_sync.append((diloco.syncs_started, step))
-            if rank == 0 and diloco.syncs_started // fragments > len(snapshots):
+            if rank == 0:
                 snapshots.append((diloco.syncs_started, copy.deepcopy(model.state_dict())))
     seconds = time.perf_counter() - start
     waited = diloco.stats()["wait_seconds"]
     diloco.close()
+    exact = diloco.stats()["exact_calls"]
     everyone = [None] * world
-    dist.all_gather_object(everyone, {"steps": step, "idle": waited / seconds, "at_sync": at_sync})
+    dist.all_gather_object(everyone, {"steps": step, "idle": waited / seconds, "at_sync": at_sync, "exact": exact})
     if rank == 0:
         final = task.evaluate(model)["val_loss"]
         curve = []
@@ -90,7 +93,8 @@ def run_replica(rank, world, task_name, seed, speeds, schedule, sync_every, frag
         curve.append((sum(r["steps"] for r in everyone), final))
         with open(out_path, "w") as f:
             json.dump({"schedule": schedule, "seconds": seconds, "val_loss": final, "curve": curve,
-                       "steps": [r["steps"] for r in everyone], "idle": [r["idle"] for r in everyone]}, f)
+                       "steps": [r["steps"] for r in everyone], "idle": [r["idle"] for r in everyone],
+                       "exact_syncs": everyone[0]["exact"]}, f)
     dist.destroy_process_group()
 
 
@@ -119,8 +123,13 @@ def main():
     parser.add_argument("--sync-every", type=int, default=32, help="the step schedule's H")
     parser.add_argument("--fragments", type=int, default=4)
     parser.add_argument("--syncs", type=int, default=40, help="fragment syncs per run (both schedules)")
+    parser.add_argument("--auto", action="store_true",
+                        help="leave CGX_COMPRESSION_AUTO on (default: off, every sync compressed at 4 bits, so "
+                             "that the two schedules differ in their schedule alone)")
     parser.add_argument("--out", default=default_output("unequal"))
     args = parser.parse_args()
+    if not args.auto:
+        os.environ["CGX_COMPRESSION_AUTO"] = "0"  # (the spawned replicas read it)
     os.makedirs(args.out, exist_ok=True)
     world = len(args.speeds)
     runs = []
@@ -140,9 +149,9 @@ def main():
     print(f"\n{args.task}, replicas at speeds 1/{' 1/'.join(f'{s:g}' for s in args.speeds)}, "
           f"{args.syncs} syncs of {args.fragments} fragments, step schedule H={args.sync_every}, "
           f"torch {torch.__version__}")
-    print("| seed | schedule | s | inner steps per replica | idle per replica | val loss (end) | vs step | "
-          "val loss at equal tokens | vs step |")
-    print("|---:|---|---:|---|---|---:|---:|---:|---:|")
+    print("| seed | schedule | s | inner steps per replica | idle per replica | syncs sent exactly | val loss (end) | "
+          "vs step | val loss at equal tokens | vs step |")
+    print("|---:|---|---:|---|---|---:|---:|---:|---:|---:|")
     for r in runs:
         for name in ("step", "time"):
             x = r[name]
@@ -152,8 +161,8 @@ def main():
                 vs = f"{x['val_loss'] / r['step']['val_loss'] - 1:+.2%}"
                 vs_tokens = f"{at / r['step']['val_loss_at_equal_tokens'] - 1:+.2%}"
             print(f"| {r['seed']} | {name} | {x['seconds']:.1f} | {' / '.join(map(str, x['steps']))} | "
-                  f"{' / '.join(f'{i:.1%}' for i in x['idle'])} | {x['val_loss']:.4f} | {vs} | {at:.4f} | "
-                  f"{vs_tokens} |")
+                  f"{' / '.join(f'{i:.1%}' for i in x['idle'])} | {x['exact_syncs']} | {x['val_loss']:.4f} | {vs} | "
+                  f"{at:.4f} | {vs_tokens} |")
     def mean(values):
         return sum(values) / len(values)
     print(f"mean of {len(runs)} seeds: val loss step {mean([r['step']['val_loss'] for r in runs]):.4f}, "

@@ -955,11 +955,11 @@ def _outer_gradients_with_a_joiner(replica, replicas, port):
     """Replicas 0 and 1 run exact DiLoCo (2 fragments, sync_every 4); replica 2 joins at a
     sync of theirs after step 6; all end 8 steps after it joined. Each records, for every
     sync it sent into, its own outer gradient (global - local) and the sync's average."""
-    import cgx.diloco.diloco
+    import cgx.diloco.turns
     import cgx.diloco.syncs
 
     sync_class = cgx.diloco.syncs.Sync
-    start, apply = cgx.diloco.diloco.start_sync, sync_class.apply
+    start, apply = cgx.diloco.turns.start_sync, sync_class.apply
     sent, averages = {}, {}
 
     def recording_start(fragment, replicas_, step, *args, delta=None, **kwargs):
@@ -971,7 +971,7 @@ def _outer_gradients_with_a_joiner(replica, replicas, port):
     def recording_apply(sync, *args):
         averages[(sync.fragment.index, sync.agreement.step)] = sync.outer_gradient.clone()
         return apply(sync, *args)
-    cgx.diloco.diloco.start_sync, sync_class.apply = recording_start, recording_apply
+    cgx.diloco.turns.start_sync, sync_class.apply = recording_start, recording_apply
     membership = _membership(replica, port, "weighed", starting=2, min_replicas=2)
     _, joined_at = _join_at_step_6(replica, 2, _rendezvous_store(port), "weighed", membership, bits=32)
     membership.close()

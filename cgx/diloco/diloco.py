@@ -51,7 +51,8 @@ from cgx.diloco.recovery import Recoverable, Recovery
 from cgx.diloco.replica_host import CHANGED, CLOSED, FAILED, LEFT, UNCHANGED, ReplicaHost
 from cgx.diloco.replicas import Replicas
 from cgx.diloco.sparse import TopK
-from cgx.diloco.syncs import Sync, Weight, arrived, start_sync
+from cgx.diloco.syncs import Sync, arrived
+from cgx.diloco.turns import Turns
 from cgx.elastic import Membership
 from cgx.layers import RAW_BITS, CompressionPolicy, check_bits, check_bucket_size
 from cgx.residuals import Residuals
@@ -142,7 +143,7 @@ def _schedule_field(name: str) -> property:
     return property(lambda self: getattr(self._schedule, name), set_field)
 
 
-class DiLoCo:
+class DiLoCo(Turns):
     """Streaming DiLoCo on the inner optimizer of `model`.
 
     Args:
@@ -152,15 +153,11 @@ class DiLoCo:
             (param groups added, layers (un)frozen) join or leave it at the next sync.
         inner_optimizer: the optimizer the training loop steps; DiLoCo hooks its steps.
         sync_every: inner steps between two syncs of a parameter (H); or a
-            ``datetime.timedelta``: the time schedule, for replicas of unequal speed. Each
-            replica then trains for that time between two syncs of a fragment, whatever
-            its inner steps, and every sync weighs each replica's outer gradient by the
-            inner steps behind it (the agreement's rows carry them), so a slow replica
-            costs the run only its own share and no replica waits for it. The syncs are
-            numbered alike on every replica; sync k (fragment k mod P) falls due
-            ``k * sync_every / fragments`` after the run's start, by each replica's
-            monotonic clock (clock.py). End every replica's loop at the same
-            :attr:`syncs_started` before close().
+            ``datetime.timedelta`` (the time schedule, for replicas of unequal speed):
+            each replica trains that long between two syncs of a fragment, and each
+            sync weighs a replica by its inner steps, so none waits for a slower one
+            (docs/diloco.md, "Replicas of unequal speed"). End every replica's loop at
+            the same :attr:`syncs_started`.
         fragments: groups of whole layers that sync at staggered steps (P); fragment p
             syncs at the steps t > 0 with ``t % sync_every == p * sync_every // fragments``
             (by time: at the sync numbers k with ``k % fragments == p``).
@@ -181,21 +178,14 @@ class DiLoCo:
         error_feedback: keep what quantization dropped per parameter and add it to the
             next outer gradient.
         top_k: sparse outer gradients (:class:`cgx.diloco.TopK`): of each chunk of a
-            compressed layer's outer gradient, only the k values largest in magnitude
-            travel (at `bits`), with their places; the rest stays in the residual (with
-            `error_feedback`). Syncs then all-gather every replica's payload, which grows
-            with the replicas; with ``TopK(shared=True)`` every replica sends the same
-            places, drawn at random, in an allreduce. Measured with ``outer_lr=1.5,
-            outer_momentum=0`` and ``TopK(decay=0.95)``: the residual takes the
-            momentum's part (docs/diloco.md, "Sparse outer gradients").
+            compressed layer's outer gradient only the k largest values travel, with their
+            places; the rest stays in the residual (docs/diloco.md, "Sparse outer
+            gradients", for the outer settings it was measured with).
         group: the "cgx" group the replicas sync over (default: the default group).
         membership: instead of `group`, an elastic run's :class:`cgx.elastic.Membership`:
-            the replicas are the members of its current round (a round is formed here if
-            none is). A sync that fails (a replica died, left or lost its link) is done
-            again among the replicas of the next round, which also admits replicas
-            waiting to join (the members poll at every sync and admit them together);
-            a replica constructed while the run is on takes the run's state from a live
-            member (docs/diloco.md, "Elastic runs").
+            the replicas are its current round's members; a failed sync is done again in
+            the next round, which also admits replicas waiting to join (they take the
+            run's state from a live member: docs/diloco.md, "Elastic runs").
         replica_group: in an elastic run, where a replica is a host's DDP group: that
             group. Its rank 0 (the lead) gives `membership` and syncs; the others give
             neither and take the lead's step and weights after every inner step.
@@ -379,101 +369,13 @@ class DiLoCo:
             raise
         self._tell_host(event)
 
-    def _syncs_of_this_step(self) -> list[list[int]]:
-        """Finishes the syncs due at this step and starts the one whose turn it is. Run
-        again after the replicas re-formed (Recovery.run), it does what is left: an
-        applied sync has left the in-flight list, and a fragment's sync starts once.
-        Returns what the checked syncs' rows say of joiners (Recovery.admit)."""
-        if self._clock is not None:
-            return self._syncs_by_time()
-        joining = []
-        for sync in [s for s in self._in_flight if s.due == self.step]:
-            joining.append(self._finish(sync))
-        for fragment in self._fragments.all:
-            if self.step % self.sync_every == fragment.offset and fragment.last_start != self.step:
-                elastic = self._recovery is not None
-                changed, trained, strangers, state = self._fragments.at_sync_start(fragment, self._replicas.residuals,
-                                                                                   state=elastic)
-                self._weights_changed |= changed  # leaving members take their global weights
-                joiners = self._recovery.joining(self._replicas.size) if elastic else 0
-                # A whole interval: the steps since the fragment's last sync started (alike on every replica).
-                weight = Weight(self.step - fragment.interval_start, self.step - max(fragment.last_start, 0))
-                sync = start_sync(fragment, self._replicas, self.step, self.step + self.overlap, self.error_feedback,
-                                  trained, strangers, joiners, keep=elastic, state=state, weight=weight)
-                self._in_flight.append(sync)
-                fragment.last_start = fragment.interval_start = self.step
-                self.syncs_started += 1
-                if self.overlap == 0:
-                    joining.append(self._finish(sync))
-        return joining
-
-    def _syncs_by_time(self) -> list[list[int]]:
-        """The time schedule's turn after an inner step: applies the syncs in flight that
-        have completed (from `overlap` steps after their start), then starts the next sync
-        if its deadline has passed: one a step at most, so that syncs_started counts up
-        by one and a loop that stops at a number stops there on every replica (a replica
-        that was stopped catches up over its next steps). A fragment's sync still in
-        flight is applied first (waited for: the only wait with overlap).
-
-        In an elastic run, returns what the rows of sync n - P (the fragment's previous
-        one) said of joiners as sync n starts: the replicas apply syncs at different
-        steps, but every one has applied that one by then and starts n in the same place
-        among its collectives, so all act on the rows there alike (Recovery.admit)."""
-        for sync in [s for s in self._in_flight if self.step >= s.due and (self.overlap == 0 or s.ready())]:
-            self._finish_by_time(sync)
-        if self._clock.due() <= self.syncs_started or self._started_at == self.step:  # (a step run again)
-            return []
-        self._started_at = self.step
-        number = self.syncs_started + 1
-        fragment = self._fragments[number % len(self._fragments)]
-        for earlier in [s for s in self._in_flight if s.fragment is fragment]:
-            self._finish_by_time(earlier)
-        elastic = self._recovery is not None
-        changed, trained, strangers, state = self._fragments.at_sync_start(fragment, self._replicas.residuals,
-                                                                           state=elastic)
-        self._weights_changed |= changed
-        joiners = self._recovery.joining(self._replicas.size) if elastic else 0
-        weight = Weight(self.step - fragment.interval_start)  # (by time, a whole interval is not a step count)
-        sync = start_sync(fragment, self._replicas, number, self.step + self.overlap, self.error_feedback, trained,
-                          strangers, joiners, keep=elastic, state=state, weight=weight)
-        fragment.interval_start = self.step
-        self._in_flight.append(sync)
-        self.syncs_started = number
-        if self.overlap == 0:
-            self._finish_by_time(sync)
-        rows = self._rows_seen.pop(number - len(self._fragments), None)
-        self._rows_seen = {n: r for n, r in self._rows_seen.items() if n > number - len(self._fragments)}
-        return [] if rows is None else [rows]
-
-    def _finish_by_time(self, sync: Sync) -> None:
-        rows = self._finish(sync)
-        if rows:
-            self._rows_seen[sync.agreement.step] = rows
-
-    def _finish(self, sync: Sync, follow: bool = True) -> list[int]:
-        """Finishes the sync (Sync.finish: its agreement checked, its collective waited
-        for, applied); with `follow`, then makes the synced set follow the trained set
-        the replicas agreed on. A failed collective or agreement raises and changes
-        nothing (on a group its sync is dropped; in an elastic run it stays in flight, to
-        be done again). Returns what each replica's row says of joiners (Recovery.joining;
-        empty where the agreement was checked before)."""
-        if self._recovery is None:
-            self._in_flight.remove(sync)
-        joiners = sync.finish(self._replicas, self.overlap, self.mix)
-        if self._recovery is not None:
-            self._in_flight.remove(sync)
-        self._weights_changed = True
-        if follow:
-            self._fragments.follow(sync.agreement.trained, self._replicas)
-        return joiners
-
     # ---- what recovery reads and sets (an elastic run's Recovery, recovery.py)
 
     def _recoverable(self) -> Recoverable:
         me = weakref.proxy(self)  # a DiLoCo dropped without close() frees at once (see Recoverable)
         return Recoverable(
-            step=lambda: me.step, position=lambda: me._position, next_sync_in=lambda: me._next_sync_in(),
-            error_feedback=lambda: me.error_feedback,
+            step=lambda: me.step, position=lambda: me.step if me._clock is None else me.syncs_started,
+            next_sync_in=lambda: me._next_sync_in(), error_feedback=lambda: me.error_feedback,
             replicas=lambda: me._replicas, use_replicas=lambda replicas: me._use_replicas(replicas),
             in_flight=lambda: me._in_flight,
             construction=lambda: me._fragments.construction(dataclasses.asdict(me._schedule)),
@@ -493,50 +395,42 @@ class DiLoCo:
         self._rows_seen.clear()  # what the old round's rows said of its ranks
         self._weights_changed = True
 
+    def _take_layout(self, layout: dict[str, Any], position: int, next_sync_in: float | None) -> None:
+        """Takes another replica's layout, position (Recoverable.position), schedule and
+        syncs in flight (the tensors follow). A sync in flight here that it also has keeps
+        what this replica sent into it, so that it can be done again with it. By time the
+        replica keeps its own step count: its syncs in flight are due at once, its next
+        outer gradients hold its steps from here, and its clock takes the other's next
+        deadline."""
+        self._fragments.take_layout(layout)
+        self.syncs_started = layout["syncs_started"]
+        if self._clock is None:
+            self.step = position
+        self._in_flight = arrived(self._fragments.all, layout["in_flight"], self._in_flight,
+                                  due=None if self._clock is None else self.step)
+        self._fragments.start_intervals(self.step)  # its local weights restart from the global ones
+        if self._clock is not None:
+            self._clock.anchor(self.syncs_started, now=time.monotonic() + next_sync_in - self._clock.spacing)
+
+    def _next_sync_in(self) -> float | None:
+        """By time: seconds from now to the next sync's deadline (None by steps, or before
+        the run's start)."""
+        if self._clock is None or not self._clock.anchored:
+            return None
+        return self._clock.deadline(self.syncs_started + 1) - time.monotonic()
+
     def _stop(self) -> None:
         """Trains on without syncing (closed, left, failed, or refused by the run)."""
         self._closed = True
         self._hook.remove()
 
-    def _take_layout(self, layout: dict[str, Any], position: int, next_sync_in: float | None) -> None:
-        """Takes another replica's layout, position, schedule and syncs in flight (the
-        tensors follow). A sync in flight here that it also has keeps what this replica
-        sent into it, so that it can be done again with it. Under a time schedule the
-        replica keeps its own inner step count: its syncs in flight are due at once, its
-        next outer gradients hold its steps from here (its local weights restart from the
-        global ones), and its clock takes the other's next deadline."""
-        self._fragments.take_layout(layout)
-        self.syncs_started = layout["syncs_started"]
-        if self._clock is None:
-            self.step = position
-        due = None if self._clock is None else self.step
-        self._in_flight = arrived(self._fragments.all, layout["in_flight"], self._in_flight, due=due)
-        self._fragments.start_intervals(self.step)  # its local weights restart from the global ones
-        if self._clock is not None:
-            self._clock.anchor(self.syncs_started, now=time.monotonic() + next_sync_in - self._clock.spacing)
-
-    @property
-    def _position(self) -> int:
-        """Where this replica is in the schedule, alike on every replica: the inner step,
-        or by time the number of the last sync started."""
-        return self.step if self._clock is None else self.syncs_started
-
-    def _next_sync_in(self) -> float | None:
-        """By time: the seconds from now to the next sync's deadline (None by steps, or
-        before the run's start)."""
-        if self._clock is None or not self._clock.anchored:
-            return None
-        return self._clock.deadline(self.syncs_started + 1) - time.monotonic()
-
     # ---- lifetime
 
     def close(self) -> None:
-        """Agrees with the other replicas on the inner step (RuntimeError on every rank
-        where they differ), applies the syncs still in flight and removes the hook from
-        the optimizer. A second call does nothing. In an elastic run every replica still
-        in it calls close() at the run's end (one that leaves before: :meth:`leave`), and
-        close() ends the run (Membership.end_run): a replica that comes back to it later
-        (stopped, cut off, or joining) is told so at its next call to the rendezvous."""
+        """Agrees with the other replicas on the inner step (by time: the sync number;
+        RuntimeError on every rank where they differ), applies the syncs in flight and
+        removes the hook. A second call does nothing. In an elastic run every replica
+        still in it calls close() at the end, which ends the run (Membership.end_run)."""
         if self._closed:
             return
         if self._following:
@@ -554,11 +448,9 @@ class DiLoCo:
         self._replicas.check(agreement)
 
     def leave(self) -> None:
-        """An elastic run goes on without this replica from now: its syncs in flight are
-        dropped and it leaves the membership (Membership.close()); the others find it
-        gone at their next collective with it and do that sync again without it. With
-        replica_group, every rank of the host calls it at the same point (the lead
-        leaves, the others end with its last step)."""
+        """An elastic run goes on without this replica: its syncs in flight are dropped and
+        it leaves the membership; the others do their next sync with it again without it.
+        With replica_group, every rank of the host calls it at the same point."""
         if self._following:
             if not self._closed:
                 self._hear_the_lead(ending=True)
@@ -587,20 +479,9 @@ class DiLoCo:
     # ---- stats and checkpoints
 
     def stats(self) -> dict[str, Any]:
-        """This rank's totals (docs/stats.md): step, outer_syncs (fragment syncs applied),
-        payload_bytes (what this rank put into syncs, counted as each completes:
-        compressed, or float32 where CGX_COMPRESSION_AUTO sent it exactly) against
-        uncompressed_payload_bytes (float32), peak_payload_bytes (the largest single sync),
-        exact_calls, exact_bytes and exact_why: the syncs sent the exact way, their payload,
-        and why ('auto': CGX_COMPRESSION_AUTO timed it faster, 'policy': every layer of
-        the fragment exact),
-        waits (syncs not yet complete when their result was due, and every sync without
-        overlap: the inner loop waited on the link), wait_seconds and in_flight. In an
-        elastic run also: replicas (in the current round), rounds (this replica was in),
-        replicas_lost and replicas_joined (seen from here), syncs_redone (done again
-        after a failure), reform_seconds (from a failure or an admission to the next
-        round's start), bytes_to_joiners (state this replica sent to replicas taking
-        it: its size times their number)."""
+        """This rank's totals: the syncs applied, their payload against float32, what went
+        exactly and why, the inner loop's waits, and an elastic run's rounds, losses,
+        joins and re-forms (each key in docs/stats.md)."""
         if self._following:
             return Stats({"step": self.step})  # the replica's stats are its lead's
         elastic = {} if self._recovery is None else {"replicas": self._replicas.size, **self._recovery.stats}
@@ -608,11 +489,10 @@ class DiLoCo:
                       **elastic})
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: global weights, outer momentum, residuals, step, stats, which
-        parameters each fragment syncs (and those about to join or leave), and the syncs in
-        flight (waited for, their averaged outer gradient kept, to be applied at their step
-        after a resume). Checkpoint it with the model and the inner optimizer; every rank
-        saves its own (residuals differ between ranks)."""
+        """This rank's state (docs/diloco.md, "Checkpoints"): global weights, outer
+        momentum, residuals, step, stats, each fragment's members, and the syncs in flight
+        (waited for, their average kept). Every rank saves its own, with the model and the
+        inner optimizer."""
         self._lead_only("state_dict")
         def complete() -> None:
             for sync in self._in_flight:
@@ -622,14 +502,11 @@ class DiLoCo:
                 "syncs_started": self.syncs_started}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Loads this rank's state_dict() into a DiLoCo with the same number of fragments,
-        on a model that has every parameter the state syncs (build the model and its
-        optimizer's param groups as when it was saved); the state's members of each
-        fragment, and the joins and leaves pending, replace this DiLoCo's. ValueError naming
-        what differs otherwise. Residuals load only on the rank and group size that saved
-        them, syncs in flight only at that group size: to resume at another size, load with
-        ``state["residuals"] = {}`` and no sync in flight. With replica_group, on the lead
-        only: the host's other ranks take its step and weights after the next inner step."""
+        """Loads this rank's state_dict() into a DiLoCo built as when it was saved (the same
+        fragments; a model with every parameter it syncs), ValueError naming what differs.
+        Residuals load only on the rank and group size that saved them, syncs in flight
+        only at that size (to resume at another: ``state["residuals"] = {}``, none in
+        flight). With replica_group, on the lead only. By time, the clock restarts here."""
         self._lead_only("load_state_dict")
         check_state(state, self._replicas, self._fragments, self._model)
         if self._recovery is not None and self._recovery.took_state:
