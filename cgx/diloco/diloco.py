@@ -178,14 +178,21 @@ class DiLoCo(Turns):
         error_feedback: keep what quantization dropped per parameter and add it to the
             next outer gradient.
         top_k: sparse outer gradients (:class:`cgx.diloco.TopK`): of each chunk of a
-            compressed layer's outer gradient only the k largest values travel, with their
-            places; the rest stays in the residual (docs/diloco.md, "Sparse outer
-            gradients", for the outer settings it was measured with).
+            compressed layer's outer gradient, only the k values largest in magnitude
+            travel (at `bits`), with their places; the rest stays in the residual (with
+            `error_feedback`). Syncs then all-gather every replica's payload, which grows
+            with the replicas; with ``TopK(shared=True)`` every replica sends the same
+            places, drawn at random, in an allreduce. Measured with ``outer_lr=1.5,
+            outer_momentum=0`` and ``TopK(decay=0.95)``: the residual takes the
+            momentum's part (docs/diloco.md, "Sparse outer gradients").
         group: the "cgx" group the replicas sync over (default: the default group).
         membership: instead of `group`, an elastic run's :class:`cgx.elastic.Membership`:
-            the replicas are its current round's members; a failed sync is done again in
-            the next round, which also admits replicas waiting to join (they take the
-            run's state from a live member: docs/diloco.md, "Elastic runs").
+            the replicas are the members of its current round (a round is formed here if
+            none is). A sync that fails (a replica died, left or lost its link) is done
+            again among the replicas of the next round, which also admits replicas
+            waiting to join (the members poll at every sync and admit them together);
+            a replica constructed while the run is on takes the run's state from a live
+            member (docs/diloco.md, "Elastic runs").
         replica_group: in an elastic run, where a replica is a host's DDP group: that
             group. Its rank 0 (the lead) gives `membership` and syncs; the others give
             neither and take the lead's step and weights after every inner step.
@@ -479,9 +486,20 @@ class DiLoCo(Turns):
     # ---- stats and checkpoints
 
     def stats(self) -> dict[str, Any]:
-        """This rank's totals: the syncs applied, their payload against float32, what went
-        exactly and why, the inner loop's waits, and an elastic run's rounds, losses,
-        joins and re-forms (each key in docs/stats.md)."""
+        """This rank's totals (docs/stats.md): step, outer_syncs (fragment syncs applied),
+        payload_bytes (what this rank put into syncs, counted as each completes:
+        compressed, or float32 where CGX_COMPRESSION_AUTO sent it exactly) against
+        uncompressed_payload_bytes (float32), peak_payload_bytes (the largest single sync),
+        exact_calls, exact_bytes and exact_why: the syncs sent the exact way, their payload,
+        and why ('auto': CGX_COMPRESSION_AUTO timed it faster, 'policy': every layer of
+        the fragment exact),
+        waits (syncs not yet complete when their result was due, and every sync without
+        overlap: the inner loop waited on the link), wait_seconds and in_flight. In an
+        elastic run also: replicas (in the current round), rounds (this replica was in),
+        replicas_lost and replicas_joined (seen from here), syncs_redone (done again
+        after a failure), reform_seconds (from a failure or an admission to the next
+        round's start), bytes_to_joiners (state this replica sent to replicas taking
+        it: its size times their number)."""
         if self._following:
             return Stats({"step": self.step})  # the replica's stats are its lead's
         elastic = {} if self._recovery is None else {"replicas": self._replicas.size, **self._recovery.stats}
