@@ -207,18 +207,18 @@ def _end_apart(rank, world):
     while diloco.syncs_started < 3 + rank:
         _step(model, inner, rank, step, 0.002)
         step += 1
-    started = time.monotonic()
     try:
         diloco.close()
-        return "no error", 0.0
+        return "no error", ""
     except RuntimeError as e:
-        return str(e), time.monotonic() - started
+        return str(e), type(e).__name__
 
 
 def test_replicas_that_end_at_different_syncs_raise_on_every_rank():
-    for message, seconds in values(run_ranks(_end_apart, 2)):
+    for message, kind in values(run_ranks(_end_apart, 2)):
         assert "out of step" in message and "syncs_started" in message, message
-        assert seconds < 30  # at once, not at the group's timeout
+        # From the rows or the call check, at once: not a CollectiveTimeoutError at the group's timeout.
+        assert kind == "RuntimeError", (kind, message)
 
 
 def _bad_input(rank, world):

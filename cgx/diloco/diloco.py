@@ -533,6 +533,7 @@ class DiLoCo(Turns):
                                "(load checkpoints when every replica of the run starts again)")
         self.step, self._in_flight = loaded(state, self._replicas, self._fragments, self._in_flight)
         self.syncs_started = int(state.get("syncs_started", 0))  # (a state of before it: the step schedule's)
+        self._started_at = -1  # (the loaded step may be one this DiLoCo started a sync at before)
         if self._clock is not None:  # the next sync falls due one spacing from now
             self._clock.anchor(self.syncs_started)
 

@@ -250,8 +250,7 @@ def current_rows(rows: torch.Tensor) -> torch.Tensor:
 
 def work_of(rows: torch.Tensor) -> list[int]:
     """Each rank's work column of checked rows: the inner steps behind its outer gradient."""
-    return [sum(int(piece) << (16 * i) for i, piece in enumerate(row[_WORK:_WORK + _WORK_PIECES]))
-            for row in rows.long().tolist()]
+    return [_joined(row, _WORK, _WORK_PIECES) for row in rows.long().tolist()]
 
 
 def fresh_stats() -> dict[str, Any]:
@@ -270,6 +269,11 @@ def _pieces(value: int, count: int) -> list[int]:
     return [(value >> (16 * i)) & 0xFFFF for i in range(count)]
 
 
+def _joined(row: list[int], start: int, count: int) -> int:
+    """The value _pieces cut into `count` pieces, from row[start:]."""
+    return sum(piece << (16 * i) for i, piece in enumerate(row[start:start + count]))
+
+
 def _step(row: list[int]) -> int:
-    return sum(piece << (16 * i) for i, piece in enumerate(row[_HEAD:_HEAD + _STEP_PIECES]))
+    return _joined(row, _HEAD, _STEP_PIECES)
 
