@@ -16,13 +16,17 @@ started, evaluated after the run, and the end), the inner steps of each replica,
 replica's idle share: the time it waited for a sync (``stats()['wait_seconds']``) over
 the run's, and the syncs rank 0 sent the exact way (none unless ``--auto``: with
 ``CGX_COMPRESSION_AUTO`` on, its timings choose exact or compressed per run and move the
-loss by about 1% between runs of one seed).
+loss by about 1% between runs of one seed). ``--repeats R`` runs the time schedule R times
+per seed (each against the seed's step run, at the tokens every run reached): its syncs fall
+at other inner steps run to run, so one run per seed says little below a percent; the
+summary gives the mean of the runs' ratios to the step run and its standard error.
 
     python -P benchmarks/unequal_replicas.py --task gpt --speeds 1 2 --seeds 0 1 2
     python -P benchmarks/unequal_replicas.py --task shapes --speeds 1 1 2 4 --syncs 48
+    python -P benchmarks/unequal_replicas.py --task gpt --speeds 1 1 --seeds 0 1 2 3 4 --repeats 3
 
 Writes <out>/<task>-<speeds>.json (benchmarks/results/unequal unless --out says
-otherwise) and prints a table.
+otherwise; per seed its step run and a list of its time runs) and prints a table.
 """
 
 from __future__ import annotations
@@ -123,6 +127,9 @@ def main():
     parser.add_argument("--sync-every", type=int, default=32, help="the step schedule's H")
     parser.add_argument("--fragments", type=int, default=4)
     parser.add_argument("--syncs", type=int, default=40, help="fragment syncs per run (both schedules)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time schedule runs per seed (its syncs fall at other steps run to run, so its loss "
+                             "moves between runs of one seed; the step schedule's does not, with auto off)")
     parser.add_argument("--auto", action="store_true",
                         help="leave CGX_COMPRESSION_AUTO on (default: off, every sync compressed at 4 bits, so "
                              "that the two schedules differ in their schedule alone)")
@@ -139,10 +146,13 @@ def main():
             print(f"[{args.task} seed {seed}] step schedule ...", flush=True)
             by_step = run(call, world, tmp, f"step-{seed}")
             call[3], call[7] = "time", by_step["seconds"] / (args.syncs / args.fragments)
-            print(f"[{args.task} seed {seed}] time schedule, interval {call[7]:.2f} s ...", flush=True)
-            by_time = run(call, world, tmp, f"time-{seed}")
-            tokens = min(sum(by_step["steps"]), sum(by_time["steps"]))  # both runs got that far
-            for x in (by_step, by_time):
+            by_time = []
+            for repeat in range(args.repeats):
+                print(f"[{args.task} seed {seed}] time schedule, interval {call[7]:.2f} s, run {repeat + 1} ...",
+                      flush=True)
+                by_time.append(run(call, world, tmp, f"time-{seed}-{repeat}"))
+            tokens = min(sum(x["steps"]) for x in [by_step] + by_time)  # every run got that far
+            for x in [by_step] + by_time:
                 x["val_loss_at_equal_tokens"] = loss_at(x["curve"], tokens)
             runs.append({"seed": seed, "interval_s": call[7], "step": by_step, "time": by_time})
     speeds = "-".join(f"{s:g}" for s in args.speeds)
@@ -152,24 +162,34 @@ def main():
     print("| seed | schedule | s | inner steps per replica | idle per replica | syncs sent exactly | val loss (end) | "
           "vs step | val loss at equal tokens | vs step |")
     print("|---:|---|---:|---|---|---:|---:|---:|---:|---:|")
+    ratios, ratios_tokens = [], []  # time against step, each time run against its seed's step run
     for r in runs:
-        for name in ("step", "time"):
-            x = r[name]
+        for name, x in [("step", r["step"])] + [("time", x) for x in r["time"]]:
             at = x["val_loss_at_equal_tokens"]
             vs = vs_tokens = ""
             if name == "time":
-                vs = f"{x['val_loss'] / r['step']['val_loss'] - 1:+.2%}"
-                vs_tokens = f"{at / r['step']['val_loss_at_equal_tokens'] - 1:+.2%}"
+                ratios.append(x["val_loss"] / r["step"]["val_loss"] - 1)
+                ratios_tokens.append(at / r["step"]["val_loss_at_equal_tokens"] - 1)
+                vs, vs_tokens = f"{ratios[-1]:+.2%}", f"{ratios_tokens[-1]:+.2%}"
             print(f"| {r['seed']} | {name} | {x['seconds']:.1f} | {' / '.join(map(str, x['steps']))} | "
                   f"{' / '.join(f'{i:.1%}' for i in x['idle'])} | {x['exact_syncs']} | {x['val_loss']:.4f} | {vs} | "
                   f"{at:.4f} | {vs_tokens} |")
+
     def mean(values):
         return sum(values) / len(values)
-    print(f"mean of {len(runs)} seeds: val loss step {mean([r['step']['val_loss'] for r in runs]):.4f}, "
-          f"time {mean([r['time']['val_loss'] for r in runs]):.4f} (equal wall clock); at equal tokens step "
-          f"{mean([r['step']['val_loss_at_equal_tokens'] for r in runs]):.4f}, time "
-          f"{mean([r['time']['val_loss_at_equal_tokens'] for r in runs]):.4f}; most idle replica: step "
-          f"{max(max(r['step']['idle']) for r in runs):.1%}, time {max(max(r['time']['idle']) for r in runs):.1%}")
+
+    def spread(values):  # the mean's standard error (n - 1 in the variance); 0 for one value
+        n = len(values)
+        return (sum((v - mean(values)) ** 2 for v in values) / (n - 1) / n) ** 0.5 if n > 1 else 0.0
+
+    times = [x for r in runs for x in r["time"]]
+    print(f"mean of {len(runs)} seeds ({len(times)} time schedule runs): val loss step "
+          f"{mean([r['step']['val_loss'] for r in runs]):.4f}, time {mean([x['val_loss'] for x in times]):.4f} "
+          f"(equal wall clock); at equal tokens step {mean([r['step']['val_loss_at_equal_tokens'] for r in runs]):.4f}, "
+          f"time {mean([x['val_loss_at_equal_tokens'] for x in times]):.4f}; time vs step, mean of the runs' ratios "
+          f"+- its standard error: {mean(ratios):+.2%} +- {spread(ratios):.2%} (equal wall clock), "
+          f"{mean(ratios_tokens):+.2%} +- {spread(ratios_tokens):.2%} (equal tokens); most idle replica: step "
+          f"{max(max(r['step']['idle']) for r in runs):.1%}, time {max(max(x['idle']) for x in times):.1%}")
     path = os.path.join(args.out, f"{args.task}-{speeds}.json")
     with open(path, "w") as f:
         json.dump({"task": args.task, "speeds": args.speeds, "sync_every": args.sync_every,

@@ -3,15 +3,17 @@ speed: every sync weighs each replica's outer gradient by the inner steps behind
 DiLoCo against the weighed average written out), the global weights stay bit-identical
 across replicas (dense, both sparse forms, overlap, a 10x slower replica, one stopped for
 several intervals, an interval shorter than an inner step, one replica's interval changed
-alone), a checkpoint with a sync in flight resumes, replicas that end at different syncs
-raise on every rank, bad input, and the clock itself. Real processes; the replicas' speeds
-differ by sleeps, and no test asserts on how long anything took."""
+alone, one replica's clock jumping ahead), a checkpoint with a sync in flight resumes,
+replicas that end at different syncs raise on every rank, bad input, and the clock
+itself. Real processes; the replicas' speeds differ by sleeps, and no test asserts on how
+long anything took."""
 
 from __future__ import annotations
 
 import datetime
 import io
 import time
+import types
 
 import pytest
 import torch
@@ -100,6 +102,7 @@ def _unequal(rank, world, options, pauses, syncs):
     options = dict(options)
     stop_s = options.pop("stop_s", 0.0)  # the slow replica stops that long at its 5th step
     retime = options.pop("retime", None)  # replica 0 alone sets this interval at its 5th step
+    jump_s = options.pop("jump_s", 0.0)  # the slow replica's clock jumps that far forward at its 5th step
     if "top_k" in options:
         options["top_k"] = cgx.diloco.TopK(**options["top_k"])
     diloco = cgx.DiLoCo(model, inner, **options)
@@ -109,6 +112,8 @@ def _unequal(rank, world, options, pauses, syncs):
         step += 1
         if retime is not None and rank == 0 and step == 5:
             diloco.sync_every = retime
+        if jump_s and rank == 1 and step == 5:  # (a monotonic clock does not go back; forward, a VM's may)
+            cgx.diloco.clock.time = types.SimpleNamespace(monotonic=lambda: time.monotonic() + jump_s)
         applied.setdefault(diloco.stats()["outer_syncs"], _global_weights(diloco))
     diloco.close()
     applied["closed"] = _global_weights(diloco)
@@ -123,6 +128,8 @@ FORMS = {
                                           outer_momentum=0.0, nesterov=False,
                                           top_k={"k": 4, "chunk": 64, "shared": True}),
     "a replica stopped for 6 intervals": dict(sync_every=0.1 * SECONDS, fragments=2, bits=4, overlap=1, stop_s=0.6),
+    "a replica's clock jumps 4 intervals ahead": dict(sync_every=0.25 * SECONDS, fragments=2, bits=4, overlap=1,
+                                                      jump_s=1.0),
     "one replica retimed alone": dict(sync_every=0.25 * SECONDS, fragments=2, bits=4, overlap=1, retime=0.1 * SECONDS),
     "interval shorter than a step": dict(sync_every=datetime.timedelta(milliseconds=1), fragments=3, bits=4,
                                          overlap=1),

@@ -812,12 +812,14 @@ def test_diloco_goes_on_without_a_killed_replica_and_takes_it_back_restarted(kil
     assert stats3["rounds"] == 1 and stats3["replicas"] == 3, stats3
 
 
-def _elastic_replica_by_time(replica, replicas, port, run_id, sparse):
+def _elastic_replica_by_time(replica, replicas, port, run_id, sparse, how):
     """The run above under the time schedule, the replicas of unequal speed (replica 1
-    five times slower than replica 0): replica 2 kills itself once it has started sync 4,
-    replica 3 joins once it is dead. Each records the digest of its global weights by the
-    syncs its fragments applied in all (alike on every replica holding the run's state).
-    The run ends at the first sync from 12 on where the joiner is in it."""
+    five times slower than replica 0). `how` "kill": replica 2 kills itself once it has
+    started sync 4, replica 3 joins once it is dead; "leave": replica 2 calls leave()
+    there, and nobody joins. Each records the digest of its global weights by the syncs
+    its fragments applied in all (alike on every replica holding the run's state; taking
+    it calls state_dict(), which waits for the syncs in flight). The run ends at the
+    first sync from 12 on where the joiner is in it (or replica 2 is out of it)."""
     import signal
 
     import cgx
@@ -832,7 +834,7 @@ def _elastic_replica_by_time(replica, replicas, port, run_id, sparse):
         bits=4)
     diloco = cgx.DiLoCo(model, inner, sync_every=datetime.timedelta(seconds=0.4), fragments=2, overlap=1,
                         membership=membership, **compression)
-    if replica == 2:
+    if replica == 2 and how == "kill":
         def die(*_):
             if diloco.syncs_started >= 4:
                 _rendezvous_store(port).set("killed", "1")
@@ -842,9 +844,16 @@ def _elastic_replica_by_time(replica, replicas, port, run_id, sparse):
 
     def joiner_is_in() -> bool:
         stats = diloco.stats()
+        if how == "leave":
+            return stats["replicas"] == 2
         return stats["replicas"] == 3 and (replica == 3 or stats["replicas_joined"] >= 1)
 
     while diloco.syncs_started < 12 or not joiner_is_in():
+        if replica == 2 and how == "leave" and diloco.syncs_started >= 4:
+            diloco.leave()
+            membership.close()
+            _host_stays_until_the_others_are_done(replica, [1, 2], port, run_id)
+            return digests, {**diloco.stats(), "started": diloco.syncs_started}
         _train_step(model, inner, replica, diloco.step)
         time.sleep([0.004, 0.02, 0.008, 0.01][replica])
         digests.setdefault(sum(f.syncs for f in diloco._fragments), _global_digest(diloco))
@@ -852,26 +861,94 @@ def _elastic_replica_by_time(replica, replicas, port, run_id, sparse):
     digests["end"] = _global_digest(diloco)
     stats = {**diloco.stats(), "started": diloco.syncs_started}
     membership.close()
-    _host_stays_until_the_others_are_done(replica, [1, 3], port, run_id)
+    _host_stays_until_the_others_are_done(replica, [1, 2] if how == "leave" else [1, 3], port, run_id)
     return digests, stats
 
 
-@pytest.mark.parametrize("sparse", [False, "shared"], ids=["dense", "shared-places"])
-def test_diloco_by_time_goes_on_without_a_killed_replica_and_takes_a_joiner(sparse):
+@pytest.mark.parametrize("sparse,how", [(False, "kill"), ("shared", "kill"), (False, "leave")],
+                         ids=["dense", "shared-places", "leave"])
+def test_diloco_by_time_goes_on_without_a_killed_replica_and_takes_a_joiner(sparse, how):
     port = _free_port()
-    results = run_ranks(_elastic_replica_by_time, 4, args=(port, f"time-kill-{sparse}", sparse), expect_exit={2},
+    results = run_ranks(_elastic_replica_by_time, 4 if how == "kill" else 3,
+                        args=(port, f"time-{how}-{sparse}", sparse, how), expect_exit={2} if how == "kill" else set(),
                         timeout_s=240)
-    assert results[2] is None
-    (d0, stats0), (d1, stats1), _, (d3, stats3) = results
+    (d0, stats0), (d1, stats1) = results[:2]
     both = d0.keys() & d1.keys()
     assert len(both) >= 8 and all(d0[k] == d1[k] for k in both)  # the survivors bit-identical, sync by sync
+    assert d0["end"] == d1["end"] and stats0["started"] == stats1["started"] >= 12
+    assert stats0["step"] > stats1["step"]  # the fast replica trained on: it did not wait for the slow one
+    if how == "leave":
+        d2, stats2 = results[2]
+        assert all(d2[k] == d0[k] for k in d2.keys() & d0.keys()) and len(d2.keys() & d0.keys()) >= 2
+        assert stats2["started"] >= 4
+        for stats in (stats0, stats1):
+            assert stats["replicas"] == 2 and stats["replicas_lost"] >= 1, stats
+        return
+    assert results[2] is None
+    d3, stats3 = results[3]
     assert d3.keys() & d0.keys() and all(d3[k] == d0[k] for k in d3.keys() & d0.keys()), "the joiner differs"
-    assert d3["end"] == d0["end"] == d1["end"]
-    assert stats0["started"] == stats1["started"] == stats3["started"] >= 12
+    assert d3["end"] == d0["end"]
+    assert stats0["started"] == stats3["started"]
     for stats in (stats0, stats1):
         assert stats["replicas_lost"] == 1 and stats["replicas_joined"] == 1 and stats["replicas"] == 3, stats
-    assert stats0["step"] > stats1["step"]  # the fast replica trained on: it did not wait for the slow one
     assert stats3["rounds"] == 1 and stats3["replicas"] == 3, stats3
+
+
+def _resume_by_time(replica, replicas, port):
+    """Replicas 0 and 1 of an elastic run under the time schedule (replica 1 five times
+    slower) save a checkpoint with a sync in flight (overlap=1000: applied only when its
+    fragment's next sync starts) at sync 3 and close; both start again in a new run (a new
+    run_id on the same store), load their checkpoints and go on to sync 7."""
+    import io
+
+    import cgx
+    from test_diloco import _model, _train_step
+
+    def build(run_id):
+        model = _model(replica)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        membership = _membership(replica, port, run_id, starting=2, min_replicas=2)
+        return model, inner, membership, cgx.DiLoCo(model, inner, sync_every=datetime.timedelta(seconds=0.2),
+                                                    fragments=2, bits=4, overlap=1000, membership=membership)
+
+    def train_to(sync):
+        while diloco.syncs_started < sync:
+            _train_step(model, inner, replica, diloco.step)
+            time.sleep([0.002, 0.01][replica])
+
+    model, inner, membership, diloco = build("resume-by-time")
+    train_to(3)
+    state = diloco.state_dict()
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": state}, saved)
+    at_save = (_global_digest(diloco), diloco.step, diloco.syncs_started, len(state["in_flight"]))
+    diloco.close()
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1], port, "resume-by-time")
+
+    model, inner, membership, diloco = build("resume-by-time-again")
+    saved.seek(0)
+    checkpoint = torch.load(saved)
+    model.load_state_dict(checkpoint["model"])
+    inner.load_state_dict(checkpoint["inner"])
+    diloco.load_state_dict(checkpoint["diloco"])
+    at_load = (_global_digest(diloco), diloco.step, diloco.syncs_started)
+    train_to(7)
+    diloco.close()
+    result = at_save, at_load, _global_digest(diloco), diloco.syncs_started, diloco.stats()["outer_syncs"]
+    membership.close()
+    _host_stays_until_the_others_are_done(replica, [1], port, "resume-by-time-again")
+    return result
+
+
+def test_diloco_by_time_resumes_an_elastic_run_from_checkpoints_with_a_sync_in_flight():
+    results = values(run_ranks(_resume_by_time, 2, args=(_free_port(),), timeout_s=180))
+    for at_save, at_load, _, started, outer_syncs in results:
+        assert at_save[3] >= 1  # a sync was in flight
+        assert at_save[:3] == at_load  # the global weights bit for bit, the step, the sync number
+        assert started == outer_syncs == 7  # the stats went on from the checkpoint's
+    assert results[0][2] == results[1][2]  # bit-identical at the end
+    assert results[0][1][1] > results[1][1][1]  # replica 1 was slower: the replicas' steps differ
 
 
 def _grow_and_shrink(replica, replicas, port):
@@ -1685,6 +1762,8 @@ def _one_host(rank, world, port, scenario):
     options = {"min_replicas": 2, "join_timeout": datetime.timedelta(seconds=2)} if scenario == "no round" else {}
     membership = _membership(0, port, f"host-{scenario.replace(' ', '-')}", **options) if rank == 0 else None
     args = dict(sync_every=8 if scenario == "settings differ" and rank == 1 else 4, fragments=2, bits=4)
+    if scenario == "by time":
+        args.update(sync_every=datetime.timedelta(seconds=0.2), overlap=1)
     if scenario == "lead cannot build":  # more fragments than the model's 5 layers: found by the lead alone
         args.update(sync_every=8, fragments=6)
     started = time.monotonic()
@@ -1708,6 +1787,14 @@ def _one_host(rank, world, port, scenario):
                 raise KeyError("the training loop's own error")
         except KeyError as e:
             return refused, str(e)
+    if scenario == "by time":  # both ranks' loops stop at a sync count, which the follower hears from the lead
+        for _ in range(2000):
+            if diloco.syncs_started >= 6:
+                break
+            _train_step(model, inner, rank, diloco.step)
+            time.sleep(0.005)
+        diloco.close()
+        return diloco.syncs_started, diloco.step, [p.detach().clone() for p in model.parameters()]
     while diloco.step < 12:
         _train_step(model, inner, rank, diloco.step)
     diloco.leave()
@@ -1717,6 +1804,13 @@ def _one_host(rank, world, port, scenario):
 def test_a_hosts_ranks_leave_together_and_end_on_the_lead_s_weights():
     (step0, weights0, _), (step1, weights1, stats_step1) = values(run_ranks(_one_host, 2, args=(_free_port(), "leave")))
     assert step0 == step1 == stats_step1 == 12
+    assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))
+
+
+def test_a_hosts_ranks_under_the_time_schedule_stop_at_the_same_sync_count():
+    (syncs0, step0, weights0), (syncs1, step1, weights1) = values(run_ranks(_one_host, 2,
+                                                                          args=(_free_port(), "by time")))
+    assert syncs0 == syncs1 == 6 and step0 == step1 > 0
     assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))
 
 

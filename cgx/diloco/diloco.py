@@ -297,8 +297,8 @@ class DiLoCo(Turns):
             raise
 
     def _init_follower(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer) -> None:
-        """A rank of a host's replica other than its lead: takes the lead's step and
-        weights after every inner step (replica_host.py)."""
+        """A rank of a host's replica other than its lead: takes the lead's step, syncs
+        started and weights after every inner step (replica_host.py)."""
         self._model, self._optimizer = model, inner_optimizer
         self.step, self._closed = 0, False
         self._hook = inner_optimizer.register_step_post_hook(lambda *_: self._hear_the_lead())
@@ -307,7 +307,7 @@ class DiLoCo(Turns):
     def _hear_the_lead(self, ending: bool = False) -> None:
         """A follower: the lead's word after its step (`ending`: after its close() or
         leave(), which this rank's close() or leave() meets)."""
-        self.step, event = self._host.hear()
+        self.step, self.syncs_started, event = self._host.hear()
         if event in (CLOSED, FAILED, LEFT):
             self._stop()
         self._host.check_the_lead(self.step, event, ending)
@@ -323,7 +323,7 @@ class DiLoCo(Turns):
         if self._host is not None:
             if event == UNCHANGED and self._weights_changed:
                 event = CHANGED
-            self._host.tell(self.step, event)
+            self._host.tell(self.step, self.syncs_started, event)
             self._weights_changed = False
 
     def _start_together(self) -> None:

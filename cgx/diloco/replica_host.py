@@ -2,7 +2,8 @@
 
 Only the group's rank 0, the lead, is a member of the run (it holds the Membership and
 does DiLoCo's syncs); the host's other ranks follow it. After every inner step the lead
-broadcasts over the host's group a header, its step and what happened, and, where its
+broadcasts over the host's group a header, its step, the syncs started (a loop may stop
+at a count of them, under the time schedule) and what happened, and, where its
 local weights changed (a sync applied, the run's state taken), every parameter's
 weights: between syncs DDP keeps the host's ranks equal, so this keeps them equal
 across syncs too. A lead that fails says so before it raises, so that its followers
@@ -86,20 +87,21 @@ class ReplicaHost:
             raise RuntimeError(f"cgx.DiLoCo: {lead} took inner step {step} where this rank ended: every rank of a "
                                f"host calls close() (or leave()) at the same point")
 
-    def tell(self, step: int, event: int) -> None:
-        """The lead: its step and `event`, with the weights where they changed."""
-        self._header(torch.tensor([step, event], dtype=torch.int64, device=self.device))
+    def tell(self, step: int, syncs_started: int, event: int) -> None:
+        """The lead: its step, syncs started and `event`, with the weights where they changed."""
+        self._header(torch.tensor([step, syncs_started, event], dtype=torch.int64, device=self.device))
         if event in (CHANGED, CLOSED):
             self._weights()
 
-    def hear(self) -> tuple[int, int]:
-        """A follower: the lead's step and event (its weights taken where they changed)."""
-        header = torch.zeros(2, dtype=torch.int64, device=self.device)
+    def hear(self) -> tuple[int, int, int]:
+        """A follower: the lead's step, syncs started and event (its weights taken where
+        they changed)."""
+        header = torch.zeros(3, dtype=torch.int64, device=self.device)
         self._header(header)
-        step, event = (int(v) for v in header.cpu())
+        step, syncs_started, event = (int(v) for v in header.cpu())
         if event in (CHANGED, CLOSED):
             self._weights()
-        return step, event
+        return step, syncs_started, event
 
     def _header(self, header: torch.Tensor) -> None:
         dist.broadcast(header, self.lead, group=self.group)
