@@ -3,7 +3,8 @@ speed: every sync weighs each replica's outer gradient by the inner steps behind
 DiLoCo against the weighed average written out), the global weights stay bit-identical
 across replicas (dense, both sparse forms, overlap, a 10x slower replica, one stopped for
 several intervals, an interval shorter than an inner step, one replica's interval changed
-alone, one replica's clock jumping ahead), a checkpoint with a sync in flight resumes,
+alone, one replica's clock jumping ahead), a layer unfrozen between the same two syncs on
+every replica (and a clear error where not), a checkpoint with a sync in flight resumes,
 replicas that end at different syncs raise on every rank, bad input, and the clock
 itself. Real processes; the replicas' speeds differ by sleeps, and no test asserts on how
 long anything took."""
@@ -149,6 +150,46 @@ def test_replicas_of_unequal_speed_keep_bit_identical_global_weights(form):
     # The fast replica trained on rather than wait for the slow one's steps; where a sync
     # is due at every step, each of its steps waits for the slow one's.
     assert fast_steps > slow_steps or (short and fast_steps == slow_steps)
+
+
+# ---- the trained set changing during the run
+
+
+def _unfreeze(rank, world, keyed):
+    """Layer 2 frozen at the start is unfrozen (its param group added) once the replica
+    has started 4 syncs ("sync"), or at its own inner step 40 or 4 ("step": a 10x
+    slower replica's step 4 falls in another interval than the fast one's step 40)."""
+    import cgx
+
+    init_cgx(rank, world)
+    model = _model()
+    model[2].requires_grad_(False)
+    inner = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    diloco = cgx.DiLoCo(model, inner, sync_every=0.2 * SECONDS, fragments=2, bits=4, overlap=1)
+    applied, step = {}, 0
+    try:
+        while diloco.syncs_started < 10:
+            if not model[2].weight.requires_grad and (diloco.syncs_started >= 4 if keyed == "sync"
+                                                      else step >= [40, 4][rank]):
+                model[2].requires_grad_(True)
+                inner.add_param_group({"params": list(model[2].parameters())})
+            _step(model, inner, rank, step, [0.002, 0.02][rank])
+            step += 1
+            applied.setdefault(diloco.stats()["outer_syncs"], _global_weights(diloco))
+    except ValueError as e:
+        return str(e)
+    diloco.close()
+    return applied, sorted(diloco.state_dict()["global_weights"])
+
+
+def test_the_trained_set_changes_alike_when_keyed_to_the_sync_count_and_raises_when_not():
+    (fast, synced), (slow, synced_too) = values(run_ranks(_unfreeze, 2, args=("sync",)))
+    assert "2.weight" in synced and synced == synced_too  # layer 2 joined the synced set on both
+    both = fast.keys() & slow.keys()
+    assert len(both) >= 4 and all(torch.equal(fast[k], slow[k]) for k in both)
+    for error in values(run_ranks(_unfreeze, 2, args=("step",))):  # every rank, naming the parameter and the fix
+        assert "train different parameters at sync number" in error and "'2.weight'" in error, error
+        assert "key the change to DiLoCo.syncs_started" in error, error
 
 
 # ---- checkpoint and resume

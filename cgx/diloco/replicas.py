@@ -228,9 +228,11 @@ class Replicas:
             else f"{name!r} has shape {list(mine[name])} here, {list(theirs[name])} on group rank {peer}"
             for peer, theirs in enumerate(map(dict, everyone))
             for name in [*mine, *theirs] if mine.get(name) != theirs.get(name))
+        when = ("between the same two syncs: with sync_every a time, the replicas' inner steps differ, so key the "
+                "change to DiLoCo.syncs_started" if self.by_time else "before the same inner step")
         raise ValueError(f"cgx.DiLoCo: the replicas' inner optimizers train different parameters at "
                          f"{self._describe(SYNC, agreement.step)}: {next(differences)}; every replica must add the same "
-                         f"param groups and (un)freeze the same parameters before the same inner step")
+                         f"param groups and (un)freeze the same parameters {when}")
 
 
 def current_rows(rows: torch.Tensor) -> torch.Tensor:
