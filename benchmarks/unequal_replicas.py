@@ -185,7 +185,8 @@ def main():
     times = [x for r in runs for x in r["time"]]
     print(f"mean of {len(runs)} seeds ({len(times)} time schedule runs): val loss step "
           f"{mean([r['step']['val_loss'] for r in runs]):.4f}, time {mean([x['val_loss'] for x in times]):.4f} "
-          f"(equal wall clock); at equal tokens step {mean([r['step']['val_loss_at_equal_tokens'] for r in runs]):.4f}, "
+          f"(equal wall clock); at equal tokens step "
+          f"{mean([r['step']['val_loss_at_equal_tokens'] for r in runs]):.4f}, "
           f"time {mean([x['val_loss_at_equal_tokens'] for x in times]):.4f}; time vs step, mean of the runs' ratios "
           f"+- its standard error: {mean(ratios):+.2%} +- {spread(ratios):.2%} (equal wall clock), "
           f"{mean(ratios_tokens):+.2%} +- {spread(ratios_tokens):.2%} (equal tokens); most idle replica: step "
