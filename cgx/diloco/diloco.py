@@ -437,7 +437,8 @@ class DiLoCo(Turns):
         """Agrees with the other replicas on the inner step (by time: the sync number;
         RuntimeError on every rank where they differ), applies the syncs in flight and
         removes the hook. A second call does nothing. In an elastic run every replica
-        still in it calls close() at the end, which ends the run (Membership.end_run)."""
+        still in it calls close() at the end, which ends the run (Membership.end_run): a
+        replica that comes back to it later is told so at its next call to the rendezvous."""
         if self._closed:
             return
         if self._following:
@@ -524,7 +525,9 @@ class DiLoCo(Turns):
         fragments; a model with every parameter it syncs), ValueError naming what differs.
         Residuals load only on the rank and group size that saved them, syncs in flight
         only at that size (to resume at another: ``state["residuals"] = {}``, none in
-        flight). With replica_group, on the lead only. By time, the clock restarts here."""
+        flight). With replica_group, on the lead only (the host's other ranks take its
+        step, syncs_started and weights after the next inner step). By time, the clock
+        restarts here."""
         self._lead_only("load_state_dict")
         check_state(state, self._replicas, self._fragments, self._model)
         if self._recovery is not None and self._recovery.took_state:
