@@ -196,19 +196,25 @@ bool same_value(uint16_t got, float expected, DType dtype) {
 uint32_t stored_bits(float v) { return bits_of(v); }
 uint32_t stored_bits(uint16_t v) { return v; }
 
-// The emulated decode (into `out_dtype`, stored as Stored; added to `base` or not) gives
-// the CPU codec's decoded values, the sum made in float32 and rounded once to the output
-// dtype, and leaves the `guard` values after them alone.
+// The emulated decode (into `out_dtype`, stored as Stored `shift` elements into its
+// allocation; added to `base` or not) gives the CPU codec's decoded values, the sum made in
+// float32 and rounded once to the output dtype, and leaves the `guard` values before and
+// after them alone.
 template <typename Stored>
 void check_decode_into(const QuantizerParams& params, DeviceArray<uint8_t>& src, int64_t n,
                        const Values& base, const std::vector<Stored>& base_stored,
-                       const std::vector<float>& decoded, bool add, Stored guard,
+                       const std::vector<float>& decoded, bool add, Stored guard, size_t shift,
                        const std::string& where) {
-  std::vector<Stored> initial(base_stored);
-  initial.resize(n + kGuard, guard);
+  std::vector<Stored> initial(shift, guard);
+  initial.insert(initial.end(), base_stored.begin(), base_stored.end());
+  initial.resize(shift + n + kGuard, guard);
   DeviceArray<Stored> on_gpu(initial);
-  compression::cuda::decompress(params, src.data(), n, on_gpu.data(), base.dtype, add, nullptr);
-  const std::vector<Stored> dst = on_gpu.host();
+  compression::cuda::decompress(params, src.data(), n, on_gpu.data() + shift, base.dtype, add,
+                                nullptr);
+  const std::vector<Stored> all = on_gpu.host();
+  for (size_t i = 0; i < shift; ++i)
+    if (stored_bits(all[i]) != stored_bits(guard)) fail(__FILE__, __LINE__, where + ": wrote before the values");
+  const Stored* dst = all.data() + shift;
   for (int64_t i = 0; i < n; ++i)
     if (!same_value(dst[i], add ? base.exact[i] + decoded[i] : decoded[i], base.dtype))
       fail(__FILE__, __LINE__, where + ": value " + std::to_string(i) + " has bits " +
@@ -217,17 +223,20 @@ void check_decode_into(const QuantizerParams& params, DeviceArray<uint8_t>& src,
     if (stored_bits(dst[i]) != stored_bits(guard)) fail(__FILE__, __LINE__, where + ": wrote past the values");
 }
 
+// `shift`: as check_compress's (1 leaves every group unaligned for the 16-byte stores).
 void check_decompress(const QuantizerParams& params, const std::vector<uint8_t>& bytes,
-                      int64_t n, DType out_dtype, bool add, const std::string& what) {
+                      int64_t n, DType out_dtype, bool add, const std::string& what,
+                      size_t shift = 0) {
   std::vector<float> decoded(static_cast<size_t>(n));
   compression::decompress(params, bytes.data(), n, decoded.data());
   const Values base = store(random_values(n, 99), out_dtype);
-  const std::string where = what + " into " + name_of(out_dtype) + (add ? ", added" : "");
+  const std::string where = what + " into " + name_of(out_dtype) + (add ? ", added" : "") +
+                            (shift ? ", unaligned" : "");
   DeviceArray<uint8_t> src(bytes);
   if (out_dtype == DType::Float32)
-    check_decode_into(params, src, n, base, base.f32, decoded, add, 7.0f, where);
+    check_decode_into(params, src, n, base, base.f32, decoded, add, 7.0f, shift, where);
   else
-    check_decode_into(params, src, n, base, base.narrow, decoded, add, uint16_t{0x1234}, where);
+    check_decode_into(params, src, n, base, base.narrow, decoded, add, uint16_t{0x1234}, shift, where);
 }
 
 QuantizerParams params_of(int bits, int64_t bucket, bool skip, bool stochastic,
@@ -246,22 +255,28 @@ QuantizerParams hadamard_of(int bits, int64_t bucket, bool skip, bool stochastic
 
 // Sizes and bucket sizes: buckets of 1, 7, a warp (32) and one more, 512 and 513, and
 // buckets a warp's lanes cross many times (2000, 4099); counts that are multiples of
-// nothing, shorter than a bucket, a group of 8, a warp, and none at all.
+// nothing, shorter than a bucket, a group of 8, a warp, and none at all. Whole buckets of
+// 256, 512 and 1024 are encoded in registers in one pass (the last three shapes: several
+// of them, then a shorter last bucket or none); other sizes by bucket_meta and
+// quantize_pack.
 struct Shape {
   int64_t n;
   int64_t bucket;
 };
 const Shape kShapes[] = {{1, 1},      {7, 7},       {9, 7},       {100, 1},   {33, 32},
                          {95, 33},    {1000, 512},  {1029, 513},  {5001, 2000}, {9001, 4099},
-                         {4, 512},    {2049, 32},   {0, 7}};
+                         {4, 512},    {2049, 32},   {0, 7},       {5 * 256 + 3, 256},
+                         {3 * 1024, 1024}, {9 * 512 + 100, 512}};
 
 // The hadamard scheme's shapes (buckets are powers of two, 8..65536): whole buckets only,
 // a shorter last bucket (maxmin inside the buffer, its pair at an odd float offset after 1
 // or 3 rms), fewer values than a bucket, a bucket smaller than a warp's 32 lanes, buckets a
-// warp's lanes cross many times, the largest bucket, and no values.
-const Shape kHadamardShapes[] = {{1024, 512}, {1500, 512}, {3 * 64 + 5, 64}, {100, 512},
-                                 {8, 8},      {77, 16},    {9000, 4096},    {65536 + 9, 65536},
-                                 {0, 8}};
+// warp's lanes cross many times, the largest bucket, and no values. 256, 512 and 1024 are
+// the sizes rotated in registers (8, 16 and 32 values a lane), the others in scratch.
+const Shape kHadamardShapes[] = {{1024, 512},       {1500, 512}, {3 * 64 + 5, 64}, {100, 512},
+                                 {8, 8},            {77, 16},    {9000, 4096},    {65536 + 9, 65536},
+                                 {0, 8},            {5 * 256 + 13, 256}, {3 * 1024 + 8, 1024},
+                                 {2 * 128 + 3, 128}, {2048, 2048}};
 
 }  // namespace
 
@@ -292,6 +307,15 @@ CGX_TEST(cuda_emulation_meets_lanes_at_warp_intrinsics_and_refuses_what_a_gpu_wo
                                        : __shfl_xor_sync(0xffffffffu, 1, 1);
   };
   CHECK_THROWS(cudaLaunchKernelEx(&config, mixed, sums.data()), WarpError);
+  // __shfl_sync: every lane reads lane `source` (modulo 32); a source outside the mask
+  // is refused.
+  const auto broadcast = +[](int* out, int source, unsigned mask) {
+    if (mask >> (threadIdx.x % 32) & 1u)
+      out[blockIdx.x * blockDim.x + threadIdx.x] = __shfl_sync(mask, static_cast<int>(threadIdx.x) * 3, source);
+  };
+  CHECK_EQ(cudaLaunchKernelEx(&config, broadcast, sums.data(), 32 + 7, 0xffffffffu), cudaSuccess);
+  for (int s : sums.host()) CHECK_EQ(s, 21);
+  CHECK_THROWS(cudaLaunchKernelEx(&config, broadcast, sums.data(), 20, 0x0000ffffu), WarpError);
   // __syncwarp orders a warp's lanes: each reads, after it, what its neighbour wrote
   // before. Without it the lanes run one after another here, and lane 0 reads its
   // neighbour's old value (a race on a GPU, certain here).
@@ -364,7 +388,8 @@ CGX_TEST(cuda_emulation_converts_half_types_as_ieee_rounding) {
 CGX_TEST(cuda_kernels_compress_and_decode_as_the_cpu_codec) {
   // Every width, rounding, dtype and shape; stochastic with a stream offset, one near
   // 2^32 (the index wraps as the CPU codec's does) and one past it. Odd widths read their
-  // input one element into its allocation: the scalar loads instead of the 16-byte ones.
+  // input one element into its allocation: the scalar loads instead of the 16-byte ones;
+  // half the decodes write one element in (the scalar stores).
   for (DType dtype : {DType::Float32, DType::Float16, DType::BFloat16})
     for (int bits = 1; bits <= compression::kMaxBits; ++bits)
       for (bool stochastic : {false, true})
@@ -379,7 +404,8 @@ CGX_TEST(cuda_kernels_compress_and_decode_as_the_cpu_codec) {
             // Decoding does not depend on the input's dtype: once per shape and width.
             if (dtype == DType::Float32)
               for (DType out : {DType::Float32, DType::Float16, DType::BFloat16})
-                for (bool add : {false, true}) check_decompress(p, bytes, shape.n, out, add, what);
+                for (bool add : {false, true})
+                  check_decompress(p, bytes, shape.n, out, add, what, add == stochastic);
           }
 }
 
@@ -390,6 +416,8 @@ CGX_TEST(cuda_kernels_handle_nan_inf_and_float_max_as_the_cpu_codec) {
   // it); subnormals (1 / scale overflows, or scale underflows to 0); and a raw tail with
   // NaN and Inf (skip_incomplete: they travel exactly). Then the same values in buckets
   // of 40, whose last, partial one holds the NaN. max is the dtype's largest finite value.
+  // Then each group of 8 repeated to fill a bucket of 256 (encoded in registers), the same
+  // tail after them.
   for (DType dtype : {DType::Float32, DType::Float16, DType::BFloat16}) {
     const float max = dtype == DType::Float32   ? kMax
                       : dtype == DType::Float16 ? 65504.0f
@@ -418,6 +446,18 @@ CGX_TEST(cuda_kernels_handle_nan_inf_and_float_max_as_the_cpu_codec) {
         for (DType out : {DType::Float32, DType::Float16, DType::BFloat16})
           for (bool add : {false, true}) check_decompress(p, bytes, 69, out, add, what);
       }
+    std::vector<float> wide(8 * 256 + 5);
+    for (size_t i = 0; i < wide.size(); ++i) wide[i] = i < 8 * 256 ? v[i / 256 * 8 + i % 8] : v[64 + i % 256];
+    const Values in_registers = store(wide, dtype);
+    const int64_t n = static_cast<int64_t>(wide.size());
+    for (int bits = 1; bits <= compression::kMaxBits; ++bits)
+      for (auto [skip, stochastic] : {std::tuple{true, false}, std::tuple{false, true}}) {
+        const QuantizerParams p = params_of(bits, 256, skip, stochastic);
+        const std::string what = "special values, " + describe(p, n, dtype);
+        const auto bytes = check_compress(p, in_registers, 11, 0, what);
+        for (DType out : {DType::Float32, DType::Float16, DType::BFloat16})
+          for (bool add : {false, true}) check_decompress(p, bytes, n, out, add, what);
+      }
   }
 }
 
@@ -434,7 +474,7 @@ CGX_TEST(cuda_kernels_give_the_same_bits_on_grids_smaller_and_larger_than_the_wo
       largest_real_grid = std::max(largest_real_grid, blocks);
       return resize(blocks);
     });
-    for (const Shape& shape : {Shape{20011, 33}, Shape{3001, 1}, Shape{5999, 3000}})
+    for (const Shape& shape : {Shape{20011, 33}, Shape{3001, 1}, Shape{5999, 3000}, Shape{20011, 256}})
       for (bool skip : {false, true}) {
         const QuantizerParams p = params_of(3, shape.bucket, skip, /*stochastic=*/true);
         const std::vector<float> x(values.begin(), values.begin() + shape.n);
@@ -450,7 +490,8 @@ CGX_TEST(cuda_kernels_give_the_same_bits_on_grids_smaller_and_larger_than_the_wo
 CGX_TEST(cuda_hadamard_kernels_compress_and_decode_as_the_cpu_codec) {
   // Every width of the scheme (1..4), both roundings, the three input dtypes and every
   // shape, skip_incomplete or not; stochastic streams at an offset near 2^32 (the index
-  // wraps) and past it. Decoded into each dtype, stored or added.
+  // wraps) and past it. Odd widths read their input one element in (scalar loads).
+  // Decoded into each dtype, stored or added, half of them one element in (scalar stores).
   for (DType dtype : {DType::Float32, DType::Float16, DType::BFloat16})
     for (int bits = 1; bits <= compression::kMaxHadamardBits; ++bits)
       for (bool stochastic : {false, true})
@@ -465,15 +506,18 @@ CGX_TEST(cuda_hadamard_kernels_compress_and_decode_as_the_cpu_codec) {
             const auto bytes = check_compress(p, x, seed, offset, what, bits % 2);
             if (dtype == DType::Float32)
               for (DType out : {DType::Float32, DType::Float16, DType::BFloat16})
-                for (bool add : {false, true}) check_decompress(p, bytes, shape.n, out, add, what);
+                for (bool add : {false, true})
+                  check_decompress(p, bytes, shape.n, out, add, what, add == stochastic);
           }
 }
 
 CGX_TEST(cuda_hadamard_kernels_handle_nan_inf_huge_and_zero_buckets_as_the_cpu_codec) {
   // Buckets of 8: NaN, +Inf, -Inf, a magnitude at the scheme's limit 2^100 (the bucket is
   // stored as NaN) and one just below it, the dtype's largest finite values, all zeros
-  // (rms 0), subnormals, values whose rms has no finite inverse; then a shorter last bucket with a NaN (maxmin inside), and the
-  // same values in one bucket of 64 (a single NaN makes the whole bucket NaN).
+  // (rms 0), subnormals, values whose rms has no finite inverse; then a shorter last bucket
+  // with a NaN (maxmin inside), and the same values in one bucket of 64 (a single NaN makes
+  // the whole bucket NaN). Then each group of 8 repeated to fill a bucket of 256, which
+  // rotates in registers, the same shorter last bucket after them.
   for (DType dtype : {DType::Float32, DType::Float16, DType::BFloat16}) {
     const float max = dtype == DType::Float32   ? kMax
                       : dtype == DType::Float16 ? 65504.0f
@@ -500,6 +544,18 @@ CGX_TEST(cuda_hadamard_kernels_handle_nan_inf_huge_and_zero_buckets_as_the_cpu_c
         const auto bytes = check_compress(p, x, 13, 0, what);
         for (DType out : {DType::Float32, DType::Float16, DType::BFloat16})
           for (bool add : {false, true}) check_decompress(p, bytes, 77, out, add, what);
+      }
+    std::vector<float> wide(9 * 256 + 5);
+    for (size_t i = 0; i < wide.size(); ++i) wide[i] = i < 9 * 256 ? v[i / 256 * 8 + i % 8] : v[72 + i % 256];
+    const Values in_registers = store(wide, dtype);
+    const int64_t n = static_cast<int64_t>(wide.size());
+    for (int bits = 1; bits <= compression::kMaxHadamardBits; ++bits)
+      for (bool stochastic : {false, true}) {
+        const QuantizerParams p = hadamard_of(bits, 256, false, stochastic);
+        const std::string what = "special values, " + describe(p, n, dtype);
+        const auto bytes = check_compress(p, in_registers, 13, 0, what);
+        for (DType out : {DType::Float32, DType::Float16, DType::BFloat16})
+          for (bool add : {false, true}) check_decompress(p, bytes, n, out, add, what);
       }
   }
 }
@@ -615,14 +671,14 @@ CGX_TEST(cuda_add_finite_difference_adds_what_the_host_adds) {
 }
 
 CGX_TEST(cuda_codec_refuses_a_misaligned_compressed_buffer) {
-  // Its metadata is read as float2: on a GPU a misaligned buffer would fault.
+  // Its metadata is read as floats: on a GPU a misaligned buffer would fault.
   const QuantizerParams p = params_of(4, 32, false, false);
   DeviceArray<float> values(random_values(100, 41));
   DeviceArray<uint8_t> bytes(std::vector<uint8_t>(compression::compressed_bytes(p, 100) + 8));
-  CHECK_THROWS(compression::cuda::compress(p, values.data(), DType::Float32, 100, bytes.data() + 4,
+  CHECK_THROWS(compression::cuda::compress(p, values.data(), DType::Float32, 100, bytes.data() + 2,
                                            0, 0, nullptr),
                std::invalid_argument);
-  CHECK_THROWS(compression::cuda::decompress(p, bytes.data() + 4, 100, values.data(),
+  CHECK_THROWS(compression::cuda::decompress(p, bytes.data() + 2, 100, values.data(),
                                              DType::Float32, false, nullptr),
                std::invalid_argument);
 }

@@ -5,8 +5,9 @@
 #
 # It builds cgx for this machine's GPUs only, into OUTPUT_DIR/site (the environment's own
 # cgx, if any, is left as it is), then runs every GPU test, times the kernels against a
-# device-to-device copy, runs the demo on the GPU and the allreduce benchmark of CUDA
-# tensors against Gloo; then the CPU codec on 1-16 threads and, where root and network
+# device-to-device copy (and so do the kernels of the commit before their rewrite, built
+# beside), runs the demo on the GPU and the allreduce benchmark of CUDA tensors against
+# Gloo; then the CPU codec on 1-16 threads and, where root and network
 # namespaces allow, the allreduce of CPU tensors between emulated hosts with 1 and 8
 # codec threads. Each step's output goes to OUTPUT_DIR (default: a new folder in
 # /tmp, printed at the start), and summary.txt says what passed, failed or was skipped.
@@ -87,8 +88,24 @@ if grep -q "^SKIPPED" "$out/tests.txt"; then
   failed=1
 fi
 
-step "kernels against a copy" 180 codec.txt "$python" benchmarks/codec_throughput.py --device cuda \
-  --sizes-mib 4 64 256 --bits 2 3 4 8 --schemes maxmin hadamard --repeats 9 --json "$out/codec.json"
+kernels=(benchmarks/codec_throughput.py --device cuda --sizes-mib 4 64 256 --bits 2 3 4 8
+         --schemes maxmin hadamard --repeats 9)
+step "kernels against a copy" 180 codec.txt "$python" "${kernels[@]}" --json "$out/codec.json"
+# The kernels before their rewrite (the hadamard scheme in registers, vector stores in
+# decode; issue 74) built from that commit and timed between two runs of this build's,
+# so that one run gives before and after side by side.
+before=7bd5c46
+if git -C "$repo" cat-file -e "$before^{commit}" 2> /dev/null; then
+  mkdir -p "$scratch/before" && git -C "$repo" archive "$before" | tar -x -C "$scratch/before"
+  step "build of $before" 600 build-before.txt "$python" -m pip install --no-build-isolation --no-deps \
+    --no-index --target "$out/site-before" -C build-dir="$scratch/build-before" \
+    -C cmake.define.CGX_CUDA_ARCHITECTURES="$archs" "$scratch/before"
+  step "kernels of $before" 180 codec-before.txt env PYTHONPATH="$out/site-before" "$python" \
+    "${kernels[@]}" --json "$out/codec-before.json"
+  step "kernels against a copy, again" 180 codec-again.txt "$python" "${kernels[@]}" --json "$out/codec-again.json"
+else
+  skip "kernels before the rewrite" "commit $before is not in this clone's history"
+fi
 step "demo on the GPU" 120 demo.txt "$python" examples/demo.py --device cuda
 step "allreduce of CUDA tensors" 180 allreduce.txt "$python" -P benchmarks/allreduce.py --device cuda \
   --rates loopback --world-sizes 2 --sizes-mib 4 64 --repeats 5 --json "$out/allreduce.json" \

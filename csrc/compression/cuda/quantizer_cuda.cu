@@ -1,6 +1,8 @@
-// CUDA max-min quantizer. Every floating-point operation is written with an explicit
-// rounding intrinsic (__fadd_rn, __fmul_rn, ...) so that nvcc cannot contract it into a
-// fused multiply-add: the bits must match the CPU codec's (docs/wire-format.md).
+// The CUDA bucket quantizer: its entry points and the maxmin kernels (the hadamard
+// scheme's whole buckets: hadamard_kernels.cuh). Every floating-point operation is written
+// with an explicit rounding intrinsic (__fadd_rn, __fmul_rn, ...) so that nvcc cannot
+// contract it into a fused multiply-add: the bits must match the CPU codec's
+// (docs/wire-format.md).
 //
 // Kernels, all memory-bound:
 //   bucket_meta: one warp per bucket: min, max, finiteness -> (min, scale) in the meta
@@ -8,34 +10,33 @@
 //   quantize_pack: one thread per group of 8 values -> `bits` bytes of the level stream;
 //     the group's 8 inputs are one or two 16-byte loads when aligned.
 //   unpack_dequantize: one thread per group of 8 levels -> 8 values, optionally added to
-//     the destination in the same pass.
+//     the destination in the same pass, stored (and read, to add) as 16-byte vectors.
 //   raw_to_wire / raw_from_wire: the n - q values that travel as float32 (and copy_floats).
 //   add_finite_difference: error feedback's residual update.
-//   hadamard_encode / hadamard_decode: the hadamard scheme's whole buckets, one warp per
-//     bucket, rotated in a float32 scratch in device memory (bucket sizes go to 65536,
-//     past what registers or shared memory hold); its shorter last bucket travels as a
-//     one-bucket maxmin buffer, through the kernels above.
+//   hadamard_{encode,decode}_in_registers: the hadamard scheme's whole buckets of 256,
+//     512 or 1024 values, one warp per bucket held in its registers (stages by shuffles).
+//   hadamard_{encode,decode}_in_scratch: whole buckets of the other sizes (8 .. 65536,
+//     past what registers hold), one warp per bucket rotated in a float32 scratch in
+//     device memory. A shorter last bucket travels as a one-bucket maxmin buffer, through
+//     the maxmin kernels.
 // They run on the CPU too, under the CUDA emulation of the core tests (docs/cuda.md).
 #include <cfloat>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
+#include "compression/cuda/hadamard_kernels.cuh"
 #include "compression/cuda/quantizer_cuda.h"
-#include "compression/gaussian_levels.h"
-#include "compression/rotation.h"
+#include "compression/cuda/value_groups.cuh"
 #include "compression/stream_hash.h"
 
 namespace cgx::compression::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarpsPerBlock = kThreads / 32;
 
 void check(cudaError_t code, const char* what) {
   if (code != cudaSuccess)
@@ -52,69 +53,85 @@ __device__ __forceinline__ float decode(float mn, float level, float scale) {
   return value > FLT_MAX ? FLT_MAX : value;
 }
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-// The 8 values of group g (indices 8g .. 8g+7; those at or past `count` read as 0).
-template <typename T>
-__device__ __forceinline__ void load_group(const T* src, int64_t g, int64_t count, float (&v)[8]) {
-  const int64_t first = 8 * g;
-  const T* p = src + first;
-  constexpr int kPerVector = 16 / sizeof(T);
-  if (first + 8 <= count && reinterpret_cast<uintptr_t>(p) % 16 == 0) {
-    // 16-byte loads: two for float32, one for the 2-byte types.
-#pragma unroll
-    for (int part = 0; part < 8 / kPerVector; ++part) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(p + part * kPerVector);
-      const T* lanes = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int j = 0; j < kPerVector; ++j) v[part * kPerVector + j] = to_float(lanes[j]);
-    }
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = first + j < count ? to_float(p[j]) : 0.0f;
-}
-
-// Walks the buckets of a group's values with one division per group, not one per value
-// (a 64-bit division costs more than the rest of a value's work).
-class BucketCursor {
+// The (min, scale) of each value of a group in turn: one division per group, not one per
+// value (a 64-bit division costs more than the rest of a value's work), and the pair read
+// once per bucket the group meets (one, unless the bucket size is not a multiple of 8).
+class BucketCode {
  public:
-  __device__ BucketCursor(int64_t first, int64_t bucket_size)
-      : bucket_size_(bucket_size),
-        bucket_(first / bucket_size),
+  __device__ BucketCode(const float* meta, int64_t first, int64_t bucket_size)
+      : meta_(meta), bucket_size_(bucket_size), bucket_(first / bucket_size),
         left_(bucket_size - (first - bucket_ * bucket_size)) {}
-  // The bucket of the next value.
-  __device__ int64_t next() {
-    if (left_ == 0) {
+  // Moves to the next value (the group's first at the first call).
+  __device__ void next() {
+    if (!read_) {
+      read_ = true;
+      load();
+    } else if (left_ == 0) {
       ++bucket_;
       left_ = bucket_size_;
+      load();
     }
     --left_;
-    return bucket_;
   }
+  float min = 0.0f, scale = 0.0f;  // of the current value's bucket
 
  private:
+  __device__ void load() {
+    min = meta_[2 * bucket_];
+    scale = meta_[2 * bucket_ + 1];
+  }
+  const float* meta_;
   int64_t bucket_size_;
   int64_t bucket_;
   int64_t left_;  // values of bucket_ not yet visited
+  bool read_ = false;
 };
+
+// A bucket's (min, scale) from its lanes' min, max and finiteness (every lane gets it):
+// the CPU codec's, or its quiet NaN pair for a bucket that is not finite.
+struct MaxMinCode {
+  float min, scale;
+};
+__device__ __forceinline__ MaxMinCode warp_bucket_code(float mn, float mx, bool finite,
+                                                       float max_level) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float other_mn = __shfl_xor_sync(kFullWarp, mn, offset);
+    const float other_mx = __shfl_xor_sync(kFullWarp, mx, offset);
+    mn = other_mn < mn ? other_mn : mn;
+    mx = other_mx > mx ? other_mx : mx;
+  }
+  finite = __all_sync(kFullWarp, finite);
+  // + 0.0f: -0 becomes +0, so the bytes do not depend on the order of the scan.
+  mn = __fadd_rn(mn, 0.0f);
+  mx = __fadd_rn(mx, 0.0f);
+  const float scale = __fdiv_rn(__fsub_rn(mx, mn), max_level);
+  if (finite && isfinite(mn) && isfinite(mx) && isfinite(scale)) return {mn, scale};
+  // std::numeric_limits<float>::quiet_NaN(), as the CPU codec writes it: same bytes.
+  const float nan = __int_as_float(0x7fc00000);
+  return {nan, nan};
+}
+
+// The level of value v (index `index` in the call's stochastic stream) in its bucket.
+__device__ __forceinline__ uint32_t maxmin_level(float v, MaxMinCode code, float max_level,
+                                                 bool stochastic, uint32_t key, uint32_t index) {
+  if (isnan(code.scale)) return 0;  // a non-finite bucket: every level 0
+  float inv = code.scale > 0.0f ? __fdiv_rn(1.0f, code.scale) : 0.0f;
+  if (!isfinite(inv)) inv = 0.0f;
+  float offset = 0.5f;
+  if (stochastic) {
+    const uint32_t h = lowbias32(index ^ key);
+    offset = __fmul_rn(static_cast<float>(static_cast<int32_t>(h >> 8)), 0x1p-24f);
+  }
+  float y = __fadd_rn(__fmul_rn(__fsub_rn(v, code.min), inv), offset);
+  y = y < max_level ? y : max_level;
+  return static_cast<uint32_t>(__float2int_rz(y));
+}
 
 template <typename T>
 __global__ void bucket_meta(const T* __restrict__ src, int64_t quantized, int64_t bucket_size,
-                            int64_t buckets, float max_level, float2* __restrict__ meta) {
+                            int64_t buckets, float max_level, float* __restrict__ meta) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   for (int64_t b = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
@@ -129,26 +146,10 @@ __global__ void bucket_meta(const T* __restrict__ src, int64_t quantized, int64_
       mn = v < mn ? v : mn;
       mx = v > mx ? v : mx;
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      const float other_mn = __shfl_xor_sync(0xffffffffu, mn, offset);
-      const float other_mx = __shfl_xor_sync(0xffffffffu, mx, offset);
-      mn = other_mn < mn ? other_mn : mn;
-      mx = other_mx > mx ? other_mx : mx;
-    }
-    finite = __all_sync(0xffffffffu, finite);
+    const MaxMinCode code = warp_bucket_code(mn, mx, finite, max_level);
     if (lane == 0) {
-      // + 0.0f: -0 becomes +0, so the bytes do not depend on the order of the scan.
-      mn = __fadd_rn(mn, 0.0f);
-      mx = __fadd_rn(mx, 0.0f);
-      const float scale = __fdiv_rn(__fsub_rn(mx, mn), max_level);
-      if (finite && isfinite(mn) && isfinite(mx) && isfinite(scale)) {
-        meta[b] = make_float2(mn, scale);
-      } else {
-        // The CPU codec's quiet NaN, std::numeric_limits<float>::quiet_NaN(): same bytes.
-        const float nan = __int_as_float(0x7fc00000);
-        meta[b] = make_float2(nan, nan);
-      }
+      meta[2 * b] = code.min;
+      meta[2 * b + 1] = code.scale;
     }
   }
 }
@@ -156,7 +157,7 @@ __global__ void bucket_meta(const T* __restrict__ src, int64_t quantized, int64_
 template <typename T>
 __global__ void quantize_pack(const T* __restrict__ src, int64_t quantized, int64_t bucket_size,
                               int bits, float max_level, bool stochastic, uint32_t key,
-                              uint32_t stream_offset, const float2* __restrict__ meta, uint8_t* __restrict__ stream) {
+                              uint32_t stream_offset, const float* __restrict__ meta, uint8_t* __restrict__ stream) {
   const int64_t groups = (quantized + 7) / 8;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
@@ -164,33 +165,74 @@ __global__ void quantize_pack(const T* __restrict__ src, int64_t quantized, int6
     float v[8];
     load_group(src, g, quantized, v);
     uint64_t word = 0;
-    BucketCursor buckets(8 * g, bucket_size);
+    BucketCode code(meta, 8 * g, bucket_size);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int64_t i = 8 * g + j;
       if (i >= quantized) break;  // padding levels stay 0
-      const float2 code = meta[buckets.next()];
-      if (isnan(code.y)) continue;  // a non-finite bucket: every level 0
-      float inv = code.y > 0.0f ? __fdiv_rn(1.0f, code.y) : 0.0f;
-      if (!isfinite(inv)) inv = 0.0f;
-      float offset = 0.5f;
-      if (stochastic) {
-        const uint32_t h = lowbias32((stream_offset + static_cast<uint32_t>(i)) ^ key);
-        offset = __fmul_rn(static_cast<float>(static_cast<int32_t>(h >> 8)), 0x1p-24f);
-      }
-      float y = __fadd_rn(__fmul_rn(__fsub_rn(v[j], code.x), inv), offset);
-      y = y < max_level ? y : max_level;
-      word |= static_cast<uint64_t>(static_cast<uint32_t>(__float2int_rz(y))) << (j * bits);
+      code.next();
+      const uint32_t level = maxmin_level(v[j], {code.min, code.scale}, max_level, stochastic, key,
+                                          stream_offset + static_cast<uint32_t>(i));
+      word |= static_cast<uint64_t>(level) << (j * bits);
     }
     uint8_t* out = stream + g * bits;
     for (int k = 0; k < bits; ++k) out[k] = static_cast<uint8_t>(word >> (8 * k));
   }
 }
 
+// Whole buckets of n = 32 V values in one pass: a warp loads its bucket once into its
+// registers (lane l holds values lV .. lV + V - 1), reduces it, and quantizes what it
+// holds; bucket_meta and quantize_pack each read the input. The same bytes.
+template <typename T, int V>
+__global__ void maxmin_encode_in_registers(const T* __restrict__ src, int64_t buckets, int bits,
+                                           float max_level, bool stochastic, uint32_t key,
+                                           uint32_t stream_offset, float* __restrict__ meta,
+                                           uint8_t* __restrict__ stream) {
+  constexpr int64_t n = 32 * V;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+       b < buckets; b += warps) {
+    const int64_t first = b * n + lane * V;  // this lane's first value in the call
+    float v[V];
+    float mn = INFINITY, mx = -INFINITY;
+    bool finite = true;
+#pragma unroll
+    for (int q = 0; q < V / 8; ++q) {
+      float group[8];
+      load_group(src + first, q, V, group);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float x = v[8 * q + j] = group[j];
+        finite = finite && isfinite(x);
+        mn = x < mn ? x : mn;
+        mx = x > mx ? x : mx;
+      }
+    }
+    const MaxMinCode code = warp_bucket_code(mn, mx, finite, max_level);
+    if (lane == 0) {
+      meta[2 * b] = code.min;
+      meta[2 * b + 1] = code.scale;
+    }
+    uint8_t* out = stream + first / 8 * bits;
+#pragma unroll
+    for (int q = 0; q < V / 8; ++q) {
+      uint64_t word = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t index = stream_offset + static_cast<uint32_t>(first + 8 * q + j);
+        word |= static_cast<uint64_t>(maxmin_level(v[8 * q + j], code, max_level, stochastic, key, index))
+                << (j * bits);
+      }
+      for (int k = 0; k < bits; ++k) out[q * bits + k] = static_cast<uint8_t>(word >> (8 * k));
+    }
+  }
+}
+
 template <typename T>
 __global__ void unpack_dequantize(const uint8_t* __restrict__ stream, int64_t quantized,
                                   int64_t bucket_size, int bits,
-                                  const float2* __restrict__ meta, bool add, T* __restrict__ dst) {
+                                  const float* __restrict__ meta, bool add, T* __restrict__ dst) {
   const int64_t groups = (quantized + 7) / 8;
   const uint64_t mask = (uint64_t{1} << bits) - 1;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -199,16 +241,16 @@ __global__ void unpack_dequantize(const uint8_t* __restrict__ stream, int64_t qu
     const uint8_t* in = stream + g * bits;
     uint64_t word = 0;
     for (int k = 0; k < bits; ++k) word |= static_cast<uint64_t>(in[k]) << (8 * k);
-    BucketCursor buckets(8 * g, bucket_size);
+    BucketCode code(meta, 8 * g, bucket_size);
+    float values[8] = {};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int64_t i = 8 * g + j;
-      if (i >= quantized) break;
-      const float2 code = meta[buckets.next()];
+      if (8 * g + j >= quantized) break;
+      code.next();
       const float level = static_cast<float>(static_cast<int>((word >> (j * bits)) & mask));
-      const float value = decode(code.x, level, code.y);
-      dst[i] = from_float<T>(add ? __fadd_rn(to_float(dst[i]), value) : value);
+      values[j] = decode(code.min, level, code.scale);
     }
+    store_group(dst, g, quantized, values, add);
   }
 }
 
@@ -234,118 +276,6 @@ __global__ void add_finite_difference(const float* __restrict__ values,
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float dropped = __fsub_rn(values[k], decoded[k]);
     if (isfinite(dropped)) residual[k] = __fadd_rn(residual[k], dropped);
-  }
-}
-
-// ---- the hadamard scheme: the CPU codec's operations in its order (rotation.h,
-// quantizer.cpp), so the same bytes and the same decoded bits. Each stage's butterflies
-// are independent, so lanes share them; stages follow one another as on the CPU.
-
-// y <- the Walsh-Hadamard transform of one bucket (n values), by the warp. Ends synced.
-__device__ void warp_walsh_hadamard(float* __restrict__ y, int64_t n, int lane) {
-  for (int64_t h = 1; h < n; h *= 2) {
-    __syncwarp();  // the last stage's (or the caller's) writes, visible to every lane
-    for (int64_t p = lane; p < n / 2; p += 32) {
-      const int64_t k = (p & ~(h - 1)) * 2 + (p & (h - 1));  // the p-th pair's first value
-      const float a = y[k], b = y[k + h];
-      y[k] = __fadd_rn(a, b);
-      y[k + h] = __fsub_rn(a, b);
-    }
-  }
-  __syncwarp();
-}
-
-template <typename T>
-__global__ void hadamard_encode(const T* __restrict__ src, int64_t buckets, int64_t n, int bits,
-                                bool stochastic, uint32_t key, uint32_t stream_offset,
-                                float* __restrict__ scratch, float* __restrict__ rms_out,
-                                uint8_t* __restrict__ stream) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  const GaussianLevels t = gaussian_levels_of(bits);
-  const int top = (1 << bits) - 1;
-  const float inv_n = __fdiv_rn(1.0f, static_cast<float>(n));  // exact: n a power of two
-  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
-       b < buckets; b += warps) {
-    const T* x = src + b * n;
-    float* y = scratch + b * n;
-    uint8_t* out = stream + b * n / 8 * bits;
-    bool in_range = true;
-    for (int64_t k = lane; k < n; k += 32) {
-      const float v = to_float(x[k]);
-      in_range = in_range && fabsf(v) < kMaxRotatedMagnitude;
-      y[k] = __fmul_rn(v, __fmul_rn(rotation_sign(k), inv_n));
-    }
-    if (!__all_sync(0xffffffffu, in_range)) {  // NaN, Inf or huge: rms NaN, levels 0
-      for (int64_t g = lane; g < n / 8; g += 32)
-        for (int j = 0; j < bits; ++j) out[g * bits + j] = 0;
-      if (lane == 0) rms_out[b] = __int_as_float(0x7fc00000);
-      continue;
-    }
-    warp_walsh_hadamard(y, n, lane);
-    // The mean square in the CPU codec's order: four sums in double, sum l over the
-    // values l, l + 4, l + 8, ... in turn, then (s0 + s1) + (s2 + s3). Lane i makes sum i % 4.
-    double sum = 0.0;
-    for (int64_t k = lane % 4; k < n; k += 4) {
-      const double v = static_cast<double>(y[k]);
-      sum = __dadd_rn(sum, __dmul_rn(v, v));
-    }
-    const double pair = __dadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-    const double total = __dadd_rn(pair, __shfl_xor_sync(0xffffffffu, pair, 2));
-    const float rms = __double2float_rn(sqrt(__ddiv_rn(total, static_cast<double>(n))));
-    float inv = rms > 0.0f ? __fdiv_rn(1.0f, rms) : 0.0f;
-    if (!isfinite(inv)) inv = 0.0f;
-    if (lane == 0) rms_out[b] = rms;
-    for (int64_t g = lane; g < n / 8; g += 32) {
-      uint64_t word = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int64_t k = 8 * g + j;
-        const float z = __fmul_rn(y[k], inv);
-        int level = 0;
-        if (!stochastic) {
-          for (int m = 0; m < top; ++m) level += z >= t.midpoint[m];
-        } else {
-          int below = 0;  // the level under z (0 below the lowest, top - 1 above the highest)
-          for (int m = 1; m < top; ++m) below += z >= t.level[m];
-          const float p = __fmul_rn(__fsub_rn(z, t.level[below]), t.inv_gap[below]);
-          const uint32_t h = lowbias32((stream_offset + static_cast<uint32_t>(b * n + k)) ^ key);
-          const float u = __fmul_rn(static_cast<float>(static_cast<int32_t>(h >> 8)), 0x1p-24f);
-          level = below + (u < p);
-        }
-        word |= static_cast<uint64_t>(level) << (j * bits);
-      }
-      for (int j = 0; j < bits; ++j) out[g * bits + j] = static_cast<uint8_t>(word >> (8 * j));
-    }
-  }
-}
-
-template <typename T>
-__global__ void hadamard_decode(const uint8_t* __restrict__ stream, const float* __restrict__ rms_in,
-                                int64_t buckets, int64_t n, int bits, float* __restrict__ scratch,
-                                bool add, T* __restrict__ dst) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  const GaussianLevels t = gaussian_levels_of(bits);
-  const uint64_t mask = (uint64_t{1} << bits) - 1;
-  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
-       b < buckets; b += warps) {
-    const uint8_t* in = stream + b * n / 8 * bits;
-    float* y = scratch + b * n;
-    const float rms = rms_in[b];
-    for (int64_t g = lane; g < n / 8; g += 32) {
-      uint64_t word = 0;
-      for (int j = 0; j < bits; ++j) word |= static_cast<uint64_t>(in[g * bits + j]) << (8 * j);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        y[8 * g + j] = __fmul_rn(t.level[(word >> (j * bits)) & mask], rms);
-    }
-    warp_walsh_hadamard(y, n, lane);
-    T* out = dst + b * n;
-    for (int64_t k = lane; k < n; k += 32) {
-      const float value = __fmul_rn(y[k], rotation_sign(k));
-      out[k] = from_float<T>(add ? __fadd_rn(to_float(out[k]), value) : value);
-    }
   }
 }
 
@@ -381,24 +311,53 @@ void zero_padding(const WireLayout& layout, uint8_t* dst, cudaStream_t stream) {
   check(cudaMemsetAsync(dst + levels_end, 0, layout.raw_offset - levels_end, stream), "memset");
 }
 
+// The bucket sizes whose whole buckets a warp holds in its registers: 32 V values, V = 8,
+// 16, 32 (a lane's values are whole groups of 8, and 32 floats a lane leave room in its
+// registers). Calls `launch` with std::integral_constant<int, V> for those, and says
+// whether it did; other sizes take the kernels that go through memory.
+template <typename Launch>
+bool in_registers(int64_t bucket, Launch launch) {
+  switch (bucket) {
+    case 256: launch(std::integral_constant<int, 8>{}); return true;
+    case 512: launch(std::integral_constant<int, 16>{}); return true;
+    case 1024: launch(std::integral_constant<int, 32>{}); return true;
+    default: return false;
+  }
+}
+
 // Values [first, first + count) in maxmin buckets (all of a maxmin buffer; a hadamard
 // buffer's shorter last bucket), their (min, scale) pairs at `meta`, their levels in the
 // level stream `levels` from value `first` on.
 template <typename T>
 void encode_maxmin(const QuantizerParams& params, const T* src, int64_t first, int64_t count,
-                   float2* meta, uint8_t* levels, uint64_t seed, uint64_t stream_offset,
+                   float* meta, uint8_t* levels, uint64_t seed, uint64_t stream_offset,
                    cudaStream_t stream) {
+  const int64_t bucket = params.bucket_size;
   const float max_level = static_cast<float>((1 << params.bits) - 1);
-  const int64_t buckets = (count + params.bucket_size - 1) / params.bucket_size;
+  const uint32_t key = stream_key(seed);
+  // Whole buckets of the sizes that fit a warp's registers in one pass, the rest in two.
+  const int64_t whole = count / bucket;
+  const auto launch = [&](auto lane_values) {
+    launch_kernel(maxmin_encode_in_registers<T, decltype(lane_values)::value>,
+                  blocks_for(whole, kWarpsPerBlock), stream, "maxmin_encode", src + first, whole,
+                  params.bits, max_level, params.stochastic, key,
+                  static_cast<uint32_t>(stream_offset + first), meta, levels + first / 8 * params.bits);
+  };
+  const int64_t done = whole > 0 && in_registers(bucket, launch) ? whole * bucket : 0;
+  if (done == count) return;
+  const int64_t rest = first + done, rest_count = count - done;
+  float* rest_meta = meta + 2 * (done / bucket);
+  const int64_t buckets = (rest_count + bucket - 1) / bucket;
   launch_kernel(bucket_meta<T>, blocks_for(buckets, kWarpsPerBlock), stream, "bucket_meta",
-                src + first, count, params.bucket_size, buckets, max_level, meta);
-  launch_kernel(quantize_pack<T>, blocks_for((count + 7) / 8, kThreads), stream, "quantize_pack",
-                src + first, count, params.bucket_size, params.bits, max_level, params.stochastic,
-                stream_key(seed), static_cast<uint32_t>(stream_offset + first), meta,
-                levels + first / 8 * params.bits);
+                src + rest, rest_count, bucket, buckets, max_level, rest_meta);
+  launch_kernel(quantize_pack<T>, blocks_for((rest_count + 7) / 8, kThreads), stream, "quantize_pack",
+                src + rest, rest_count, bucket, params.bits, max_level, params.stochastic, key,
+                static_cast<uint32_t>(stream_offset + rest), rest_meta,
+                levels + rest / 8 * params.bits);
 }
 
-// Device memory for one call on `stream`, released in stream order.
+// Device memory for one call on `stream`, released in stream order: the rotated values
+// of the buckets that do not fit a warp's registers.
 class Scratch {
  public:
   Scratch(size_t bytes, cudaStream_t stream) : stream_(stream) {
@@ -407,42 +366,38 @@ class Scratch {
   ~Scratch() { cudaFreeAsync(data_, stream_); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
-  // The whole buckets' rotated values, then an aligned (min, scale) pair.
   float* values() { return static_cast<float*>(data_); }
-  float2* pair(int64_t values) { return reinterpret_cast<float2*>(this->values() + values); }
 
  private:
   void* data_ = nullptr;
   cudaStream_t stream_;
 };
 
-// A hadamard buffer's shorter last bucket: its (min, scale) pair follows the whole
-// buckets' rms, 4-byte aligned only, so the maxmin kernels meet it in scratch.
-size_t hadamard_scratch_bytes(const WireLayout& layout, int64_t bucket) {
-  return (static_cast<size_t>(layout.rotated_buckets * bucket) + 2) * sizeof(float);
-}
-
-// The whole buckets of a hadamard buffer by rotation, its shorter last bucket as maxmin.
+// The whole buckets of a hadamard buffer by rotation, its shorter last bucket as maxmin
+// (its (min, scale) pair right after the whole buckets' rms).
 template <typename T>
 void encode_hadamard(const QuantizerParams& params, const WireLayout& layout, const T* src,
                      uint64_t seed, uint64_t stream_offset, uint8_t* dst, uint8_t* levels,
                      cudaStream_t stream) {
   const int64_t bucket = params.bucket_size, whole = layout.rotated_buckets;
-  Scratch scratch(hadamard_scratch_bytes(layout, bucket), stream);
-  if (whole > 0)
-    launch_kernel(hadamard_encode<T>, blocks_for(whole, kWarpsPerBlock), stream,
-                  "hadamard_encode", src, whole, bucket, params.bits, params.stochastic,
-                  stream_key(seed), static_cast<uint32_t>(stream_offset), scratch.values(),
-                  reinterpret_cast<float*>(dst), levels);
-  const int64_t first = whole * bucket;
-  if (layout.quantized > first) {
-    float2* pair = scratch.pair(whole * bucket);
-    encode_maxmin(params, src, first, layout.quantized - first, pair, levels, seed,
-                  stream_offset, stream);
-    check(cudaMemcpyAsync(dst + whole * sizeof(float), pair, sizeof(float2),
-                          cudaMemcpyDeviceToDevice, stream),
-          "copy the last bucket's pair");
+  float* rms = reinterpret_cast<float*>(dst);
+  const uint32_t key = stream_key(seed), offset = static_cast<uint32_t>(stream_offset);
+  const int blocks = blocks_for(whole, kWarpsPerBlock);
+  const auto launch = [&](auto lane_values) {
+    launch_kernel(hadamard_encode_in_registers<T, decltype(lane_values)::value>, blocks, stream,
+                  "hadamard_encode", src, whole, params.bits, params.stochastic, key, offset, rms,
+                  levels);
+  };
+  if (whole > 0 && !in_registers(bucket, launch)) {
+    Scratch scratch(static_cast<size_t>(whole * bucket) * sizeof(float), stream);
+    launch_kernel(hadamard_encode_in_scratch<T>, blocks, stream,
+                  "hadamard_encode", src, whole, bucket, params.bits, params.stochastic, key,
+                  offset, scratch.values(), rms, levels);
   }
+  const int64_t first = whole * bucket;
+  if (layout.quantized > first)
+    encode_maxmin(params, src, first, layout.quantized - first, rms + whole, levels, seed,
+                  stream_offset, stream);
 }
 
 template <typename T>
@@ -455,7 +410,7 @@ void compress_as(const QuantizerParams& params, const T* src, int64_t n, uint8_t
   if (layout.quantized > 0) {
     switch (params.scheme) {
       case Scheme::kMaxMin:
-        encode_maxmin(params, src, 0, layout.quantized, reinterpret_cast<float2*>(dst), levels,
+        encode_maxmin(params, src, 0, layout.quantized, reinterpret_cast<float*>(dst), levels,
                       seed, stream_offset, stream);
         break;
       case Scheme::kHadamard:
@@ -472,7 +427,7 @@ void compress_as(const QuantizerParams& params, const T* src, int64_t n, uint8_t
 
 template <typename T>
 void decode_maxmin(const QuantizerParams& params, const uint8_t* levels, int64_t first,
-                   int64_t count, const float2* meta, bool add, T* dst, cudaStream_t stream) {
+                   int64_t count, const float* meta, bool add, T* dst, cudaStream_t stream) {
   launch_kernel(unpack_dequantize<T>, blocks_for((count + 7) / 8, kThreads), stream,
                 "unpack_dequantize", levels + first / 8 * params.bits, count, params.bucket_size,
                 params.bits, meta, add, dst + first);
@@ -482,19 +437,21 @@ template <typename T>
 void decode_hadamard(const QuantizerParams& params, const WireLayout& layout, const uint8_t* src,
                      const uint8_t* levels, bool add, T* dst, cudaStream_t stream) {
   const int64_t bucket = params.bucket_size, whole = layout.rotated_buckets;
-  Scratch scratch(hadamard_scratch_bytes(layout, bucket), stream);
-  if (whole > 0)
-    launch_kernel(hadamard_decode<T>, blocks_for(whole, kWarpsPerBlock), stream,
-                  "hadamard_decode", levels, reinterpret_cast<const float*>(src), whole, bucket,
-                  params.bits, scratch.values(), add, dst);
-  const int64_t first = whole * bucket;
-  if (layout.quantized > first) {
-    float2* pair = scratch.pair(whole * bucket);
-    check(cudaMemcpyAsync(pair, src + whole * sizeof(float), sizeof(float2),
-                          cudaMemcpyDeviceToDevice, stream),
-          "copy the last bucket's pair");
-    decode_maxmin(params, levels, first, layout.quantized - first, pair, add, dst, stream);
+  const float* rms = reinterpret_cast<const float*>(src);
+  const int blocks = blocks_for(whole, kWarpsPerBlock);
+  const auto launch = [&](auto lane_values) {
+    launch_kernel(hadamard_decode_in_registers<T, decltype(lane_values)::value>, blocks, stream,
+                  "hadamard_decode", levels, rms, whole, params.bits, add, dst);
+  };
+  if (whole > 0 && !in_registers(bucket, launch)) {
+    Scratch scratch(static_cast<size_t>(whole * bucket) * sizeof(float), stream);
+    launch_kernel(hadamard_decode_in_scratch<T>, blocks, stream,
+                  "hadamard_decode", levels, rms, whole, bucket, params.bits, scratch.values(),
+                  add, dst);
   }
+  const int64_t first = whole * bucket;
+  if (layout.quantized > first)
+    decode_maxmin(params, levels, first, layout.quantized - first, rms + whole, add, dst, stream);
 }
 
 template <typename T>
@@ -506,7 +463,7 @@ void decompress_as(const QuantizerParams& params, const uint8_t* src, int64_t n,
   if (layout.quantized > 0) {
     switch (params.scheme) {
       case Scheme::kMaxMin:
-        decode_maxmin(params, levels, 0, layout.quantized, reinterpret_cast<const float2*>(src),
+        decode_maxmin(params, levels, 0, layout.quantized, reinterpret_cast<const float*>(src),
                       add, dst, stream);
         break;
       case Scheme::kHadamard:
@@ -521,13 +478,12 @@ void decompress_as(const QuantizerParams& params, const uint8_t* src, int64_t n,
                   dst + layout.quantized);
 }
 
-// The compressed buffer's metadata is read as float2 (maxmin) or float (hadamard): a
-// misaligned buffer would fault.
+// The compressed buffer's metadata is read as floats: a misaligned buffer would fault.
 void check_call(const QuantizerParams& params, const void* compressed) {
   validate(params);
-  if (reinterpret_cast<uintptr_t>(compressed) % alignof(float2) != 0)
+  if (reinterpret_cast<uintptr_t>(compressed) % alignof(float) != 0)
     throw std::invalid_argument("a compressed buffer on a GPU must be " +
-                                std::to_string(alignof(float2)) + "-byte aligned");
+                                std::to_string(alignof(float)) + "-byte aligned");
 }
 
 }  // namespace

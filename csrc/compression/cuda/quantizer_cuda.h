@@ -4,7 +4,8 @@
 // bytes (stochastic rounding draws from the same stream, stream_hash.h).
 //
 // Device work on a caller's stream: pointers are device memory, nothing synchronises. The
-// hadamard scheme takes a stream-ordered scratch of 4 bytes per value (cudaMallocAsync).
+// hadamard scheme with buckets other than 256, 512 and 1024 values takes a stream-ordered
+// scratch of 4 bytes per value (cudaMallocAsync); no other call allocates.
 // Inputs may be float32, float16 or bfloat16 (converted exactly to float32 on load, as the
 // CPU path converts before compressing); decoded values are written in the same dtypes.
 #pragma once
@@ -20,7 +21,7 @@ namespace cgx::compression::cuda {
 enum class DType { Float32, Float16, BFloat16 };
 
 // dst: compressed_bytes(params, n) bytes. The compressed buffer (dst here, src below) must
-// be 8-byte aligned (std::invalid_argument otherwise).
+// be 4-byte aligned (std::invalid_argument otherwise).
 // `seed` and `stream_offset` as compression::compress takes them (the same bytes).
 void compress(const QuantizerParams& params, const void* src, DType dtype, int64_t n,
               uint8_t* dst, uint64_t seed, uint64_t stream_offset, cudaStream_t stream);

@@ -94,7 +94,13 @@ std::string lane_list(unsigned lanes) {
 }
 
 const char* op_name(WarpOp op) {
-  return op == WarpOp::kShuffleXor ? "__shfl_xor_sync" : op == WarpOp::kAll ? "__all_sync" : "__syncwarp";
+  switch (op) {
+    case WarpOp::kShuffleXor: return "__shfl_xor_sync";
+    case WarpOp::kShuffle: return "__shfl_sync";
+    case WarpOp::kAll: return "__all_sync";
+    case WarpOp::kSync: return "__syncwarp";
+  }
+  return "?";
 }
 
 // Every lane of `warp` is waiting or has exited: checks the masks, makes the exchanges,
@@ -124,7 +130,7 @@ void exchange(Warp& warp) {
                         op_name(other.op) + " with mask " + std::to_string(other.mask) +
                         ", not the same intrinsic and mask");
     }
-    if (lane.op == WarpOp::kShuffleXor && lane.width != kWarpSize)
+    if ((lane.op == WarpOp::kShuffleXor || lane.op == WarpOp::kShuffle) && lane.width != kWarpSize)
       throw WarpError(where() + ": widths other than 32 are not emulated");
   }
   for (int i = 0; i < warp.size; ++i) {
@@ -139,6 +145,12 @@ void exchange(Warp& warp) {
       if (!(lane.mask >> source & 1u))
         throw WarpError("__shfl_xor_sync in lane " + std::to_string(i) +
                         ": reads lane " + std::to_string(source) + ", outside its mask");
+      lane.result = warp.lanes[source].payload;
+    } else if (lane.op == WarpOp::kShuffle) {
+      const int source = lane.lane_mask & (kWarpSize - 1);
+      if (!(lane.mask >> source & 1u))
+        throw WarpError("__shfl_sync in lane " + std::to_string(i) + ": reads lane " +
+                        std::to_string(source) + ", outside its mask");
       lane.result = warp.lanes[source].payload;
     } else if (lane.op == WarpOp::kAll) {
       uint64_t all = 1;

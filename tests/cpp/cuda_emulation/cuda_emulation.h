@@ -4,9 +4,9 @@
 //
 // - A launch (cudaLaunchKernelEx) runs when it is issued: block after block, and in a
 //   block warp after warp. A warp's 32 lanes are fibers (ucontext). Each lane runs until
-//   it reaches a warp intrinsic (__shfl_xor_sync, __all_sync, __syncwarp) or exits; once no lane can
-//   go on, every lane named in a waiting lane's mask must wait in the same intrinsic with
-//   the same mask, the exchange is made, and the lanes go on. A mask that leaves out its
+//   it reaches a warp intrinsic (__shfl_xor_sync, __shfl_sync, __all_sync, __syncwarp)
+//   or exits; once no lane can go on, every lane named in a waiting lane's mask must wait
+//   in the same intrinsic with the same mask, the exchange is made, and the lanes go on. A mask that leaves out its
 //   caller or names a lane that is not there (exited, or elsewhere) is undefined
 //   behaviour on a GPU: here it throws WarpError out of the launch.
 // - Launch configurations are checked as the driver checks them (block of 1..1024
@@ -124,7 +124,7 @@ __nv_bfloat16 __float2bfloat16_rn(float v);
 
 // ---- warp intrinsics ------------------------------------------------------------------
 namespace cuda_emulation {
-enum class WarpOp { kShuffleXor, kAll, kSync };
+enum class WarpOp { kShuffleXor, kShuffle, kAll, kSync };
 // The calling lane waits until its warp exchanges (header comment); returns its result.
 uint64_t warp_exchange(WarpOp op, unsigned mask, uint64_t payload, int lane_mask, int width);
 
@@ -141,6 +141,17 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
   std::memcpy(&payload, &value, sizeof(T));
   payload = cuda_emulation::warp_exchange(cuda_emulation::WarpOp::kShuffleXor, mask, payload,
                                           lane_mask, width);
+  std::memcpy(&value, &payload, sizeof(T));
+  return value;
+}
+// The value of lane `source_lane` (modulo 32) for every lane.
+template <typename T>
+T __shfl_sync(unsigned mask, T value, int source_lane, int width = 32) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= sizeof(uint64_t));
+  uint64_t payload = 0;
+  std::memcpy(&payload, &value, sizeof(T));
+  payload = cuda_emulation::warp_exchange(cuda_emulation::WarpOp::kShuffle, mask, payload,
+                                          source_lane, width);
   std::memcpy(&value, &payload, sizeof(T));
   return value;
 }
