@@ -46,16 +46,6 @@ __device__ __forceinline__ float inverse_of(float rms) {
   return isfinite(inv) ? inv : 0.0f;
 }
 
-// The 8 levels of group g of one bucket, packed into `bits` bytes at out + g * bits.
-__device__ __forceinline__ void write_group(uint8_t* out, int64_t g, int bits, uint64_t word) {
-  for (int j = 0; j < bits; ++j) out[g * bits + j] = static_cast<uint8_t>(word >> (8 * j));
-}
-__device__ __forceinline__ uint64_t read_group(const uint8_t* in, int64_t g, int bits) {
-  uint64_t word = 0;
-  for (int j = 0; j < bits; ++j) word |= static_cast<uint64_t>(in[g * bits + j]) << (8 * j);
-  return word;
-}
-
 // -- in registers: a bucket of n = 32 V values, lane l holding values lV .. lV + V - 1. The
 // stages h < V are then a lane's own, and each of the 5 above pairs lane l with lane
 // l ^ (h / V) at the same register: no scratch, no __syncwarp, no memory between stages.

@@ -175,8 +175,7 @@ __global__ void quantize_pack(const T* __restrict__ src, int64_t quantized, int6
                                           stream_offset + static_cast<uint32_t>(i));
       word |= static_cast<uint64_t>(level) << (j * bits);
     }
-    uint8_t* out = stream + g * bits;
-    for (int k = 0; k < bits; ++k) out[k] = static_cast<uint8_t>(word >> (8 * k));
+    write_group(stream, g, bits, word);
   }
 }
 
@@ -224,7 +223,7 @@ __global__ void maxmin_encode_in_registers(const T* __restrict__ src, int64_t bu
         word |= static_cast<uint64_t>(maxmin_level(v[8 * q + j], code, max_level, stochastic, key, index))
                 << (j * bits);
       }
-      for (int k = 0; k < bits; ++k) out[q * bits + k] = static_cast<uint8_t>(word >> (8 * k));
+      write_group(out, q, bits, word);
     }
   }
 }
@@ -238,9 +237,7 @@ __global__ void unpack_dequantize(const uint8_t* __restrict__ stream, int64_t qu
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
        g += stride) {
-    const uint8_t* in = stream + g * bits;
-    uint64_t word = 0;
-    for (int k = 0; k < bits; ++k) word |= static_cast<uint64_t>(in[k]) << (8 * k);
+    const uint64_t word = read_group(stream, g, bits);
     BucketCode code(meta, 8 * g, bucket_size);
     float values[8] = {};
 #pragma unroll

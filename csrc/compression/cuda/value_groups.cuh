@@ -1,7 +1,8 @@
 // Shared by the CUDA codec's kernels (quantizer_cuda.cu, hadamard_kernels.cuh): the launch
-// shape, float conversions as the CPU codec makes them, and a group of 8 values loaded or
-// stored at once. Device code; it also compiles as host C++ against the CUDA emulation of
-// the core tests (docs/cuda.md).
+// shape, float conversions as the CPU codec makes them, a group of 8 values loaded or
+// stored at once, and a group's levels written to or read from a level stream. Device
+// code; it also compiles as host C++ against the CUDA emulation of the core tests
+// (docs/cuda.md).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -78,6 +79,17 @@ __device__ __forceinline__ void store_group(T* dst, int64_t g, int64_t count, co
   }
   for (int j = 0; j < 8 && first + j < count; ++j)
     p[j] = from_float<T>(add ? __fadd_rn(to_float(p[j]), v[j]) : v[j]);
+}
+
+// The 8 levels of group g (`bits` bits each, packed into a word), as `bits` bytes at
+// out + g * bits of a level stream; and read back.
+__device__ __forceinline__ void write_group(uint8_t* out, int64_t g, int bits, uint64_t word) {
+  for (int j = 0; j < bits; ++j) out[g * bits + j] = static_cast<uint8_t>(word >> (8 * j));
+}
+__device__ __forceinline__ uint64_t read_group(const uint8_t* in, int64_t g, int bits) {
+  uint64_t word = 0;
+  for (int j = 0; j < bits; ++j) word |= static_cast<uint64_t>(in[g * bits + j]) << (8 * j);
+  return word;
 }
 
 }  // namespace cgx::compression::cuda
